@@ -1,0 +1,97 @@
+"""The chunk format: the one serialization seam for everything stored on disk, in shared memory or sent on a wire.
+
+Layout of a chunk blob (all integers little-endian):
+
+    offset size  field
+    0      4     magic b"KVFC"
+    4      1     format version (1)
+    5      1     codec id (0 raw, see codec.base)
+    6      1     dtype code of the decoded KV (layout.DTYPES)
+    7      1     codec level (0 for raw)
+    8      8     layout fingerprint
+    16     20    decoded shape: 5 x uint32 [num_layers, 2, num_kv_heads, num_tokens, head_dim]
+    36     32    chunk key (so an entry stored or served under the wrong key is caught)
+    68     8     payload length in bytes
+    76     8     xxh3-64 of the payload
+    84     8     xxh3-64 of bytes [0, 84): the header protects itself
+    92     ...   payload (codec-specific)
+
+Contract: `parse` accepts a blob only if every field checks out (magic, version, lengths, both checksums, the
+expected key); otherwise it raises `ChunkFormatError`, which callers turn into a counted miss. Nothing is
+unpickled, and no length read from the blob is used before it is bounds-checked against the blob's real size.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+MAGIC = b"KVFC"
+VERSION = 1
+_HEAD = struct.Struct("<4sBBBB8s5I32sQQ")  # everything up to the header checksum
+_SUM = struct.Struct("<Q")
+HEADER_BYTES = _HEAD.size + _SUM.size  # 92
+MAX_DIM = 1 << 20  # no real layout comes near this; bounds hostile shapes before any allocation
+
+
+class ChunkFormatError(ValueError):
+    """A blob that is not a valid chunk for the expected key (corrupt, truncated, foreign)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkHeader:
+    codec_id: int
+    dtype_code: int
+    level: int
+    fingerprint: bytes
+    shape: tuple[int, int, int, int, int]  # [num_layers, 2, num_kv_heads, num_tokens, head_dim]
+    key: bytes
+    payload_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[3]
+
+
+def pack_header(header: ChunkHeader, payload_checksum: int) -> bytes:
+    head = _HEAD.pack(MAGIC, VERSION, header.codec_id, header.dtype_code, header.level, header.fingerprint,
+                      *header.shape, header.key, header.payload_len, payload_checksum)
+    return head + _SUM.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def write_blob(header: ChunkHeader, blob: bytearray | memoryview) -> None:
+    """Fill the header of `blob` (HEADER_BYTES + payload_len, payload already in place) in place."""
+    payload = memoryview(blob)[HEADER_BYTES:]
+    if len(payload) != header.payload_len:
+        raise ValueError(f"payload is {len(payload)} bytes, header says {header.payload_len}")
+    blob[:HEADER_BYTES] = pack_header(header, xxhash.xxh3_64_intdigest(payload))
+
+
+def parse(blob: bytes | bytearray | memoryview, key: bytes | None = None, verify_payload: bool = True) -> ChunkHeader:
+    """Check `blob` and return its header; raise ChunkFormatError on any mismatch.
+
+    verify_payload=False skips the payload checksum (trusted in-process memory only: the bytes were checked
+    or produced by this process)."""
+    view = memoryview(blob)
+    if len(view) < HEADER_BYTES:
+        raise ChunkFormatError(f"truncated: {len(view)} bytes is shorter than the {HEADER_BYTES}-byte header")
+    head = view[:_HEAD.size]
+    (header_sum,) = _SUM.unpack_from(view, _HEAD.size)
+    if xxhash.xxh3_64_intdigest(head) != header_sum:
+        raise ChunkFormatError("header checksum mismatch")
+    magic, version, codec_id, dtype_code, level, fingerprint, *rest = _HEAD.unpack(head)
+    shape, chunk_key, payload_len, payload_sum = tuple(rest[:5]), rest[5], rest[6], rest[7]
+    if magic != MAGIC:
+        raise ChunkFormatError(f"bad magic {magic!r}")
+    if version != VERSION:
+        raise ChunkFormatError(f"unsupported format version {version}")
+    if any(d <= 0 or d > MAX_DIM for d in shape) or shape[1] != 2:
+        raise ChunkFormatError(f"implausible shape {shape}")
+    if key is not None and chunk_key != key:
+        raise ChunkFormatError("chunk key mismatch: entry stored under another key")
+    if payload_len != len(view) - HEADER_BYTES:
+        raise ChunkFormatError(f"payload length {len(view) - HEADER_BYTES} != header's {payload_len}")
+    if verify_payload and xxhash.xxh3_64_intdigest(view[HEADER_BYTES:]) != payload_sum:
+        raise ChunkFormatError("payload checksum mismatch")
+    return ChunkHeader(codec_id, dtype_code, level, fingerprint, shape, chunk_key, payload_len)  # type: ignore[arg-type]

@@ -1,0 +1,196 @@
+"""Configuration: one typed, validated dataclass tree, loadable from YAML and KVFABRIC_* environment variables.
+
+Contract:
+- `Config()` is the embedded default: cpu + disk tiers, chunk_size 256, sha256 keys, raw codec.
+- `Config.load(path)` reads YAML (or $KVFABRIC_CONFIG), then applies environment variables, which win.
+  Env names are `KVFABRIC_<FIELD>` and `KVFABRIC_<SECTION>__<FIELD>`, e.g. KVFABRIC_CHUNK_SIZE=128,
+  KVFABRIC_DISK__CAPACITY=20GiB, KVFABRIC_TIERS=cpu,disk. KVFABRIC_HOME and KVFABRIC_CONFIG are not config keys.
+- An unknown key, a wrong type or a value outside its choices raises ConfigError naming the key and what is
+  allowed. Byte sizes accept ints or strings such as "512MiB", "4GiB", "1.5GB".
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+ENV_PREFIX = "KVFABRIC_"
+RESERVED_ENV = {"KVFABRIC_HOME", "KVFABRIC_CONFIG"}
+TIER_NAMES = ("cpu", "disk")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def kvfabric_home() -> Path:
+    """Root for kvfabric's own files: $KVFABRIC_HOME or ~/.cache/kvfabric."""
+    return Path(os.environ.get("KVFABRIC_HOME") or "~/.cache/kvfabric").expanduser()
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Any, key: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{key}: expected a byte size like 4GiB or 512MB, got {value!r}")
+        number = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if number <= 0:
+        raise ConfigError(f"{key}: must be positive, got {value!r}")
+    return number
+
+
+ByteSize = typing.Annotated[int, "bytes"]
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTierConfig:
+    capacity: ByteSize = 4 * 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTierConfig:
+    path: str = ""  # empty: <KVFABRIC_HOME>/chunks
+    capacity: ByteSize = 50 * 2**30
+    fsync: bool = False  # atomic rename + checksums already make a crash a clean miss
+
+    def resolved_path(self) -> Path:
+        return Path(self.path).expanduser() if self.path else kvfabric_home() / "chunks"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    chunk_size: int = 256
+    hash: Literal["sha256", "blake3"] = "sha256"
+    salt: str = ""  # tenant salt: separates key namespaces
+    save_partial_chunk: bool = False
+    codec: Literal["raw"] = "raw"
+    tiers: tuple[str, ...] = ("cpu", "disk")
+    write_queue_chunks: int = 64
+    cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
+    disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+
+    def __post_init__(self) -> None:
+        if self.chunk_size <= 0:
+            raise ConfigError(f"chunk_size: must be positive, got {self.chunk_size}")
+        if self.write_queue_chunks <= 0:
+            raise ConfigError(f"write_queue_chunks: must be positive, got {self.write_queue_chunks}")
+        if not self.tiers or len(set(self.tiers)) != len(self.tiers):
+            raise ConfigError(f"tiers: need one or more distinct tiers from {TIER_NAMES}, got {self.tiers}")
+        for name in self.tiers:
+            if name not in TIER_NAMES:
+                raise ConfigError(f"tiers: unknown tier {name!r}; allowed: {', '.join(TIER_NAMES)}")
+
+    # ---- loading -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        return _build(cls, data, "")
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> Config:
+        return cls.load(path, environ={})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, environ: dict[str, str] | None = None) -> Config:
+        environ = dict(os.environ if environ is None else environ)
+        path = path or environ.get("KVFABRIC_CONFIG")
+        data: dict[str, Any] = {}
+        if path:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(data, dict):
+                raise ConfigError(f"{path}: the top level must be a mapping")
+        return cls.from_dict(_merge(data, env_overrides(environ)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    """KVFABRIC_A__B=v -> {"a": {"b": "v"}} (values stay strings; _build converts and checks them)."""
+    out: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV:
+            continue
+        path = name[len(ENV_PREFIX):].lower().split("__")
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{name}: conflicts with another variable")
+        node[path[-1]] = value
+    return out
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(f"unknown config key {name!r}; allowed here: {', '.join(sorted(fields))}")
+        kwargs[key] = _convert(hints[key], value, name)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _convert(hint: Any, value: Any, name: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, name + ".")
+    if typing.get_origin(hint) is typing.Annotated:
+        return parse_bytes(value, name)
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{name}: {value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(value).lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    if hint is int:
+        try:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{name}: expected a string, got {value!r}")
+        return str(value)
+    if typing.get_origin(hint) is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{name}: expected a list, got {value!r}")
+        return tuple(str(item).strip() for item in items if str(item).strip())
+    raise ConfigError(f"{name}: unsupported field type {hint}")  # pragma: no cover

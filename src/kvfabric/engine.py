@@ -1,0 +1,143 @@
+"""CacheEngine: the public entry point. Token ids in, KV tensors in and out; chunking, keys and tiers inside.
+
+Contract:
+- `lookup(tokens)`: the longest prefix, in tokens, whose chunks are all cached (chunk-aligned, or the whole
+  prompt when its partial last chunk is cached with `save_partial_chunk`). It does not read chunk data.
+- `store(tokens, kv, start=0)`: kv [L, 2, H, T, D] holds the KV of tokens[start:start+T] (start chunk-aligned);
+  every whole chunk in that range not yet cached is encoded and stored. Returns the number of chunks stored.
+  It returns once the fastest tier holds the chunks; slower tiers are written in the background (`flush`).
+- `retrieve(tokens, out=None)`: KV of the longest retrievable prefix of `tokens`, [L, 2, H, m, D] with m <= the
+  lookup; a chunk that vanished or fails its checks ends the prefix there (a miss), is counted and removed, and is
+  never returned. With `out` ([L, 2, H, >= len(tokens), D], any float dtype), chunks are copied into place and
+  `out[..., :m, :]` is returned: the fast path (no allocation, one copy per chunk).
+- Nothing here raises for a damaged or missing cache entry; errors are raised only for bad arguments.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvfabric.codec.base import codec_for_id, get_codec
+from kvfabric.codec.format import ChunkFormatError
+from kvfabric.config import Config
+from kvfabric.hashing import ChunkKey, chunk_keys, root_key
+from kvfabric.layout import KVLayout
+from kvfabric.tiers.base import Tier
+from kvfabric.tiers.stack import TierStack
+
+Tokens = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def build_tiers(config: Config) -> list[Tier]:
+    from kvfabric.tiers.cpu import CpuTier
+    from kvfabric.tiers.disk import DiskTier
+    makers = {
+        "cpu": lambda: CpuTier(config.cpu.capacity),
+        "disk": lambda: DiskTier(config.disk.resolved_path(), config.disk.capacity, fsync=config.disk.fsync),
+    }
+    return [makers[name]() for name in config.tiers]
+
+
+class CacheEngine:
+    def __init__(self, config: Config | None, layout: KVLayout, model_id: str,
+                 tiers: Sequence[Tier] | None = None) -> None:
+        self.config = config or Config()
+        self.layout = layout
+        self.model_id = model_id
+        self.chunk_size = self.config.chunk_size
+        self.codec = get_codec(self.config.codec)
+        self._root = root_key(model_id, layout, self.chunk_size, self.config.salt, self.config.hash)
+        self.stack = TierStack(tiers if tiers is not None else build_tiers(self.config),
+                               self.config.write_queue_chunks)
+        self.counters: Counter[str] = Counter()
+
+    # ---- keys --------------------------------------------------------------------------------------------
+    def keys(self, tokens: Tokens) -> list[ChunkKey]:
+        return chunk_keys(tokens, self._root, self.chunk_size, self.config.save_partial_chunk, self.config.hash)
+
+    def _span(self, i: int, num_tokens: int) -> tuple[int, int]:
+        return i * self.chunk_size, min((i + 1) * self.chunk_size, num_tokens)
+
+    # ---- API ---------------------------------------------------------------------------------------------
+    def lookup(self, tokens: Tokens) -> int:
+        keys = self.keys(tokens)
+        num_hit = self.stack.prefix_length(keys)
+        self.counters["lookups"] += 1
+        return self._span(num_hit - 1, len(tokens))[1] if num_hit else 0
+
+    def store(self, tokens: Tokens, kv: torch.Tensor, start: int = 0) -> int:
+        num_tokens = len(tokens)
+        if start % self.chunk_size or not 0 <= start <= num_tokens:
+            raise ValueError(f"start must be a multiple of chunk_size={self.chunk_size} within the prompt, got {start}")
+        self.layout.check(kv)
+        end = start + kv.shape[3]
+        if end > num_tokens:
+            raise ValueError(f"kv holds {kv.shape[3]} tokens from {start}, beyond the prompt's {num_tokens} tokens")
+        keys = self.keys(tokens)
+        first = start // self.chunk_size
+        wanted = [i for i in range(first, len(keys)) if self._span(i, num_tokens)[1] <= end]
+        present = self.stack.contains_many([keys[i] for i in wanted])
+        num_stored = 0
+        for i, is_present in zip(wanted, present):
+            if is_present:
+                continue
+            s, e = self._span(i, num_tokens)
+            self.stack.put(keys[i], self.codec.encode(kv[:, :, :, s - start:e - start, :], keys[i], self.layout))
+            num_stored += 1
+        self.counters["chunks_stored"] += num_stored
+        return num_stored
+
+    def retrieve(self, tokens: Tokens, out: torch.Tensor | None = None) -> torch.Tensor:
+        num_tokens = len(tokens)
+        keys = self.keys(tokens)
+        if out is None:
+            out = torch.empty(self.layout.shape(num_tokens), dtype=self.layout.torch_dtype)
+        elif out.dim() != 5 or out.shape[3] < num_tokens or tuple(out.shape[:3]) + (out.shape[4],) != \
+                self.layout.shape(0)[:3] + (self.layout.head_dim,):
+            raise ValueError(f"out must be {self.layout.shape(num_tokens)} or longer in dim 3, got {tuple(out.shape)}")
+        num_done = 0
+        started = time.perf_counter()
+        with self.stack.pinned(keys):
+            for i, key in enumerate(keys):
+                if not self._load_chunk(key, i, num_tokens, out):
+                    break
+                num_done = self._span(i, num_tokens)[1]
+        self.counters["retrieves"] += 1
+        self.counters["tokens_retrieved"] += num_done
+        self.counters["retrieve_ns"] += int((time.perf_counter() - started) * 1e9)
+        return out[:, :, :, :num_done, :]
+
+    def _load_chunk(self, key: bytes, i: int, num_tokens: int, out: torch.Tensor) -> bool:
+        found = self.stack.get(key)
+        if found is None:
+            return False
+        blob, header, _ = found
+        s, e = self._span(i, num_tokens)
+        try:
+            if header.fingerprint != self.layout.fingerprint or header.shape != self.layout.shape(e - s):
+                raise ChunkFormatError(f"chunk made for another layout {header.shape}")
+            codec_for_id(header.codec_id).decode(header, memoryview(blob), self.layout, out[:, :, :, s:e, :])
+        except ChunkFormatError:
+            self.stack.discard(key)
+            return False
+        return True
+
+    def flush(self) -> None:
+        self.stack.flush()
+
+    def stats(self) -> dict[str, object]:
+        return {"counters": dict(self.counters + self.stack.counters),
+                "tiers": [tier.usage() for tier in self.stack.tiers]}
+
+    def close(self) -> None:
+        self.stack.close()
+
+    def __enter__(self) -> CacheEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

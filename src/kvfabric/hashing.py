@@ -1,0 +1,97 @@
+"""Chunk keys: pure functions from token ids to prefix-chained, namespaced chunk keys.
+
+Contract:
+- A prompt is split into chunks of `chunk_size` tokens; chunk i covers tokens [i*chunk_size, (i+1)*chunk_size).
+- key_0 = H(root || tokens of chunk 0), key_i = H(key_{i-1} || tokens of chunk i), where H is sha256 or blake3
+  (32-byte digests) and tokens are little-endian uint32. So a chunk's key names its whole prefix: keys of a prefix
+  are a prefix of the keys, and any token change changes that chunk's key and every later one.
+- root = H(b"kvfabric/keys/v1" || model id || layout fingerprint || chunk size || tenant salt): caches of other
+  models, layouts, chunk sizes or tenants never share a key.
+- Keys depend only on these inputs: never on Python's `hash()`, PYTHONHASHSEED, the process or the machine.
+- A trailing partial chunk gets a key only when asked (`include_partial`); its key differs from any full chunk's
+  because the hashed input is shorter.
+"""
+from __future__ import annotations
+
+import array
+import hashlib
+import sys
+from collections.abc import Sequence
+from typing import Literal, NewType
+
+import blake3
+import numpy as np
+import torch
+
+from kvfabric.layout import KVLayout
+
+ChunkKey = NewType("ChunkKey", bytes)
+HashName = Literal["sha256", "blake3"]
+HASH_NAMES: tuple[str, ...] = ("sha256", "blake3")
+KEY_BYTES = 32
+
+
+def _hasher(name: str):
+    if name == "sha256":
+        return hashlib.sha256
+    if name == "blake3":
+        return blake3.blake3
+    raise ValueError(f"hash must be one of {HASH_NAMES}, got {name!r}")
+
+
+def token_bytes(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> memoryview:
+    """Token ids as little-endian uint32 bytes. Raises ValueError for ids outside [0, 2**32)."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1:
+            raise ValueError(f"token ids must be 1-D, got shape {tokens.shape}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**32):
+            raise ValueError("token ids must lie in [0, 2**32)")
+        data = np.ascontiguousarray(tokens, dtype="<u4").tobytes()
+        return memoryview(data)
+    try:
+        # array('I') converts a Python list ~2x faster than numpy and rejects negatives/overflow itself.
+        arr = array.array("I", tokens)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from None
+    if arr.itemsize != 4:  # pragma: no cover - exotic platforms
+        arr = array.array("L", tokens)
+        return token_bytes(np.asarray(arr, dtype=np.uint64))
+    if sys.byteorder != "little":  # pragma: no cover
+        arr.byteswap()
+    return memoryview(arr.tobytes())
+
+
+def root_key(model_id: str, layout: KVLayout, chunk_size: int, salt: str = "", hash_name: str = "sha256") -> bytes:
+    """The namespace seed every chain starts from."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    h = _hasher(hash_name)()
+    for part in (b"kvfabric/keys/v1", model_id.encode(), layout.fingerprint,
+                 str(chunk_size).encode(), salt.encode(), hash_name.encode()):
+        h.update(len(part).to_bytes(4, "little"))  # length-prefixed: no ambiguity between fields
+        h.update(part)
+    return h.digest()
+
+
+def num_chunks(num_tokens: int, chunk_size: int, include_partial: bool = False) -> int:
+    full, rest = divmod(num_tokens, chunk_size)
+    return full + (1 if include_partial and rest else 0)
+
+
+def chunk_keys(tokens: Sequence[int] | np.ndarray | torch.Tensor, root: bytes, chunk_size: int,
+               include_partial: bool = False, hash_name: str = "sha256") -> list[ChunkKey]:
+    """Keys of the chunks of `tokens`, in order (see module contract)."""
+    data = token_bytes(tokens)
+    num_tokens = len(data) // 4
+    step = chunk_size * 4
+    new = _hasher(hash_name)
+    keys: list[ChunkKey] = []
+    parent = root
+    for i in range(num_chunks(num_tokens, chunk_size, include_partial)):
+        h = new(parent)
+        h.update(data[i * step:(i + 1) * step])
+        parent = h.digest()
+        keys.append(ChunkKey(parent))
+    return keys

@@ -1,0 +1,149 @@
+"""TierStack: ordered tiers, fastest first; read-through with promotion, write-behind to slow tiers.
+
+Contract:
+- `prefix_length(keys)`: how many leading keys some tier holds (or a queued write holds). One batched call per
+  tier, and only for keys the faster tiers did not have.
+- `get(key)`: the first tier holding a valid blob wins; blobs from untrusted tiers are verified (codec.format)
+  and a damaged one is deleted from that tier, counted, and the next tier is tried. A hit below the first tier is
+  promoted into the faster tiers.
+- `put(key, blob)`: the first tier is written synchronously when it is trusted (process memory, cheap); every other
+  tier is written by one background thread from a bounded queue. A full queue drops the write and counts it:
+  the engine's step never waits for disk or network. `flush()` waits for queued writes.
+- Queued writes are readable before they land (`pending`), so a store is visible to lookups at once.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+
+from kvfabric.codec.format import ChunkFormatError, ChunkHeader, parse
+from kvfabric.tiers.base import Blob, Tier
+
+log = logging.getLogger(__name__)
+
+
+class TierStack:
+    def __init__(self, tiers: Sequence[Tier], write_queue_size: int = 64) -> None:
+        if not tiers:
+            raise ValueError("a tier stack needs at least one tier")
+        self.tiers = list(tiers)
+        self.counters: Counter[str] = Counter()
+        self._pending: dict[bytes, tuple[Blob, int]] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[bytes, Blob, tuple[int, ...]] | None] = queue.Queue(write_queue_size)
+        self._writer = threading.Thread(target=self._write_loop, name="kvfabric-writer", daemon=True)
+        self._writer.start()
+
+    # ---- reads -------------------------------------------------------------------------------------------
+    def prefix_length(self, keys: Sequence[bytes]) -> int:
+        present = [key in self._pending for key in keys]
+        for tier in self.tiers:
+            first = present.index(False) if False in present else len(keys)
+            if first == len(keys):
+                break
+            for i, hit in enumerate(tier.contains_many(keys[first:]), start=first):
+                present[i] = present[i] or hit
+        return present.index(False) if False in present else len(keys)
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        present = [key in self._pending for key in keys]
+        for tier in self.tiers:
+            missing = [i for i, hit in enumerate(present) if not hit]
+            if not missing:
+                break
+            for i, hit in zip(missing, tier.contains_many([keys[i] for i in missing])):
+                present[i] = hit
+        return present
+
+    def get(self, key: bytes) -> tuple[Blob, ChunkHeader, str] | None:
+        pending = self._pending.get(key)
+        if pending is not None:
+            blob = pending[0]
+            return blob, parse(blob, key, verify_payload=False), "pending"
+        for level, tier in enumerate(self.tiers):
+            blob = tier.get(key)
+            if blob is None:
+                continue
+            try:
+                header = parse(blob, key, verify_payload=not tier.is_trusted)
+            except ChunkFormatError as exc:
+                log.warning("dropping damaged chunk %s from tier %s: %s", key.hex()[:16], tier.name, exc)
+                self.counters[f"corrupt.{tier.name}"] += 1
+                tier.delete(key)
+                continue
+            self.counters[f"hit.{tier.name}"] += 1
+            self.counters[f"bytes_read.{tier.name}"] += len(blob)
+            if level > 0:
+                self._write(key, blob, tuple(range(level)))
+            return blob, header, tier.name
+        self.counters["miss"] += 1
+        return None
+
+    def discard(self, key: bytes) -> None:
+        """Remove a chunk found unusable above this layer (e.g. a payload that does not decode)."""
+        self.counters["discarded"] += 1
+        for tier in self.tiers:
+            tier.delete(key)
+
+    @contextlib.contextmanager
+    def pinned(self, keys: Sequence[bytes]) -> Iterator[None]:
+        for tier in self.tiers:
+            tier.pin(keys)
+        try:
+            yield
+        finally:
+            for tier in self.tiers:
+                tier.unpin(keys)
+
+    # ---- writes ------------------------------------------------------------------------------------------
+    def put(self, key: bytes, blob: Blob) -> None:
+        self._write(key, blob, tuple(range(len(self.tiers))))
+        self.counters["stored"] += 1
+
+    def _write(self, key: bytes, blob: Blob, levels: tuple[int, ...]) -> None:
+        if levels and levels[0] == 0 and self.tiers[0].is_trusted:
+            self.tiers[0].put(key, blob)
+            levels = levels[1:]
+        if not levels:
+            return
+        with self._lock:
+            if key in self._pending:
+                return
+            try:
+                self._queue.put_nowait((key, blob, levels))
+            except queue.Full:
+                self.counters["dropped_writes"] += 1
+                return
+            self._pending[key] = (blob, len(levels))
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            key, blob, levels = item
+            try:
+                for level in levels:
+                    tier = self.tiers[level]
+                    if not tier.put(key, blob):
+                        self.counters[f"failed_writes.{tier.name}"] += 1
+            except Exception:  # a tier bug must not kill the writer thread
+                log.exception("background write of %s failed", key.hex()[:16])
+                self.counters["failed_writes"] += 1
+            finally:
+                with self._lock:
+                    self._pending.pop(key, None)
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def flush(self) -> None:
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._writer.is_alive():
+            self.flush()
+            self._queue.put(None)
+            self._writer.join()
+        for tier in self.tiers:
+            tier.close()
