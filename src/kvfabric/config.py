@@ -22,7 +22,7 @@ import yaml
 
 ENV_PREFIX = "KVFABRIC_"
 RESERVED_ENV = {"KVFABRIC_HOME", "KVFABRIC_CONFIG"}
-TIER_NAMES = ("cpu", "disk")
+TIER_NAMES = ("cpu", "shm", "disk", "redis")
 
 
 class ConfigError(ValueError):
@@ -70,6 +70,23 @@ class DiskTierConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ShmTierConfig:
+    name: str = "kvfabric"  # pool file /dev/shm/<name>; every process using the same name shares it
+    capacity: ByteSize = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTierConfig:
+    url: str = "redis://127.0.0.1:6379/0"  # redis://, rediss://, unix:///path.sock
+    is_cluster: bool = False
+    ttl_s: int = 0  # 0: no expiry; the server's maxmemory policy evicts
+    timeout_s: float = 0.5
+    capacity: ByteSize = 2**40  # informational: the server's maxmemory is the real bound
+    breaker_failures: int = 3  # consecutive failures that open the circuit
+    backoff_max_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     chunk_size: int = 256
     hash: Literal["sha256", "blake3"] = "sha256"
@@ -80,6 +97,8 @@ class Config:
     write_queue_chunks: int = 64
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+    shm: ShmTierConfig = field(default_factory=ShmTierConfig)
+    redis: RedisTierConfig = field(default_factory=RedisTierConfig)
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -184,6 +203,13 @@ def _convert(hint: Any, value: Any, name: str) -> Any:
             return int(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
+    if hint is float:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name}: expected a number, got {value!r}") from None
     if hint is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{name}: expected a string, got {value!r}")

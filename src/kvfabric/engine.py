@@ -35,9 +35,19 @@ Tokens = Sequence[int] | np.ndarray | torch.Tensor
 def build_tiers(config: Config) -> list[Tier]:
     from kvfabric.tiers.cpu import CpuTier
     from kvfabric.tiers.disk import DiskTier
+    def shm() -> Tier:
+        from kvfabric.tiers.shm import ShmTier
+        return ShmTier.from_config(config.shm)
+
+    def redis() -> Tier:
+        from kvfabric.tiers.redis import RedisTier
+        return RedisTier.from_config(config.redis)
+
     makers = {
         "cpu": lambda: CpuTier(config.cpu.capacity),
         "disk": lambda: DiskTier(config.disk.resolved_path(), config.disk.capacity, fsync=config.disk.fsync),
+        "shm": shm,
+        "redis": redis,
     }
     return [makers[name]() for name in config.tiers]
 
