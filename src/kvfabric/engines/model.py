@@ -36,6 +36,8 @@ from typing import Any, Mapping
 import torch
 from rich.console import Console
 
+from kvfabric.config import kvfabric_home
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MARKER = "kvfabric_model.json"  # written last, inside the temp dir, before the rename
 
@@ -60,12 +62,6 @@ BUILTIN_MODELS: Mapping[str, BuiltinModel] = MappingProxyType(
         ),
     }
 )
-
-
-def kvfabric_home() -> Path:
-    """``$KVFABRIC_HOME`` or ``~/.cache/kvfabric``."""
-    env = os.environ.get("KVFABRIC_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvfabric"
 
 
 def _console() -> Console:

@@ -1,0 +1,244 @@
+"""Reference engine: a small runner over a Hugging Face causal LM that uses kvfabric's cache.
+
+Contract
+--------
+``HFEngine.generate(prompt)``:
+  1. ``cache.lookup`` finds the longest cached prefix (chunk-aligned);
+  2. ``cache.retrieve(..., out=buf)`` copies it straight into ONE preallocated fp32 buffer
+     ``buf [L, 2, H, T, D]`` (T >= prompt + new tokens), reused across calls;
+  3. the model's cache (:class:`BufferCache`) is a set of views of ``buf`` with a fill
+     pointer, so the suffix prefill and every decode step write K/V in place: no cat,
+     no reallocation. At least the last prompt token is always recomputed;
+  4. newly computed whole chunks are stored (``cache.store``), then decoding runs
+     (greedy, or sampling with an explicit seed).
+Compute is always fp32; the cache stores KV in ``kv_dtype`` (default float16). With
+float32 storage a hit gives the same logits as a full prefill (|diff| < 1e-4).
+An ``HFEngine`` is not thread-safe (it owns one reusable buffer).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvfabric import CacheEngine, Config, KVLayout
+from kvfabric.engines.model import DEFAULT_MODEL, ModelError, load_model
+
+
+class BufferLayer(CacheLayerMixin):
+    """One layer's K/V: views ``[1, H, T, D]`` of the shared buffer plus a fill pointer."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int = 0) -> None:
+        super().__init__()
+        self.keys, self.values = keys, values  # [1, H, T, D] views, written in place
+        self.length = length  # tokens held: positions [0, length)
+        self.device = keys.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None  # storage exists from the start
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states / value_states: [1, H, q, D] for positions [length, length + q)
+        end = self.length + key_states.shape[-2]
+        if end > self.keys.shape[-2]:
+            raise RuntimeError(f"KV buffer full: {end} tokens > capacity {self.keys.shape[-2]}")
+        self.keys[:, :, self.length : end].copy_(key_states)
+        self.values[:, :, self.length : end].copy_(value_states)
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0  # (kv_length, kv_offset), like a dynamic layer
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return int(self.keys.shape[-2])
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.length = max(0, self.length - abs(tokens_to_remove))
+
+
+class BufferCache(Cache):
+    """A transformers ``Cache`` whose layers are views of ``buf [L, 2, H, T, D]``."""
+
+    def __init__(self, buf: torch.Tensor, length: int = 0) -> None:
+        layers = [BufferLayer(buf[i, 0].unsqueeze(0), buf[i, 1].unsqueeze(0), length) for i in range(buf.shape[0])]
+        super().__init__(layers=layers)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated ids (prompt excluded)
+    prompt_tokens: int
+    hit_tokens: int  # prompt tokens whose KV came from the cache (chunk-aligned)
+    stored_chunks: int
+    ttft_s: float  # start of generate() to the first generated token
+    retrieve_s: float  # lookup + retrieve into the buffer
+    prefill_s: float  # forward over the uncached suffix
+    store_s: float
+    decode_s: float
+    logits: torch.Tensor  # [vocab] fp32 next-token logits after the prompt
+
+
+def layout_for(model_config: Any, kv_dtype: str = "float16") -> KVLayout:
+    """KVLayout of a HF decoder config (one KV head set per layer)."""
+    heads = int(getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads)
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    return KVLayout(num_layers=int(model_config.num_hidden_layers), num_kv_heads=heads,
+                    head_dim=int(head_dim), dtype=kv_dtype)
+
+
+class HFEngine:
+    """Runs a HF causal LM with prefix KV served by a :class:`kvfabric.CacheEngine`."""
+
+    def __init__(
+        self,
+        model_name_or_path: str | Path = DEFAULT_MODEL,
+        *,
+        cache: CacheEngine | None = None,
+        config: Config | None = None,
+        kv_dtype: str = "float16",
+        model_id: str | None = None,
+        model: Any = None,
+        tokenizer: Any = None,
+    ) -> None:
+        torch.set_num_threads(os.cpu_count() or 1)
+        if model is None or tokenizer is None:
+            model, tokenizer = load_model(str(model_name_or_path), dtype=torch.float32)
+        if not getattr(model.config, "is_decoder", True) and getattr(model.config, "is_encoder_decoder", False):
+            raise ModelError(f"{model_name_or_path}: encoder-decoder models are not supported")
+        self.model = model.float().eval()
+        self.tokenizer = tokenizer
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.model_id = model_id or Path(str(model_name_or_path)).name
+        layout = layout_for(model.config, kv_dtype)
+        self.cache = cache if cache is not None else CacheEngine(config or Config(), layout, self.model_id)
+        ours = layout_for(model.config, self.cache.layout.dtype)
+        if self.cache.layout != ours:
+            raise ValueError(f"cache layout {self.cache.layout} does not match the model's {ours}")
+        self.layout = ours
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self._buf: torch.Tensor | None = None  # reusable workspace [L, 2, H, capacity, D] fp32
+
+    # ---- helpers ----------------------------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            if chat:
+                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                         add_generation_prompt=True, tokenize=True)
+                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            else:
+                ids = self.tokenizer(prompt)["input_ids"]
+        else:
+            ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        return [int(t) for t in ids]
+
+    def _workspace(self, num_tokens: int) -> torch.Tensor:
+        """fp32 [L, 2, H, num_tokens, D] view of a buffer kept across calls (fresh pages are slow)."""
+        if self._buf is None or self._buf.shape[3] < num_tokens:
+            self._buf = None  # free the old one first
+            self._buf = torch.empty(self.layout.shape(num_tokens), dtype=torch.float32)
+        return self._buf[:, :, :, :num_tokens]
+
+    def _forward(self, ids: Sequence[int], cache: BufferCache, start: int) -> torch.Tensor:
+        """Run tokens at positions [start, start + len(ids)); returns last-position logits [vocab] fp32."""
+        input_ids = torch.tensor([list(ids)], dtype=torch.long)  # [1, q]
+        positions = torch.arange(start, start + len(ids), dtype=torch.long).unsqueeze(0)  # [1, q]
+        out = self.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
+        if temperature <= 0.0 or gen is None:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    # ---- main entry -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: str | Sequence[int] | torch.Tensor,
+        max_new_tokens: int = 32,
+        *,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        use_cache: bool = True,
+        store: bool = True,
+        chat: bool = False,
+    ) -> GenerationResult:
+        """Generate after ``prompt`` (text or token ids). ``temperature > 0`` samples and needs ``seed``."""
+        t0 = time.perf_counter()
+        ids = self.encode(prompt, chat=chat)
+        n = len(ids)
+        if n == 0:
+            raise ValueError("empty prompt: need at least one token")
+        if n > self.max_positions:
+            raise ValueError(f"prompt has {n} tokens, more than the model's context of {self.max_positions}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if temperature > 0.0 and seed is None:
+            raise ValueError("sampling (temperature > 0) needs an explicit seed")
+        max_new = min(max_new_tokens, self.max_positions - n)
+        buf = self._workspace(n + max(max_new, 1))  # [L, 2, H, n + new, D] fp32
+
+        hit = self.cache.lookup(ids) if use_cache else 0
+        got = self.cache.retrieve(ids[:hit], out=buf).shape[3] if hit else 0  # tokens now in buf[..., :got, :]
+        past = min(got, n - 1)  # always recompute at least the last prompt token
+        t1 = time.perf_counter()
+
+        kv_cache = BufferCache(buf, past)
+        logits = self._forward(ids[past:], kv_cache, past)  # [vocab]
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        tokens = [self._pick(logits, temperature, gen)] if max_new else []
+        t2 = time.perf_counter()
+
+        stored = 0
+        if store and use_cache and got < n:
+            stored = self.cache.store(ids, buf[:, :, :, got:n], start=got)  # KV of ids[got:n]
+        t3 = time.perf_counter()
+
+        pos = n
+        while tokens and len(tokens) < max_new and tokens[-1] not in self.eos_ids:
+            tokens.append(self._pick(self._forward([tokens[-1]], kv_cache, pos), temperature, gen))
+            pos += 1
+        t4 = time.perf_counter()
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return GenerationResult(
+            text=text, token_ids=tokens, prompt_tokens=n, hit_tokens=got, stored_chunks=stored,
+            ttft_s=t2 - t0, retrieve_s=t1 - t0, prefill_s=t2 - t1, store_s=t3 - t2, decode_s=t4 - t3,
+            logits=logits.clone(),
+        )
+
+    def close(self) -> None:
+        self.cache.flush()
+        self.cache.close()
+        self._buf = None
+
+    def __enter__(self) -> HFEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

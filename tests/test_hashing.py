@@ -1,0 +1,88 @@
+"""Chunk keys: prefix property, sensitivity, namespaces, process independence."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfabric.hashing import chunk_keys, root_key, token_bytes
+from kvfabric.layout import KVLayout
+
+LAYOUT = KVLayout(30, 3, 64, "float16")
+ROOT = root_key("m", LAYOUT, 4)
+tokens_st = st.lists(st.integers(0, 2**32 - 1), max_size=64)
+
+
+@given(tokens_st, st.integers(0, 64))
+def test_keys_of_a_prefix_are_a_prefix_of_the_keys(tokens, cut):
+    full = chunk_keys(tokens, ROOT, 4)
+    assert chunk_keys(tokens[:cut], ROOT, 4) == full[:cut // 4]
+
+
+@given(st.lists(st.integers(0, 50_000), min_size=8, max_size=64), st.data())
+def test_any_token_change_changes_that_key_and_every_later_one(tokens, data):
+    i = data.draw(st.integers(0, len(tokens) - 1))
+    changed = list(tokens)
+    changed[i] = (changed[i] + data.draw(st.integers(1, 1000))) % 2**32
+    a, b = chunk_keys(tokens, ROOT, 4), chunk_keys(changed, ROOT, 4)
+    first = i // 4
+    assert a[:first] == b[:first]
+    assert all(x != y for x, y in zip(a[first:], b[first:]))
+
+
+@settings(max_examples=50)
+@given(st.lists(st.integers(0, 1000), min_size=4, max_size=32))
+def test_namespaces_are_separate(tokens):
+    keys = {
+        tuple(chunk_keys(tokens, root_key(model, layout, cs, salt, h), cs, hash_name=h))
+        for model, layout, cs, salt, h in [
+            ("m", LAYOUT, 4, "", "sha256"), ("m2", LAYOUT, 4, "", "sha256"),
+            ("m", KVLayout(30, 3, 64, "float32"), 4, "", "sha256"), ("m", LAYOUT, 4, "tenant-a", "sha256"),
+            ("m", LAYOUT, 4, "", "blake3"), ("m", LAYOUT, 2, "", "sha256"),
+        ]
+    }
+    flat = [k for ks in keys for k in ks]
+    assert len(flat) == len(set(flat))
+
+
+def test_partial_chunk_only_when_asked_and_distinct():
+    tokens = list(range(10))
+    assert len(chunk_keys(tokens, ROOT, 4)) == 2
+    keys = chunk_keys(tokens, ROOT, 4, include_partial=True)
+    assert len(keys) == 3 and keys[:2] == chunk_keys(tokens, ROOT, 4)
+    assert keys[2] not in chunk_keys(list(range(12)), ROOT, 4)
+
+
+def test_input_types_agree():
+    tokens = [5, 7, 2**31, 9, 1, 2, 3, 4]
+    ref = chunk_keys(tokens, ROOT, 4)
+    assert chunk_keys(np.array(tokens, dtype=np.int64), ROOT, 4) == ref
+    assert chunk_keys(torch.tensor(tokens, dtype=torch.int64), ROOT, 4) == ref
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], [1.5], ["a"]])
+def test_bad_token_ids_are_rejected(bad):
+    with pytest.raises(ValueError):
+        token_bytes(bad)
+
+
+def test_keys_identical_across_processes_and_hash_seeds():
+    code = ("import json; from kvfabric.hashing import chunk_keys, root_key; from kvfabric.layout import KVLayout;"
+            "r = root_key('smollm2', KVLayout(30, 3, 64), 256, 'salt');"
+            "print(json.dumps([k.hex() for k in chunk_keys(list(range(1000)), r, 256)]))")
+    outs = []
+    for seed in ("0", "12345", "random"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        outs.append(json.loads(subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                              capture_output=True, text=True).stdout))
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 3
+    # a golden value: a change of the key scheme must be deliberate (it invalidates every cache)
+    assert outs[0][0][:16] == chunk_keys(list(range(256)), root_key("smollm2", KVLayout(30, 3, 64), 256, "salt"),
+                                         256)[0].hex()[:16]

@@ -1,0 +1,117 @@
+"""The tier contract on the cpu and disk tiers, plus disk-specific behaviour."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvfabric.tiers.cpu import CpuTier
+from kvfabric.tiers.disk import DiskTier
+from kvfabric.tiers.stack import TierStack
+from tests.tier_contract import BLOB_BYTES, TierContract, key, make_blob
+
+
+class TestCpuTier(TierContract):
+    def make_tier(self, capacity_bytes):
+        return CpuTier(capacity_bytes)
+
+
+class TestDiskTier(TierContract):
+    is_persistent = True
+
+    @pytest.fixture(autouse=True)
+    def _dir(self, tmp_path):
+        self.root = tmp_path / "chunks"
+
+    def make_tier(self, capacity_bytes):
+        return DiskTier(self.root, capacity_bytes)
+
+    def reopen(self, tier):
+        return DiskTier(self.root, tier.capacity_bytes)
+
+
+def test_disk_rebuild_keeps_lru_order(tmp_path):
+    tier = DiskTier(tmp_path, BLOB_BYTES * 10)
+    for i in range(3):
+        tier.put(key(i), make_blob(key(i)))
+        os.utime(tier.path(key(i)), (1000 + i, 1000 + i))
+    os.utime(tier.path(key(0)), (2000, 2000))  # 0 was read last
+    again = DiskTier(tmp_path, BLOB_BYTES * 2)  # smaller budget: the oldest (1) goes at start
+    assert again.contains_many([key(0), key(1), key(2)]) == [True, False, True]
+
+
+def test_disk_sees_chunks_written_by_another_instance(tmp_path):
+    reader = DiskTier(tmp_path, BLOB_BYTES * 10)
+    writer = DiskTier(tmp_path, BLOB_BYTES * 10)
+    writer.put(key(3), make_blob(key(3)))
+    assert reader.contains_many([key(3)]) == [True]
+    assert bytes(reader.get(key(3))) == make_blob(key(3))
+
+
+def test_disk_leaves_no_temp_files(tmp_path):
+    tier = DiskTier(tmp_path, BLOB_BYTES * 10)
+    tier.put(key(1), make_blob(key(1)))
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
+def test_damaged_disk_chunk_is_a_counted_miss_and_removed(tmp_path, damage):
+    disk = DiskTier(tmp_path, BLOB_BYTES * 10)
+    stack = TierStack([disk])
+    stack.put(key(1), make_blob(key(1)))
+    stack.flush()
+    path = disk.path(key(1))
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    elif damage == "truncate":
+        data = data[:-10]
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    assert stack.get(key(1)) is None
+    assert stack.counters["corrupt.disk"] == 1
+    assert not path.exists()
+    stack.close()
+
+
+def test_stack_promotes_and_reads_pending_writes(tmp_path):
+    cpu, disk = CpuTier(BLOB_BYTES * 10), DiskTier(tmp_path, BLOB_BYTES * 10)
+    stack = TierStack([cpu, disk])
+    stack.put(key(1), make_blob(key(1)))
+    assert stack.prefix_length([key(1), key(2)]) == 1  # visible before the disk write lands
+    stack.flush()
+    cpu.clear()
+    found = stack.get(key(1))
+    assert found is not None and found[2] == "disk"
+    assert cpu.contains_many([key(1)]) == [True]  # promoted
+    assert stack.get(key(1))[2] == "cpu"
+    stack.close()
+
+
+def test_stack_falls_back_to_next_tier_when_one_copy_is_damaged(tmp_path):
+    disk_a, disk_b = DiskTier(tmp_path / "a", BLOB_BYTES * 10), DiskTier(tmp_path / "b", BLOB_BYTES * 10)
+    stack = TierStack([disk_a, disk_b])
+    stack.put(key(1), make_blob(key(1)))
+    stack.flush()
+    disk_a.path(key(1)).write_bytes(b"garbage")
+    found = stack.get(key(1))
+    assert found is not None and found[2] == "disk" and bytes(found[0]) == make_blob(key(1))
+    assert stack.counters["corrupt.disk"] == 1
+    stack.close()
+
+
+def test_full_write_queue_drops_and_counts(tmp_path):
+    class SlowTier(DiskTier):
+        def put(self, k, blob):
+            import time
+            time.sleep(0.05)
+            return super().put(k, blob)
+
+    stack = TierStack([CpuTier(BLOB_BYTES * 100), SlowTier(tmp_path, BLOB_BYTES * 100)], write_queue_size=2)
+    for i in range(10):
+        stack.put(key(i), make_blob(key(i)))
+    stack.flush()
+    assert stack.counters["dropped_writes"] > 0
+    assert stack.prefix_length([key(i) for i in range(10)]) == 10  # the cpu tier still has everything
+    stack.close()
