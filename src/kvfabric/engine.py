@@ -14,19 +14,21 @@ Contract:
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from kvfabric.codec.base import codec_for_id, get_codec
-from kvfabric.codec.format import ChunkFormatError
+from kvfabric.codec.format import ChunkFormatError, ChunkHeader
 from kvfabric.config import Config
 from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
-from kvfabric.tiers.base import Tier
+from kvfabric.tiers.base import Blob, Scratch, Tier
 from kvfabric.tiers.stack import TierStack
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
@@ -64,6 +66,10 @@ class CacheEngine:
         self.stack = TierStack(tiers if tiers is not None else build_tiers(self.config),
                                self.config.write_queue_chunks)
         self.counters: Counter[str] = Counter()
+        # One reader thread fetches chunk i+1 (file or network I/O, checksum) while chunk i is decoded:
+        # both release the GIL, so a load costs about max(I/O, copy) rather than their sum.
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfabric-reader")
+        self._scratch = threading.local()
 
     # ---- keys --------------------------------------------------------------------------------------------
     def keys(self, tokens: Tokens) -> list[ChunkKey]:
@@ -112,8 +118,8 @@ class CacheEngine:
         num_done = 0
         started = time.perf_counter()
         with self.stack.pinned(keys):
-            for i, key in enumerate(keys):
-                if not self._load_chunk(key, i, num_tokens, out):
+            for i, found in enumerate(self._fetch_ahead(keys)):
+                if found is None or not self._decode_chunk(keys[i], found, i, num_tokens, out):
                     break
                 num_done = self._span(i, num_tokens)[1]
         self.counters["retrieves"] += 1
@@ -121,10 +127,29 @@ class CacheEngine:
         self.counters["retrieve_ns"] += int((time.perf_counter() - started) * 1e9)
         return out[:, :, :, :num_done, :]
 
-    def _load_chunk(self, key: bytes, i: int, num_tokens: int, out: torch.Tensor) -> bool:
-        found = self.stack.get(key)
-        if found is None:
-            return False
+    def _fetch_ahead(self, keys: Sequence[bytes]) -> Iterator[tuple[Blob, ChunkHeader, str] | None]:
+        """Yield stack.get(key) for each key in order, reading one chunk ahead in the reader thread.
+        Two scratch buffers alternate: the one being decoded is never the one being filled."""
+        if not hasattr(self._scratch, "pair"):
+            self._scratch.pair = (Scratch(), Scratch())
+        pair = self._scratch.pair
+        ahead: Future | None = None
+        try:
+            for i, key in enumerate(keys):
+                current = ahead.result() if ahead is not None else self.stack.get(key, pair[i % 2])
+                ahead = None
+                if current is None:
+                    yield None
+                    return
+                if i + 1 < len(keys):
+                    ahead = self._reader.submit(self.stack.get, keys[i + 1], pair[(i + 1) % 2])
+                yield current
+        finally:
+            if ahead is not None:
+                ahead.result()  # never leave a read in flight into a buffer the next call reuses
+
+    def _decode_chunk(self, key: bytes, found: tuple[Blob, ChunkHeader, str], i: int, num_tokens: int,
+                      out: torch.Tensor) -> bool:
         blob, header, _ = found
         s, e = self._span(i, num_tokens)
         try:
@@ -144,6 +169,7 @@ class CacheEngine:
                 "tiers": [tier.usage() for tier in self.stack.tiers]}
 
     def close(self) -> None:
+        self._reader.shutdown(wait=True)
         self.stack.close()
 
     def __enter__(self) -> CacheEngine:

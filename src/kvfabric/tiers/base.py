@@ -8,6 +8,9 @@ Contract for every tier (tests/test_tier_contract.py runs one suite on each impl
 - `is_trusted`: the tier hands back exactly the object this process stored (process memory), so the payload
   checksum need not be recomputed on read. Every other tier's blobs are verified by the stack on read.
 - All methods are safe to call from several threads.
+- Optional fast path `get_into(key, scratch)`: read the blob into a reusable buffer instead of a fresh one
+  (fresh large allocations cost ~1 GB/s of page faults on small machines); the view is valid until the scratch
+  buffer is reused.
 """
 from __future__ import annotations
 
@@ -18,6 +21,18 @@ from dataclasses import dataclass
 from typing import Protocol
 
 Blob = bytes | bytearray | memoryview
+
+
+class Scratch:
+    """A reusable byte buffer that grows on demand (never shrinks)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def view(self, size: int) -> memoryview:
+        if len(self._buf) < size:
+            self._buf = bytearray(size)
+        return memoryview(self._buf)[:size]
 
 
 @dataclass(frozen=True, slots=True)

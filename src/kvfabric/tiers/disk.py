@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from kvfabric.tiers.base import Blob, LRUIndex, TierUsage
+from kvfabric.tiers.base import Blob, LRUIndex, Scratch, TierUsage
 
 SUFFIX = ".kvc"
 STALE_TMP_S = 3600.0
@@ -80,11 +80,17 @@ class DiskTier:
         return [key in self._index or self._adopt(key) for key in keys]
 
     def get(self, key: bytes) -> Blob | None:
+        return self._read(key, None)
+
+    def get_into(self, key: bytes, scratch: Scratch) -> memoryview | None:
+        return self._read(key, scratch)
+
+    def _read(self, key: bytes, scratch: Scratch | None) -> Blob | None:
         path = self.path(key)
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                blob = bytearray(size)
+                blob = bytearray(size) if scratch is None else scratch.view(size)
                 num_read = f.readinto(blob)
         except OSError:
             self._index.remove(key)

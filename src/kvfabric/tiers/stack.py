@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 
 from kvfabric.codec.format import ChunkFormatError, ChunkHeader, parse
-from kvfabric.tiers.base import Blob, Tier
+from kvfabric.tiers.base import Blob, Scratch, Tier
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +59,19 @@ class TierStack:
                 present[i] = hit
         return present
 
-    def get(self, key: bytes) -> tuple[Blob, ChunkHeader, str] | None:
+    def get(self, key: bytes, scratch: Scratch | None = None) -> tuple[Blob, ChunkHeader, str] | None:
+        """The chunk's blob, its header and the tier's name, or None. With `scratch`, a tier that supports
+        `get_into` reads into it (no allocation) unless the blob must be kept for promotion."""
         pending = self._pending.get(key)
         if pending is not None:
             blob = pending[0]
             return blob, parse(blob, key, verify_payload=False), "pending"
         for level, tier in enumerate(self.tiers):
-            blob = tier.get(key)
+            get_into = getattr(tier, "get_into", None)
+            if scratch is not None and level == 0 and get_into is not None:
+                blob = get_into(key, scratch)
+            else:
+                blob = tier.get(key)
             if blob is None:
                 continue
             try:

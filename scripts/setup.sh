@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Idempotent set-up of everything kvfabric needs on a fresh machine:
+#   .venv (Python 3.11) with torch==2.13.0 (CPU build) and kvfabric[test]; the SmolLM2 model (converted once
+#   under ~/.cache/kvfabric/models). With --test also redis-server (Debian) and the vLLM venv (.venv-vllm).
+# Re-running skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+with_test=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) with_test=1 ;;
+    *) echo "usage: $0 [--test]" >&2; exit 2 ;;
+  esac
+done
+
+py=$(command -v python3.11 || command -v python3)
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $py"
+  "$py" -m venv .venv
+fi
+stamp=.venv/.kvfabric-installed
+want=$(sha256sum pyproject.toml | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+  echo "[setup] installing packages into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q torch==2.13.0          # pinned: a plain 'torch' pulls a multi-GB CUDA build
+  .venv/bin/python -m pip install -q -e '.[test]'
+  echo "$want" > "$stamp"
+fi
+
+echo "[setup] model"
+.venv/bin/kvfabric setup-model
+
+if [ "$with_test" = 1 ]; then
+  if ! command -v redis-server >/dev/null; then
+    echo "[setup] installing redis-server (Debian)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+  fi
+  bash scripts/setup_vllm_venv.sh
+fi

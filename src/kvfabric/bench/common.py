@@ -1,0 +1,64 @@
+"""Shared benchmark plumbing: timing, page-cache dropping, and output (a human table, or JSON lines).
+
+Every speed figure is reported beside a baseline measured in the same run, as a ratio: absolute timings on a
+shared machine are noise, ratios measured side by side are not.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+
+def timed(fn: Callable[[], object], repeats: int, setup: Callable[[], object] | None = None) -> float:
+    """Median wall time of `fn` over `repeats` runs (setup, untimed, before each)."""
+    times = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def drop_page_cache(paths: Iterable[str | os.PathLike]) -> None:
+    """Evict these files' clean pages from the page cache, so the next read hits the device."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def threads_note() -> str:
+    return f"torch threads={torch.get_num_threads()}, cpus={os.cpu_count()}"
+
+
+def emit(rows: list[dict], as_json: bool, title: str, columns: list[str]) -> None:
+    if as_json:
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        return
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="right" if column not in ("tier", "op", "layout", "baseline") else "left")
+    for row in rows:
+        table.add_row(*[_fmt(row.get(column)) for column in columns])
+    Console().print(table)
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
+    return "" if value is None else str(value)

@@ -1,0 +1,116 @@
+"""The `kvfabric` command line: info, cache management, set-up, the demo and the benchmarks.
+
+Every command reads the same configuration as the library (`--config FILE`, $KVFABRIC_CONFIG, KVFABRIC_* env).
+Heavy imports (torch models, vLLM) happen inside the commands that need them, so `kvfabric --version` is instant.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import click
+
+from kvfabric import __version__
+from kvfabric.config import Config, ConfigError
+
+
+def _load(config_path: str | None) -> Config:
+    try:
+        return Config.load(config_path)
+    except ConfigError as exc:
+        raise click.UsageError(f"configuration: {exc}") from None
+
+
+config_option = click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+                             help="YAML config file (default: $KVFABRIC_CONFIG, then built-in defaults).")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvfabric")
+def main() -> None:
+    """kvfabric: a persistent, shareable KV cache for LLM inference."""
+
+
+@main.command()
+@config_option
+def info(config_path: str | None) -> None:
+    """Show the configuration in effect and each tier's usage."""
+    from kvfabric.tiers.disk import DiskTier
+    config = _load(config_path)
+    click.echo(json.dumps({"version": __version__, "config": dataclasses.asdict(config)}, indent=2))
+    if "disk" in config.tiers:
+        disk = DiskTier(config.disk.resolved_path(), config.disk.capacity)
+        usage = disk.usage()
+        click.echo(f"disk tier at {disk.root}: {usage.num_chunks} chunks, {usage.num_bytes / 1e6:.1f} MB "
+                   f"of {usage.capacity_bytes / 1e9:.1f} GB")
+
+
+@main.group()
+def cache() -> None:
+    """Inspect or clear the configured disk cache directory."""
+
+
+def _disk(config_path: str | None):
+    from kvfabric.tiers.disk import DiskTier
+    config = _load(config_path)
+    return DiskTier(config.disk.resolved_path(), config.disk.capacity)
+
+
+@cache.command("stats")
+@config_option
+def cache_stats(config_path: str | None) -> None:
+    """Chunk count and bytes of the disk cache."""
+    usage = _disk(config_path).usage()
+    click.echo(json.dumps(dataclasses.asdict(usage)))
+
+
+@cache.command("ls")
+@config_option
+@click.option("--limit", default=50, show_default=True, help="Show at most this many chunks (oldest first).")
+def cache_ls(config_path: str | None, limit: int) -> None:
+    """List chunks of the disk cache: key, size, and the layout/codec from each header."""
+    from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, parse
+    disk = _disk(config_path)
+    for key in disk.keys()[:limit]:
+        path = disk.path(key)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(HEADER_BYTES)
+            header = parse(head + bytes(max(0, path.stat().st_size - HEADER_BYTES)), key, verify_payload=False)
+            detail = f"tokens={header.num_tokens} shape={list(header.shape)} codec={header.codec_id}"
+        except (OSError, ChunkFormatError) as exc:
+            detail = f"unreadable: {exc}"
+        click.echo(f"{key.hex()}  {path.stat().st_size if path.exists() else 0:>12}  {detail}")
+
+
+@cache.command("clear")
+@config_option
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def cache_clear(config_path: str | None, yes: bool) -> None:
+    """Delete every chunk in the disk cache directory."""
+    disk = _disk(config_path)
+    if not yes:
+        click.confirm(f"Delete {disk.usage().num_chunks} chunks under {disk.root}?", abort=True)
+    disk.clear()
+    click.echo("cleared")
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks: each speed is printed beside a baseline measured in the same run."""
+
+
+@bench.command("tiers")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--repeats", default=3, show_default=True)
+@click.option("--quick", is_flag=True, help="Fewer chunks (a smoke run).")
+@click.option("--redis-url", default=None, help="Also measure the redis tier against raw redis-py on this server.")
+def bench_tiers(as_json: bool, repeats: int, quick: bool, redis_url: str | None) -> None:
+    """Tier store/retrieve throughput vs raw copy / file I/O of the same bytes."""
+    from kvfabric.bench.tiers import run
+    run(as_json=as_json, repeats=repeats, quick=quick, redis_url=redis_url)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
