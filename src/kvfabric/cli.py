@@ -96,6 +96,27 @@ def cache_clear(config_path: str | None, yes: bool) -> None:
     click.echo("cleared")
 
 
+@main.command("setup-model")
+@click.argument("name_or_path", default="smollm2-135m-instruct")
+def setup_model_cmd(name_or_path: str) -> None:
+    """Fetch and convert the model once (builtin name, local HF folder, or hub id)."""
+    from kvfabric.engines.model import ModelError, setup_model
+    try:
+        setup_model(name_or_path)
+    except ModelError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.option("--keep-cache", is_flag=True, help="Do not remove the document's chunks first.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="Also write TTFT vs context length (miss vs hit) to this PNG.")
+def demo(keep_cache: bool, plot: str | None) -> None:
+    """Ask questions about a long document: cold, warm from cpu, then warm from disk in a fresh process."""
+    from kvfabric.demo import run
+    run(keep_cache=keep_cache, plot=plot)
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks: each speed is printed beside a baseline measured in the same run."""
@@ -110,6 +131,18 @@ def bench_tiers(as_json: bool, repeats: int, quick: bool, redis_url: str | None)
     """Tier store/retrieve throughput vs raw copy / file I/O of the same bytes."""
     from kvfabric.bench.tiers import run
     run(as_json=as_json, repeats=repeats, quick=quick, redis_url=redis_url)
+
+
+@bench.command("long-doc-qa")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per request, then a summary object.")
+@click.option("--docs", "num_docs", default=3, show_default=True)
+@click.option("--length", "doc_tokens", default=4096, show_default=True, help="Tokens per document.")
+@click.option("--question", "question_tokens", default=64, show_default=True, help="Tokens per question.")
+@click.option("--seed", default=0, show_default=True)
+def bench_long_doc_qa(as_json: bool, num_docs: int, doc_tokens: int, question_tokens: int, seed: int) -> None:
+    """TTFT of cache misses and hits on the real model, with the physical-limit decomposition."""
+    from kvfabric.bench.long_doc_qa import run
+    run(num_docs, doc_tokens, question_tokens, seed, as_json)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,6 +10,7 @@ Contract:
   lookup; a chunk that vanished or fails its checks ends the prefix there (a miss), is counted and removed, and is
   never returned. With `out` ([L, 2, H, >= len(tokens), D], any float dtype), chunks are copied into place and
   `out[..., :m, :]` is returned: the fast path (no allocation, one copy per chunk).
+- `delete(tokens)` removes a prompt's chunks from every tier.
 - Nothing here raises for a damaged or missing cache entry; errors are raised only for bad arguments.
 """
 from __future__ import annotations
@@ -160,6 +161,11 @@ class CacheEngine:
             self.stack.discard(key)
             return False
         return True
+
+    def delete(self, tokens: Tokens) -> int:
+        """Remove the chunks of `tokens` from every tier; returns how many chunks some tier held."""
+        self.stack.flush()  # a queued write must not land after the delete
+        return sum(any(tier.delete(key) for tier in self.stack.tiers) for key in self.keys(tokens))
 
     def flush(self) -> None:
         self.stack.flush()

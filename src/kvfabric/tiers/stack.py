@@ -65,6 +65,7 @@ class TierStack:
         pending = self._pending.get(key)
         if pending is not None:
             blob = pending[0]
+            self.counters["hit.pending"] += 1
             return blob, parse(blob, key, verify_payload=False), "pending"
         for level, tier in enumerate(self.tiers):
             get_into = getattr(tier, "get_into", None)
