@@ -1,0 +1,57 @@
+"""The `kvfabric` command line over a real disk cache in a temporary KVFABRIC_HOME."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvfabric import CacheEngine, Config, KVLayout, __version__
+from kvfabric.cli import main
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVFABRIC_HOME", str(tmp_path))
+    layout = KVLayout(2, 1, 4, "float16")
+    with CacheEngine(Config(chunk_size=8), layout, "m") as engine:
+        engine.store(list(range(24)), torch.randn(layout.shape(24)))
+        engine.flush()
+    return tmp_path
+
+
+def test_version():
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0 and __version__ in result.output
+
+
+def test_info_and_stats(home):
+    result = CliRunner().invoke(main, ["info"])
+    assert result.exit_code == 0, result.output
+    assert '"chunk_size": 256' in result.output and "3 chunks" in result.output
+    stats = json.loads(CliRunner().invoke(main, ["cache", "stats"]).output)
+    assert stats["num_chunks"] == 3 and stats["num_bytes"] > 0
+
+
+def test_ls_and_clear(home):
+    listing = CliRunner().invoke(main, ["cache", "ls"]).output.strip().splitlines()
+    assert len(listing) == 3 and all("tokens=8" in line for line in listing)
+    assert CliRunner().invoke(main, ["cache", "clear", "--yes"]).exit_code == 0
+    assert json.loads(CliRunner().invoke(main, ["cache", "stats"]).output)["num_chunks"] == 0
+
+
+def test_bad_config_is_a_usage_error(home, monkeypatch):
+    monkeypatch.setenv("KVFABRIC_DISK__CAPACITY", "lots")
+    result = CliRunner().invoke(main, ["info"])
+    assert result.exit_code == 2 and "disk.capacity" in result.output
+
+
+def test_bench_tiers_quick_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVFABRIC_BENCH_DIR", str(tmp_path))
+    result = CliRunner().invoke(main, ["bench", "tiers", "--quick", "--json", "--repeats", "1"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    ops = {(r["tier"], r["op"]) for r in rows}
+    assert {("cpu", "store"), ("cpu", "retrieve"), ("disk", "store"), ("disk", "retrieve"), ("cpu", "lookup")} <= ops
+    assert all(r["ratio"] > 0 for r in rows if "ratio" in r)
