@@ -119,6 +119,7 @@ class CacheEngine:
         num_done = 0
         started = time.perf_counter()
         with self.stack.pinned(keys):
+            self.stack.prefetch(keys)
             for i, found in enumerate(self._fetch_ahead(keys)):
                 if found is None or not self._decode_chunk(keys[i], found, i, num_tokens, out):
                     break
@@ -129,8 +130,10 @@ class CacheEngine:
         return out[:, :, :, :num_done, :]
 
     def _fetch_ahead(self, keys: Sequence[bytes]) -> Iterator[tuple[Blob, ChunkHeader, str] | None]:
-        """Yield stack.get(key) for each key in order, reading one chunk ahead in the reader thread.
-        Two scratch buffers alternate: the one being decoded is never the one being filled."""
+        """Yield stack.get(key) for each key in order. A chunk not in process memory is read one step ahead by
+        the reader thread (file or network I/O and its checksum overlap the decoding of the previous chunk);
+        two scratch buffers alternate, so the one being decoded is never the one being filled. Chunks in
+        memory are taken directly: a thread hand-off would cost more than the dict lookup."""
         if not hasattr(self._scratch, "pair"):
             self._scratch.pair = (Scratch(), Scratch())
         pair = self._scratch.pair
@@ -142,7 +145,7 @@ class CacheEngine:
                 if current is None:
                     yield None
                     return
-                if i + 1 < len(keys):
+                if i + 1 < len(keys) and not self.stack.is_in_memory(keys[i + 1]):
                     ahead = self._reader.submit(self.stack.get, keys[i + 1], pair[(i + 1) % 2])
                 yield current
         finally:

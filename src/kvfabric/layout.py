@@ -46,7 +46,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.tensor([], dtype=self.torch_dtype).element_size()
+        return DTYPES[self.dtype][1].itemsize
 
     def shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
         return (self.num_layers, 2, self.num_kv_heads, num_tokens, self.head_dim)

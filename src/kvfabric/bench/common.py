@@ -28,6 +28,17 @@ def timed(fn: Callable[[], object], repeats: int, setup: Callable[[], object] | 
     return statistics.median(times)
 
 
+def paired(ours: Callable[[], object], base: Callable[[], object], repeats: int,
+           setup_ours: Callable[[], object] | None = None,
+           setup_base: Callable[[], object] | None = None) -> tuple[float, float]:
+    """Median times of `ours` and `base`, run alternately so that both see the same machine load."""
+    a, b = [], []
+    for _ in range(repeats):
+        a.append(timed(ours, 1, setup_ours))
+        b.append(timed(base, 1, setup_base))
+    return statistics.median(a), statistics.median(b)
+
+
 def drop_page_cache(paths: Iterable[str | os.PathLike]) -> None:
     """Evict these files' clean pages from the page cache, so the next read hits the device."""
     for path in paths:

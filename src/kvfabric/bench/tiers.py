@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvfabric.bench.common import drop_page_cache, emit, threads_note, timed
+from kvfabric.bench.common import drop_page_cache, emit, paired, threads_note, timed
 from kvfabric.config import Config, CpuTierConfig, DiskTierConfig
 from kvfabric.engine import CacheEngine
 from kvfabric.layout import KVLayout
@@ -40,14 +40,17 @@ def bench_cpu(name: str, layout: KVLayout, num_chunks: int, repeats: int) -> lis
     num_bytes = kv.numel() * kv.element_size()
     cfg = Config(chunk_size=CHUNK, tiers=("cpu",), cpu=CpuTierConfig(capacity=num_bytes * 4))
     engine = CacheEngine(cfg, layout, "bench")
-    store_s = timed(lambda: engine.store(tokens, kv), repeats, setup=engine.stack.tiers[0].clear)
-    retrieve_s = timed(lambda: engine.retrieve(tokens, out=out), repeats)
+    src, dst = kv.view(torch.int16).numpy(), np.empty(kv.shape, dtype=np.int16)
+
+    def copy() -> None:
+        np.copyto(dst, src)
+
+    store_s, copy1_s = paired(lambda: engine.store(tokens, kv), copy, repeats, setup_ours=engine.stack.tiers[0].clear)
+    retrieve_s, copy2_s = paired(lambda: engine.retrieve(tokens, out=out), copy, repeats)
     assert torch.equal(out, kv), "cpu tier returned different bytes"
-    src, dst = kv.numpy().view(np.uint16), np.empty(kv.shape, dtype=np.uint16)
-    copy_s = timed(lambda: np.copyto(dst, src), repeats)
     engine.close()
-    return [_row("cpu", "store", name, num_bytes, store_s, copy_s, "numpy copy into a preallocated buffer"),
-            _row("cpu", "retrieve", name, num_bytes, retrieve_s, copy_s, "numpy copy into a preallocated buffer")]
+    return [_row("cpu", "store", name, num_bytes, store_s, copy1_s, "numpy copy into a preallocated buffer"),
+            _row("cpu", "retrieve", name, num_bytes, retrieve_s, copy2_s, "numpy copy into a preallocated buffer")]
 
 
 def bench_disk(name: str, layout: KVLayout, num_chunks: int, repeats: int, root: Path) -> list[dict]:
@@ -64,10 +67,7 @@ def bench_disk(name: str, layout: KVLayout, num_chunks: int, repeats: int, root:
         engine.store(tokens, kv)
         engine.flush()
 
-    store_s = timed(store, repeats, setup=disk.clear)
     paths = [disk.path(k) for k in engine.keys(tokens)]
-    retrieve_s = timed(lambda: engine.retrieve(tokens, out=out), repeats, setup=lambda: drop_page_cache(paths))
-    assert torch.equal(out, kv), "disk tier returned different bytes"
 
     chunk_bytes = num_bytes // num_chunks
     raw = [memoryview(bytes(os.urandom(chunk_bytes))) for _ in range(num_chunks)]
@@ -87,8 +87,10 @@ def bench_disk(name: str, layout: KVLayout, num_chunks: int, repeats: int, root:
             with open(path, "rb") as f:
                 f.readinto(buf)
 
-    write_s = timed(raw_write, repeats)
-    read_s = timed(raw_read, repeats, setup=lambda: drop_page_cache(raw_paths))
+    store_s, write_s = paired(store, raw_write, repeats, setup_ours=disk.clear)
+    retrieve_s, read_s = paired(lambda: engine.retrieve(tokens, out=out), raw_read, repeats,
+                                setup_ours=lambda: drop_page_cache(paths), setup_base=lambda: drop_page_cache(raw_paths))
+    assert torch.equal(out, kv), "disk tier returned different bytes"
     engine.close()
     return [_row("disk", "store", name, num_bytes, store_s, write_s, "file write+fsync, same bytes"),
             _row("disk", "retrieve", name, num_bytes, retrieve_s, read_s, "file read, page cache dropped")]

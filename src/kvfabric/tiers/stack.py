@@ -90,6 +90,23 @@ class TierStack:
         self.counters["miss"] += 1
         return None
 
+    def is_in_memory(self, key: bytes) -> bool:
+        """True if `get(key)` will be served from process memory (a queued write or a trusted first tier)."""
+        tier = self.tiers[0]
+        return key in self._pending or (tier.is_trusted and tier.contains_many([key])[0])
+
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Hint each tier that has `prefetch` to start reading the keys it will serve (those the faster tiers
+        lack). Only a hint: nothing is returned and nothing fails."""
+        for tier in self.tiers:
+            if not keys:
+                return
+            present = tier.contains_many(keys)
+            hint = getattr(tier, "prefetch", None)
+            if hint is not None:
+                hint([key for key, hit in zip(keys, present) if hit])
+            keys = [key for key, hit in zip(keys, present) if not hit]
+
     def discard(self, key: bytes) -> None:
         """Remove a chunk found unusable above this layer (e.g. a payload that does not decode)."""
         self.counters["discarded"] += 1
