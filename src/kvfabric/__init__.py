@@ -1,11 +1,25 @@
 """kvfabric: a persistent, shareable KV cache for LLM inference.
 
 Public names: `CacheEngine` (lookup / store / retrieve KV by token prefix), `Config` (typed configuration),
-`KVLayout` (a model's KV shape and dtype).
+`KVLayout` (a model's KV shape and dtype). They are imported on first use, so that entry points can set the
+OpenMP environment before torch loads (see kvfabric.cli).
 """
-from kvfabric.config import Config
-from kvfabric.engine import CacheEngine
-from kvfabric.layout import KVLayout
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["CacheEngine", "Config", "KVLayout"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CacheEngine":
+        from kvfabric.engine import CacheEngine
+        return CacheEngine
+    if name == "Config":
+        from kvfabric.config import Config
+        return Config
+    if name == "KVLayout":
+        from kvfabric.layout import KVLayout
+        return KVLayout
+    raise AttributeError(f"module 'kvfabric' has no attribute {name!r}")
