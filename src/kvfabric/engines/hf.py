@@ -18,6 +18,7 @@ An ``HFEngine`` is not thread-safe (it owns one reusable buffer).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -26,16 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvfabric import CacheEngine, Config, KVLayout
-from kvfabric.engines.model import DEFAULT_MODEL, ModelError, load_model
+from kvfabric.engines.model import DEFAULT_MODEL, MARKER, ModelError, load_model
 
 
 class BufferLayer(CacheLayerMixin):
     """One layer's K/V: views ``[1, H, T, D]`` of the shared buffer plus a fill pointer."""
 
-    is_compileable = False
     is_croppable = True
     is_sliding = False
 
@@ -47,7 +48,7 @@ class BufferLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        return None  # storage exists from the start
+        """Nothing to do: the storage exists from the start."""
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -85,6 +86,40 @@ class BufferCache(Cache):
         super().__init__(layers=layers)
 
 
+FAST_ATTENTION = "kvfabric_sdpa_gqa"  # name registered in transformers' attention registries
+
+
+def sdpa_gqa_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Stock sdpa, but with native GQA also under a mask (CPU kernels support it): stock sdpa copies
+    the whole past per layer (repeat_kv) for every masked suffix prefill. q [B,Hq,q,D], k/v [B,Hkv,kv,D]."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    q_len = query.shape[2]
+    if (query.device.type != "cpu" or q_len == 1 or key.shape[1] == query.shape[1]
+            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    causal = attention_mask is None and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if causal and key.shape[2] > q_len:  # same slicing as stock sdpa (upper-left causal alignment)
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, is_causal=bool(causal), enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None  # [B, q, Hq, D]
+
+
+def use_fast_attention(model: Any) -> bool:
+    """Switch an sdpa model to :func:`sdpa_gqa_attention` (same math). Returns whether it did."""
+    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", FAST_ATTENTION):
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(FAST_ATTENTION, sdpa_gqa_attention)  # idempotent
+    AttentionMaskInterface.register(FAST_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(FAST_ATTENTION)
+    return True
+
+
 @dataclass(frozen=True)
 class GenerationResult:
     text: str
@@ -93,7 +128,7 @@ class GenerationResult:
     hit_tokens: int  # prompt tokens whose KV came from the cache (chunk-aligned)
     stored_chunks: int
     ttft_s: float  # start of generate() to the first generated token
-    retrieve_s: float  # lookup + retrieve into the buffer
+    retrieve_s: float  # tokenize + lookup + retrieve into the buffer
     prefill_s: float  # forward over the uncached suffix
     store_s: float
     decode_s: float
@@ -108,6 +143,20 @@ def layout_for(model_config: Any, kv_dtype: str = "float16") -> KVLayout:
                     head_dim=int(head_dim), dtype=kv_dtype)
 
 
+def default_num_threads() -> int:
+    """$OMP_NUM_THREADS if set, else every core this process may run on."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(env) if env.isdigit() and int(env) > 0 else len(os.sched_getaffinity(0)) or os.cpu_count() or 1
+
+
+def _default_model_id(name_or_path: str | Path) -> str:
+    """The builtin name of a converted folder, else the folder name (pass model_id to disambiguate)."""
+    marker = Path(str(name_or_path)).expanduser() / MARKER
+    if marker.is_file():
+        return str(json.loads(marker.read_text()).get("name") or Path(str(name_or_path)).name)
+    return Path(str(name_or_path)).name
+
+
 class HFEngine:
     """Runs a HF causal LM with prefix KV served by a :class:`kvfabric.CacheEngine`."""
 
@@ -119,20 +168,26 @@ class HFEngine:
         config: Config | None = None,
         kv_dtype: str = "float16",
         model_id: str | None = None,
+        fast_attention: bool = True,
+        num_threads: int | None = None,
         model: Any = None,
         tokenizer: Any = None,
     ) -> None:
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(num_threads or default_num_threads())
         if model is None or tokenizer is None:
             model, tokenizer = load_model(str(model_name_or_path), dtype=torch.float32)
-        if not getattr(model.config, "is_decoder", True) and getattr(model.config, "is_encoder_decoder", False):
-            raise ModelError(f"{model_name_or_path}: encoder-decoder models are not supported")
+        if getattr(model.config, "is_encoder_decoder", False) or not model.can_generate():
+            raise ModelError(f"{model_name_or_path}: not a decoder-only causal LM")
         self.model = model.float().eval()
+        if fast_attention:
+            use_fast_attention(self.model)  # note: switches a caller-provided model too
         self.tokenizer = tokenizer
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
-        self.model_id = model_id or Path(str(model_name_or_path)).name
-        layout = layout_for(model.config, kv_dtype)
-        self.cache = cache if cache is not None else CacheEngine(config or Config(), layout, self.model_id)
+        self.model_id = model_id or _default_model_id(model_name_or_path)
+        self._owns_cache = cache is None  # close() closes only a cache we built
+        if cache is None:
+            cache = CacheEngine(config or Config(), layout_for(model.config, kv_dtype), self.model_id)
+        self.cache = cache
         ours = layout_for(model.config, self.cache.layout.dtype)
         if self.cache.layout != ours:
             raise ValueError(f"cache layout {self.cache.layout} does not match the model's {ours}")
@@ -147,8 +202,7 @@ class HFEngine:
         if isinstance(prompt, str):
             if chat:
                 ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                         add_generation_prompt=True, tokenize=True)
-                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+                                                         add_generation_prompt=True, tokenize=True, return_dict=False)
             else:
                 ids = self.tokenizer(prompt)["input_ids"]
         else:
@@ -159,7 +213,8 @@ class HFEngine:
         """fp32 [L, 2, H, num_tokens, D] view of a buffer kept across calls (fresh pages are slow)."""
         if self._buf is None or self._buf.shape[3] < num_tokens:
             self._buf = None  # free the old one first
-            self._buf = torch.empty(self.layout.shape(num_tokens), dtype=torch.float32)
+            capacity = -(-num_tokens // 512) * 512  # headroom: a slightly longer next prompt reuses it
+            self._buf = torch.empty(self.layout.shape(capacity), dtype=torch.float32)
         return self._buf[:, :, :, :num_tokens]
 
     def _forward(self, ids: Sequence[int], cache: BufferCache, start: int) -> torch.Tensor:
@@ -234,7 +289,8 @@ class HFEngine:
 
     def close(self) -> None:
         self.cache.flush()
-        self.cache.close()
+        if self._owns_cache:
+            self.cache.close()
         self._buf = None
 
     def __enter__(self) -> HFEngine:

