@@ -71,8 +71,9 @@ class DiskTierConfig:
 
 @dataclass(frozen=True, slots=True)
 class ShmTierConfig:
-    name: str = "kvfabric"  # pool file /dev/shm/<name>; every process using the same name shares it
-    capacity: ByteSize = 2**30
+    name: str = "kvfabric"  # pool file /dev/shm/kvfabric-<name>; every process using the same name shares it
+    capacity: ByteSize = 2**30  # reserved in /dev/shm at creation (containers often give /dev/shm only 64 MB)
+    lock_timeout_s: float = 2.0  # a writer waits at most this long for the pool lock, then drops the put
 
 
 @dataclass(frozen=True, slots=True)

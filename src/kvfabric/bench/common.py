@@ -31,11 +31,16 @@ def timed(fn: Callable[[], object], repeats: int, setup: Callable[[], object] | 
 def paired(ours: Callable[[], object], base: Callable[[], object], repeats: int,
            setup_ours: Callable[[], object] | None = None,
            setup_base: Callable[[], object] | None = None) -> tuple[float, float]:
-    """Median times of `ours` and `base`, run alternately so that both see the same machine load."""
+    """Median times of `ours` and `base`, run alternately (and each first half of the time) so that both see
+    the same machine load and neither always gets the warmer caches."""
     a, b = [], []
-    for _ in range(repeats):
-        a.append(timed(ours, 1, setup_ours))
-        b.append(timed(base, 1, setup_base))
+    for i in range(repeats):
+        if i % 2:
+            b.append(timed(base, 1, setup_base))
+            a.append(timed(ours, 1, setup_ours))
+        else:
+            a.append(timed(ours, 1, setup_ours))
+            b.append(timed(base, 1, setup_base))
     return statistics.median(a), statistics.median(b)
 
 

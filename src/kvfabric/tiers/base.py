@@ -1,6 +1,6 @@
 """The Tier protocol, and the byte-bounded LRU index that tiers share.
 
-Contract for every tier (tests/test_tier_contract.py runs one suite on each implementation):
+Contract for every tier (tests/tier_contract.py runs one suite on each implementation):
 - Values are chunk blobs (codec.format): opaque bytes to the tier. `put` then `get` returns the same bytes, or
   None once the entry was evicted, deleted or found damaged; `get` never raises for a missing key.
 - `capacity_bytes` bounds the sum of stored blob sizes; when a put would exceed it the least recently used

@@ -1,0 +1,310 @@
+"""Redis / Valkey tier: chunk blobs as plain string values on a Redis server or Redis Cluster.
+
+Contract:
+- A chunk lives under `kvf:<key hex>` (the chunk key already names model, layout and tenant). Values are the
+  chunk blobs, passed to SET as they are (bytes, bytearray or memoryview; redis-py sends large arguments
+  without copying) and returned from GET as the bytes redis-py built: no extra copy on either side.
+- `contains_many` is one pipelined round trip (one EXISTS per key; a single multi-key EXISTS only counts).
+  In cluster mode (`is_cluster`) the client splits the pipeline per node: one round trip per node touched.
+- The server owns the bound: `ttl_s > 0` stores with SET EX, and the server's maxmemory policy evicts. An
+  evicted or expired key is a clean miss. `capacity_bytes` is informational (and rejects a single blob larger
+  than it); pin/unpin are no-ops because this process cannot stop the server from evicting a key.
+- Not trusted: the stack verifies every blob read from here, so a value damaged on the server is a counted miss.
+- Faults never reach the caller and never hang it: every socket operation has `timeout_s` (connect too); a
+  failed call is a miss / False / [False, ...]. After `breaker_failures` consecutive connection failures a
+  circuit breaker opens: calls answer at once without touching the network, and one probe call is let through
+  after a backoff (0.1 s, doubling, capped at `backoff_max_s`); its success closes the breaker. redis-py
+  reconnects by itself, so the tier recovers when the server comes back. Failed or skipped stores are dropped
+  and counted in `counters`, never retried.
+- Thread safe: redis-py's clients use a connection pool; the breaker has its own lock.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import redis
+import redis.cluster
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ClusterError, RedisClusterException, RedisError, ResponseError
+from redis.retry import Retry
+
+from kvfabric.config import RedisTierConfig
+from kvfabric.tiers.base import Blob, TierUsage
+
+log = logging.getLogger(__name__)
+
+PREFIX = b"kvf:"
+BACKOFF_START_S = 0.1
+SCAN_COUNT = 1000
+DELETE_BATCH = 1000
+T = TypeVar("T")
+
+
+class _Unavailable(Exception):
+    """Internal: the breaker is open, the call was not attempted."""
+
+
+class CircuitBreaker:
+    """Consecutive-failure breaker with exponential half-open probing. Thread safe."""
+
+    def __init__(self, failures: int, backoff_max_s: float, backoff_start_s: float = BACKOFF_START_S) -> None:
+        self.threshold = max(1, failures)
+        self.backoff_start_s = min(backoff_start_s, backoff_max_s)
+        self.backoff_max_s = backoff_max_s
+        self.failures = 0
+        self._backoff = self.backoff_start_s
+        self._retry_at = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def is_open(self) -> bool:
+        return self.failures >= self.threshold
+
+    def allow(self) -> bool:
+        """True if a call may go to the network now (closed, or this caller is the half-open probe)."""
+        if self.failures < self.threshold:
+            return True
+        with self._lock:
+            now = time.monotonic()
+            if now < self._retry_at:
+                return False
+            self._retry_at = now + self._backoff  # only one probe per backoff window
+            return True
+
+    def success(self) -> bool:
+        """Record a success; True if it closed an open breaker."""
+        if not self.failures:
+            return False
+        with self._lock:
+            was_open = self.failures >= self.threshold
+            self.failures = 0
+            self._backoff = self.backoff_start_s
+            return was_open
+
+    def failure(self) -> bool:
+        """Record a failure; True if this one opened (or re-opened) the breaker."""
+        with self._lock:
+            self.failures += 1
+            if self.failures < self.threshold:
+                return False
+            self._retry_at = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, self.backoff_max_s)
+            return True
+
+
+def redis_key(key: bytes) -> bytes:
+    return PREFIX + key.hex().encode()
+
+
+class RedisTier:
+    name = "redis"
+    is_trusted = False
+
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, is_cluster: bool = False, ttl_s: int = 0,
+                 timeout_s: float = 0.5, capacity_bytes: int = 2**40, breaker_failures: int = 3,
+                 backoff_max_s: float = 30.0, keys_limit: int = 1_000_000) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.url = url
+        self.is_cluster = is_cluster
+        self.ttl_s = int(ttl_s)
+        self.timeout_s = float(timeout_s)
+        self.capacity_bytes = capacity_bytes
+        self.keys_limit = keys_limit
+        self.counters: Counter[str] = Counter()
+        self.breaker = CircuitBreaker(breaker_failures, backoff_max_s)
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: RedisTierConfig) -> RedisTier:
+        return cls(config.url, is_cluster=config.is_cluster, ttl_s=config.ttl_s, timeout_s=config.timeout_s,
+                   capacity_bytes=config.capacity, breaker_failures=config.breaker_failures,
+                   backoff_max_s=config.backoff_max_s)
+
+    # ---- connection + fault handling ---------------------------------------------------------------------
+    def _make_client(self) -> Any:
+        common = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
+                      health_check_interval=0, decode_responses=False)
+        if self.is_cluster:
+            # Cluster construction connects (it reads the slot map), so it happens lazily, under the breaker.
+            # No client-side retries: the breaker decides when to try again.
+            return redis.cluster.RedisCluster.from_url(self.url, retry=Retry(NoBackoff(), 0), **common)
+        # One immediate retry on a connection error only: a pooled connection that died with a restarted server
+        # is replaced at once. Timeouts are not retried (the caller would wait twice).
+        return redis.Redis.from_url(self.url, retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+                                    **common)
+
+    def client(self) -> Any:
+        client = self._client
+        if client is None:
+            with self._client_lock:
+                if self._client is None:
+                    self._client = self._make_client()
+                client = self._client
+        return client
+
+    def _call(self, op: str, fn: Callable[[Any], T]) -> T:
+        """Run fn(client) under the breaker; raise _Unavailable (breaker open) or the error after counting it."""
+        if not self.breaker.allow():
+            self.counters[f"{op}.skipped"] += 1
+            raise _Unavailable
+        try:
+            result = fn(self.client())
+        except (RedisError, RedisClusterException, OSError) as exc:
+            if isinstance(exc, ResponseError) and not isinstance(exc, ClusterError):
+                # The server answered (e.g. OOM under maxmemory noeviction): it is alive, the breaker stays shut.
+                self.breaker.success()
+                self.counters[f"{op}.rejected"] += 1
+                log.debug("redis %s rejected: %s", op, exc)
+                raise
+            self.counters[f"{op}.errors"] += 1
+            if self.breaker.failure():
+                self.counters["breaker.opened"] += 1
+                log.warning("redis tier %s unreachable (%s: %s); circuit open", self.url, type(exc).__name__, exc)
+                if self.is_cluster:
+                    self._reset_client()  # re-read the slot map on the next try
+            raise
+        if self.breaker.success():
+            self.counters["breaker.closed"] += 1
+            log.warning("redis tier %s reachable again; circuit closed", self.url)
+        return result
+
+    def _reset_client(self) -> None:
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - closing a broken client must not raise
+                pass
+
+    # ---- Tier protocol -----------------------------------------------------------------------------------
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+
+        def run(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(redis_key(key))
+            return pipe.execute()
+
+        try:
+            return [bool(n) for n in self._call("contains", run)]
+        except Exception:  # noqa: BLE001 - a fault is a miss, never an error for the caller
+            return [False] * len(keys)
+
+    def get(self, key: bytes) -> Blob | None:
+        try:
+            value = self._call("get", lambda client: client.get(redis_key(key)))
+        except Exception:  # noqa: BLE001
+            return None
+        if value is None:
+            self.counters["get.miss"] += 1
+        return value
+
+    def put(self, key: bytes, blob: Blob) -> bool:
+        if isinstance(blob, memoryview) and (blob.format != "B" or blob.ndim != 1):
+            blob = blob.cast("B")  # redis-py writes len(arg) as the length: it must count bytes
+        if len(blob) > self.capacity_bytes:
+            self.counters["put.too_large"] += 1
+            return False
+        name = redis_key(key)
+        ttl = self.ttl_s if self.ttl_s > 0 else None
+        try:
+            self._call("put", lambda client: client.set(name, blob, ex=ttl))
+        except Exception:  # noqa: BLE001 - dropped and counted (counters["put.*"]), never retried
+            self.counters["put.dropped"] += 1
+            return False
+        return True
+
+    def delete(self, key: bytes) -> bool:
+        try:
+            return bool(self._call("delete", lambda client: client.unlink(redis_key(key))))
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _scan(self, client: Any, limit: int) -> list[bytes]:
+        names: list[bytes] = []
+        for name in client.scan_iter(match=PREFIX + b"*", count=SCAN_COUNT):
+            names.append(name)
+            if len(names) >= limit:
+                break
+        return names
+
+    def keys(self) -> list[bytes]:
+        """Keys on the server under the kvf: prefix (SCAN, at most `keys_limit`; [] when unreachable)."""
+        try:
+            names = self._call("keys", lambda client: self._scan(client, self.keys_limit))
+        except Exception:  # noqa: BLE001
+            return []
+        out = []
+        for name in names:
+            try:
+                out.append(bytes.fromhex(name[len(PREFIX):].decode()))
+            except ValueError:
+                continue  # a foreign key under our prefix
+        return out
+
+    def usage(self) -> TierUsage:
+        """Best effort: DBSIZE (every key of the db) and INFO memory's used_memory_dataset; zeros when down."""
+        def run(client: Any) -> tuple[int, int]:
+            if self.is_cluster:
+                primaries = redis.cluster.RedisCluster.PRIMARIES
+                num_chunks = int(client.dbsize(target_nodes=primaries))  # summed over the primaries
+                infos = client.info("memory", target_nodes=primaries)
+                infos = list(infos.values()) if all(isinstance(v, dict) for v in infos.values()) else [infos]
+            else:
+                num_chunks, infos = int(client.dbsize()), [client.info("memory")]
+            num_bytes = sum(int(info.get("used_memory_dataset", info.get("used_memory", 0))) for info in infos)
+            return num_chunks, num_bytes
+
+        try:
+            num_chunks, num_bytes = self._call("usage", run)
+        except Exception:  # noqa: BLE001
+            num_chunks, num_bytes = 0, 0
+        return TierUsage(self.name, num_chunks, num_bytes, self.capacity_bytes)
+
+    def pin(self, keys: Iterable[bytes]) -> None:
+        """No-op: the server owns eviction (maxmemory policy, TTL); a client cannot hold a key there. A chunk
+        evicted between lookup and read is a clean miss, which the engine handles."""
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        """No-op, see `pin`."""
+
+    def clear(self) -> None:
+        """Delete every kvf: key (SCAN + pipelined UNLINK); other keys on the server are left alone."""
+        def run(client: Any) -> int:
+            total = 0
+            batch: list[bytes] = []
+            # Deleting while scanning is safe: SCAN returns every key present for the whole scan.
+            for name in client.scan_iter(match=PREFIX + b"*", count=SCAN_COUNT):
+                batch.append(name)
+                if len(batch) >= DELETE_BATCH:
+                    total += unlink(client, batch)
+            return total + unlink(client, batch)
+
+        def unlink(client: Any, batch: list[bytes]) -> int:
+            if batch:
+                pipe = client.pipeline(transaction=False)
+                for name in batch:
+                    pipe.unlink(name)
+                pipe.execute()
+            num = len(batch)
+            batch.clear()
+            return num
+
+        try:
+            self._call("clear", run)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def close(self) -> None:
+        self._reset_client()
