@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 QUESTIONS = (
@@ -53,11 +54,18 @@ def prompt_ids(tokenizer, question: str) -> list[int]:
     return encode(head) + encode("\n\nQuestion: " + tail)
 
 
-def ask_all(engine, phase: str, questions: tuple[str, ...] = QUESTIONS) -> list[Answer]:
+def ask_all(engine, phase: str, questions: tuple[str, ...] = QUESTIONS, show_progress: bool = False) -> list[Answer]:
     answers = []
-    for i, question in enumerate(questions):
+    for question in questions:
         ids = prompt_ids(engine.tokenizer, question)
-        result = engine.generate(ids, max_new_tokens=32)
+        if show_progress:
+            with Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                          TimeElapsedColumn(), transient=True) as bar:
+                task = bar.add_task("prefill", total=len(ids))
+                result = engine.generate(ids, max_new_tokens=32,
+                                         progress=lambda done, total: bar.update(task, completed=done))
+        else:
+            result = engine.generate(ids, max_new_tokens=32)
         answer = result.text.strip().split("\n\n")[0]  # a 135M model rambles on after its answer
         answers.append(Answer(phase, question, result.prompt_tokens, result.hit_tokens, result.ttft_s, answer))
         if phase == "cold":
@@ -93,8 +101,8 @@ def run(keep_cache: bool = False, plot: str | None = None) -> None:
     if not keep_cache:
         removed = sum(engine.cache.delete(prompt_ids(engine.tokenizer, q)) for q in QUESTIONS)
         console.print(f"removed {removed} cached chunks of this document, so the first question is a real miss")
-    with console.status("prefill of the whole document, then two warm questions"):
-        answers = ask_all(engine, "cold")
+    console.print("question 1 pays the full prefill; questions 2 and 3 reuse the document's KV from memory")
+    answers = ask_all(engine, "cold", show_progress=True)
     _show(console, answers)
     engine.close()
     console.print("\nrestarting in a fresh process (empty memory; the KV comes from disk)...")

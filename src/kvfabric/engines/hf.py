@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvfabric import CacheEngine, Config, KVLayout
 from kvfabric.engines.model import DEFAULT_MODEL, MARKER, ModelError, load_model
+
+
+PREFILL_PIECE = 512  # tokens per forward when the caller wants prefill progress
 
 
 class BufferLayer(CacheLayerMixin):
@@ -243,8 +246,11 @@ class HFEngine:
         use_cache: bool = True,
         store: bool = True,
         chat: bool = False,
+        progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult:
-        """Generate after ``prompt`` (text or token ids). ``temperature > 0`` samples and needs ``seed``."""
+        """Generate after ``prompt`` (text or token ids). ``temperature > 0`` samples and needs ``seed``.
+        With ``progress``, the prefill runs in pieces of PREFILL_PIECE tokens and ``progress(done, total)`` is
+        called after each (same result up to float rounding; costs a little)."""
         t0 = time.perf_counter()
         ids = self.encode(prompt, chat=chat)
         n = len(ids)
@@ -265,7 +271,11 @@ class HFEngine:
         t1 = time.perf_counter()
 
         kv_cache = BufferCache(buf, past)
-        logits = self._forward(ids[past:], kv_cache, past)  # [vocab]
+        step = PREFILL_PIECE if progress is not None else n
+        for start in range(past, n, step):
+            logits = self._forward(ids[start:start + step], kv_cache, start)  # [vocab] after the last piece
+            if progress is not None:
+                progress(min(start + step, n), n)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         tokens = [self._pick(logits, temperature, gen)] if max_new else []
         t2 = time.perf_counter()
