@@ -74,6 +74,19 @@ def emit(rows: list[dict], as_json: bool, title: str, columns: list[str]) -> Non
     Console().print(table)
 
 
+def emit_summary(summary: dict, as_json: bool, title: str) -> None:
+    """One summary object: a JSON line, or a two-column table that fits a terminal."""
+    if as_json:
+        print(json.dumps(summary), flush=True)
+        return
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        table.add_row(key, _fmt(value))
+    Console().print(table)
+
+
 def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
