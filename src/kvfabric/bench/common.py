@@ -46,15 +46,8 @@ def paired(ours: Callable[[], object], base: Callable[[], object], repeats: int,
 
 def drop_page_cache(paths: Iterable[str | os.PathLike]) -> None:
     """Evict these files' clean pages from the page cache, so the next read hits the device."""
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    from kvfabric.tiers.disk import fadvise
+    fadvise(paths, os.POSIX_FADV_DONTNEED)
 
 
 def threads_note() -> str:

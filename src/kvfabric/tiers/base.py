@@ -146,3 +146,23 @@ class LRUIndex:
         with self.lock:
             self._sizes.clear()
             self.num_bytes = 0
+
+
+class IndexedTier:
+    """Shared bookkeeping methods for tiers whose entries are tracked by an `LRUIndex` in `self._index`."""
+
+    name: str
+    capacity_bytes: int
+    _index: LRUIndex
+
+    def keys(self) -> list[bytes]:
+        return self._index.keys()
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self.name, len(self._index), self._index.num_bytes, self.capacity_bytes)
+
+    def pin(self, keys: Iterable[bytes]) -> None:
+        self._index.pin(keys)
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        self._index.unpin(keys)

@@ -5,12 +5,12 @@ A reader holding a blob keeps it alive after eviction (Python references), and p
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-from kvfabric.tiers.base import Blob, LRUIndex, TierUsage
+from kvfabric.tiers.base import Blob, IndexedTier, LRUIndex
 
 
-class CpuTier:
+class CpuTier(IndexedTier):
     name = "cpu"
     is_trusted = True
 
@@ -43,18 +43,6 @@ class CpuTier:
         with self._index.lock:
             self._blobs.pop(key, None)
             return self._index.remove(key)
-
-    def keys(self) -> list[bytes]:
-        return self._index.keys()
-
-    def usage(self) -> TierUsage:
-        return TierUsage(self.name, len(self._index), self._index.num_bytes, self.capacity_bytes)
-
-    def pin(self, keys: Iterable[bytes]) -> None:
-        self._index.pin(keys)
-
-    def unpin(self, keys: Iterable[bytes]) -> None:
-        self._index.unpin(keys)
 
     def clear(self) -> None:
         with self._index.lock:

@@ -18,13 +18,26 @@ import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from kvfabric.tiers.base import Blob, LRUIndex, Scratch, TierUsage
+from kvfabric.tiers.base import Blob, IndexedTier, LRUIndex, Scratch
 
 SUFFIX = ".kvc"
 STALE_TMP_S = 3600.0
 
 
-class DiskTier:
+def fadvise(paths: Iterable[str | os.PathLike], advice: int) -> None:
+    """posix_fadvise(advice) on whole files; missing files are skipped (a hint, never an error)."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, advice)
+        finally:
+            os.close(fd)
+
+
+class DiskTier(IndexedTier):
     name = "disk"
     is_trusted = False
 
@@ -82,15 +95,7 @@ class DiskTier:
     def prefetch(self, keys: Sequence[bytes]) -> None:
         """Ask the kernel to start reading these chunks now (POSIX_FADV_WILLNEED): the reads then overlap
         with decoding instead of queueing behind it."""
-        for key in keys:
-            try:
-                fd = os.open(self.path(key), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
+        fadvise([self.path(key) for key in keys], os.POSIX_FADV_WILLNEED)
 
     def get(self, key: bytes) -> Blob | None:
         return self._read(key, None)
@@ -150,18 +155,6 @@ class DiskTier:
         existed = existed or path.exists()
         self._unlink(key)
         return existed
-
-    def keys(self) -> list[bytes]:
-        return self._index.keys()
-
-    def usage(self) -> TierUsage:
-        return TierUsage(self.name, len(self._index), self._index.num_bytes, self.capacity_bytes)
-
-    def pin(self, keys: Iterable[bytes]) -> None:
-        self._index.pin(keys)
-
-    def unpin(self, keys: Iterable[bytes]) -> None:
-        self._index.unpin(keys)
 
     def clear(self) -> None:
         for key in self._index.keys():
