@@ -124,6 +124,14 @@ def demo(keep_cache: bool, plot: str | None) -> None:
     run(keep_cache=keep_cache, plot=plot)
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
+@click.pass_context
+def controller(ctx: click.Context) -> None:
+    """Run the cluster controller (global chunk index, management API, /metrics). --help lists its options."""
+    from kvfabric.cluster.controller import main as controller_main
+    sys.exit(controller_main(ctx.args))
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks: each speed is printed beside a baseline measured in the same run."""
@@ -138,6 +146,16 @@ def bench_tiers(as_json: bool, repeats: int, quick: bool, redis_url: str | None)
     """Tier store/retrieve throughput vs raw copy / file I/O of the same bytes."""
     from kvfabric.bench.tiers import run
     run(as_json=as_json, repeats=repeats, quick=quick, redis_url=redis_url)
+
+
+@bench.command("p2p")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--repeats", default=5, show_default=True)
+@click.option("--quick", is_flag=True, help="Fewer chunks (a smoke run).")
+def bench_p2p(as_json: bool, repeats: int, quick: bool) -> None:
+    """Peer-to-peer fetch vs a raw loopback socket of the same bytes; a `move` of a 4k-token prompt."""
+    from kvfabric.bench.cluster import run
+    run(as_json=as_json, repeats=repeats, quick=quick)
 
 
 @bench.command("long-doc-qa")

@@ -22,7 +22,7 @@ import yaml
 
 ENV_PREFIX = "KVFABRIC_"
 RESERVED_ENV = {"KVFABRIC_HOME", "KVFABRIC_CONFIG"}
-TIER_NAMES = ("cpu", "shm", "disk", "redis")
+TIER_NAMES = ("cpu", "shm", "disk", "redis", "peer")
 
 
 class ConfigError(ValueError):
@@ -88,6 +88,26 @@ class RedisTierConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """This instance's membership in a fleet (tier "peer"): report to the controller, serve chunks to peers."""
+    controller_url: str = ""  # e.g. http://127.0.0.1:8470; required with tier "peer"
+    token: str = ""  # bearer token for the controller and the P2P server; required when either binds beyond loopback
+    instance_id: str = ""  # "" = host-pid
+    p2p_host: str = "127.0.0.1"
+    p2p_port: int = 0  # 0 = any free port
+    advertise_host: str = ""  # address peers use to reach us ("" = p2p_host)
+    serve_tiers: tuple[str, ...] = ("cpu", "disk")
+    keep_fetched: bool = True  # keep a local copy of chunks fetched from peers
+    report_interval_s: float = 0.25
+    heartbeat_interval_s: float = 2.0
+    reconcile_interval_s: float = 10.0
+    lookup_timeout_s: float = 0.5
+    lookup_ttl_s: float = 2.0
+    connect_timeout_s: float = 0.5
+    fetch_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     chunk_size: int = 256
     hash: Literal["sha256", "blake3"] = "sha256"
@@ -100,6 +120,7 @@ class Config:
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     shm: ShmTierConfig = field(default_factory=ShmTierConfig)
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -111,6 +132,11 @@ class Config:
         for name in self.tiers:
             if name not in TIER_NAMES:
                 raise ConfigError(f"tiers: unknown tier {name!r}; allowed: {', '.join(TIER_NAMES)}")
+        if "peer" in self.tiers:
+            if self.tiers[-1] != "peer" or len(self.tiers) == 1:
+                raise ConfigError("tiers: 'peer' must come last, after at least one local tier")
+            if not self.cluster.controller_url:
+                raise ConfigError("cluster.controller_url: required when tiers include 'peer'")
 
     # ---- loading -----------------------------------------------------------------------------------------
     @classmethod

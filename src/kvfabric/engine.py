@@ -52,7 +52,11 @@ def build_tiers(config: Config) -> list[Tier]:
         "shm": shm,
         "redis": redis,
     }
-    return [makers[name]() for name in config.tiers]
+    local = [makers[name]() for name in config.tiers if name != "peer"]
+    if "peer" not in config.tiers:
+        return local
+    from kvfabric.cluster.worker import ClusterNode
+    return list(ClusterNode.from_config(config.cluster, local).tiers)
 
 
 class CacheEngine:
@@ -67,6 +71,10 @@ class CacheEngine:
         self.stack = TierStack(tiers if tiers is not None else build_tiers(self.config),
                                self.config.write_queue_chunks)
         self.counters: Counter[str] = Counter()
+        for tier in self.stack.tiers:  # tiers that report to a cluster learn this engine's key namespace
+            bind = getattr(tier, "bind_engine", None)
+            if bind is not None:
+                bind(self)
         # One reader thread fetches chunk i+1 (file or network I/O, checksum) while chunk i is decoded:
         # both release the GIL, so a load costs about max(I/O, copy) rather than their sum.
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfabric-reader")
@@ -97,7 +105,7 @@ class CacheEngine:
         keys = self.keys(tokens)
         first = start // self.chunk_size
         wanted = [i for i in range(first, len(keys)) if self._span(i, num_tokens)[1] <= end]
-        present = self.stack.contains_many([keys[i] for i in wanted])
+        present = self.stack.contains_many([keys[i] for i in wanted], writable_only=True)
         num_stored = 0
         for i, is_present in zip(wanted, present):
             if is_present:

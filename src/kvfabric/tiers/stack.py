@@ -6,6 +6,7 @@ Contract:
 - `get(key)`: the first tier holding a valid blob wins; blobs from untrusted tiers are verified (codec.format)
   and a damaged one is deleted from that tier, counted, and the next tier is tried. A hit below the first tier is
   promoted into the faster tiers.
+- Tiers with `is_read_only` (a peer) are read from but never written to.
 - `put(key, blob)`: the first tier is written synchronously when it is trusted (process memory, cheap); every other
   tier is written by one background thread from a bounded queue. A full queue drops the write and counts it:
   the engine's step never waits for disk or network. `flush()` waits for queued writes.
@@ -32,6 +33,7 @@ class TierStack:
             raise ValueError("a tier stack needs at least one tier")
         self.tiers = list(tiers)
         self.counters: Counter[str] = Counter()
+        self._writable = tuple(i for i, tier in enumerate(self.tiers) if not getattr(tier, "is_read_only", False))
         self._pending: dict[bytes, tuple[Blob, int]] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[bytes, Blob, tuple[int, ...]] | None] = queue.Queue(write_queue_size)
@@ -49,9 +51,12 @@ class TierStack:
                 present[i] = present[i] or hit
         return present.index(False) if False in present else len(keys)
 
-    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+    def contains_many(self, keys: Sequence[bytes], writable_only: bool = False) -> list[bool]:
+        """Which keys some tier holds; `writable_only` ignores read-only tiers (a peer's chunk is not ours)."""
         present = [key in self._pending for key in keys]
         for tier in self.tiers:
+            if writable_only and getattr(tier, "is_read_only", False):
+                continue
             missing = [i for i, hit in enumerate(present) if not hit]
             if not missing:
                 break
@@ -85,7 +90,7 @@ class TierStack:
             self.counters[f"hit.{tier.name}"] += 1
             self.counters[f"bytes_read.{tier.name}"] += len(blob)
             if level > 0:
-                self._write(key, blob, tuple(range(level)))
+                self._write(key, blob, tuple(i for i in self._writable if i < level))
             return blob, header, tier.name
         self.counters["miss"] += 1
         return None
@@ -125,7 +130,7 @@ class TierStack:
 
     # ---- writes ------------------------------------------------------------------------------------------
     def put(self, key: bytes, blob: Blob) -> None:
-        self._write(key, blob, tuple(range(len(self.tiers))))
+        self._write(key, blob, self._writable)
         self.counters["stored"] += 1
 
     def _write(self, key: bytes, blob: Blob, levels: tuple[int, ...]) -> None:
