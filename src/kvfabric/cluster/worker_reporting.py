@@ -1,0 +1,227 @@
+"""Keeping the controller's view of an instance's served tiers current: `ObservedTier` and `Reporter`.
+
+- `ObservedTier` wraps a served local tier: the Tier protocol unchanged, plus a "this tier changed" mark on
+  every put / delete / clear. No core change: the wrapper forwards everything else (get_into, prefetch, ...) to
+  the tier it wraps. With `refuse` it declines puts of the keys it names (chunks fetched from peers).
+- `Reporter` is a background thread: it registers the instance, sends heartbeats with tier usage, and every
+  `interval_s` diffs each changed tier's key set against what the controller was told and sends the admits /
+  evicts in batches of `EVENT_BATCH`. Diffing key sets also catches LRU evictions inside a tier (which no
+  put/delete hook sees), chunks another process wrote into a shared disk directory (a full reconcile every
+  `reconcile_interval_s`), and recovers from anything lost: if the controller forgets the instance (restart with
+  an in-memory index, missed heartbeats) the reporter registers again and re-sends everything.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from kvfabric.cluster.client import ControllerClient, ControllerError
+from kvfabric.tiers.base import Blob, Tier, TierUsage
+
+log = logging.getLogger("kvfabric.cluster.worker")  # the worker's logger, as before the split into modules
+
+EVENT_BATCH = 4096  # keys per events request (the controller accepts up to 16384 per tier)
+
+
+class ObservedTier:
+    """A tier that tells `on_change(name)` when its contents may have changed. With `refuse`, puts of the keys
+    it names are declined (used to not keep copies of chunks fetched from peers)."""
+
+    def __init__(self, inner: Tier, on_change: Callable[[str], None],
+                 refuse: Callable[[bytes], bool] | None = None) -> None:
+        self.inner = inner
+        self._on_change = on_change
+        self.refuse = refuse
+        self.name = inner.name
+        self.is_trusted = inner.is_trusted
+        self.capacity_bytes = inner.capacity_bytes
+
+    def __getattr__(self, attr: str) -> Any:  # optional methods (get_into, prefetch, path, counters, ...)
+        return getattr(self.inner, attr)
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.inner.contains_many(keys)
+
+    def get(self, key: bytes) -> Blob | None:
+        return self.inner.get(key)
+
+    def put(self, key: bytes, blob: Blob) -> bool:
+        if self.refuse is not None and self.refuse(key):
+            return False
+        ok = self.inner.put(key, blob)
+        self._on_change(self.name)
+        return ok
+
+    def delete(self, key: bytes) -> bool:
+        ok = self.inner.delete(key)
+        if ok:
+            self._on_change(self.name)
+        return ok
+
+    def keys(self) -> list[bytes]:
+        return self.inner.keys()
+
+    def usage(self) -> TierUsage:
+        return self.inner.usage()
+
+    def pin(self, keys: Iterable[bytes]) -> None:
+        self.inner.pin(keys)
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        self.inner.unpin(keys)
+
+    def clear(self) -> None:
+        self.inner.clear()
+        self._on_change(self.name)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Reporter:
+    """Background thread keeping the controller's view of this instance's served tiers up to date."""
+
+    def __init__(self, client: ControllerClient, instance_id: str, info: Callable[[], dict],
+                 tiers: Mapping[str, Tier], *, interval_s: float = 0.25, heartbeat_interval_s: float = 2.0,
+                 reconcile_interval_s: float = 10.0) -> None:
+        self.client = client
+        self.instance_id = instance_id
+        self.info = info
+        self.tiers = dict(tiers)
+        self.interval_s = interval_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.reconcile_interval_s = reconcile_interval_s
+        self.registered = False
+        self.counters: dict[str, int] = {"registers": 0, "heartbeats": 0, "admits": 0, "evicts": 0, "errors": 0}
+        self._reported: dict[str, set[bytes]] = {name: set() for name in self.tiers}
+        self._dirty: set[str] = set(self.tiers)
+        self._update_info = False
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._ticks_started = 0
+        self._ticks_done = 0
+        self._last_heartbeat = 0.0
+        self._last_reconcile = 0.0
+        self._thread = threading.Thread(target=self._loop, name="kvfabric-reporter", daemon=True)
+
+    def start(self) -> Reporter:
+        self._thread.start()
+        return self
+
+    def mark(self, tier_name: str) -> None:
+        with self._lock:
+            self._dirty.add(tier_name)
+
+    def mark_all(self) -> None:
+        with self._lock:
+            self._dirty.update(self.tiers)
+
+    def update_info(self) -> None:
+        """Send the registration again (keeping entries): e.g. a namespace was added."""
+        with self._lock:
+            self._update_info = True
+        self._wake.set()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Run a report now and wait for it; True if the controller is up to date with this instance."""
+        with self._cond:
+            target = self._ticks_started + 1
+            self._wake.set()
+            done = self._cond.wait_for(lambda: self._ticks_done >= target or self._stop.is_set(), timeout_s)
+            return done and self.registered and not self._dirty
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                self._ticks_started += 1
+                tick = self._ticks_started
+            try:
+                self._tick()
+            except Exception:
+                log.exception("cluster report failed")
+                self.counters["errors"] += 1
+            with self._cond:
+                self._ticks_done = tick
+                self._cond.notify_all()
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        try:
+            with self._lock:
+                soft, self._update_info = self._update_info, False
+            if not self.registered or soft:
+                body = self.info()
+                body["reset"] = not self.registered
+                self.client.register(body)
+                self.counters["registers"] += 1
+                if not self.registered:
+                    self._reported = {name: set() for name in self.tiers}
+                    self.mark_all()
+                self.registered = True
+                self._last_heartbeat = now
+            if now - self._last_reconcile >= self.reconcile_interval_s:
+                self._last_reconcile = now
+                self.mark_all()
+            with self._lock:
+                dirty, self._dirty = self._dirty, set()
+            try:
+                for name in sorted(dirty):
+                    self._sync(name)
+            except BaseException:
+                with self._lock:
+                    self._dirty |= dirty  # try again next tick
+                raise
+            if dirty or now - self._last_heartbeat >= self.heartbeat_interval_s:  # usage changed, or due
+                reply = self.client.heartbeat(self.instance_id, self.info()["tiers"])
+                self.counters["heartbeats"] += 1
+                self._last_heartbeat = now
+                if not reply.get("known", False):
+                    self.registered = False  # the controller forgot us: register and re-send everything
+                    self._wake.set()
+        except ControllerError as exc:
+            self.counters["errors"] += 1
+            log.debug("controller unreachable: %s", exc)
+            if exc.status == 404:
+                self.registered = False
+
+    def _sync(self, name: str) -> None:
+        tier = self.tiers[name]
+        current = set(tier.keys())
+        reported = self._reported[name]
+        admit, evict = list(current - reported), list(reported - current)
+        for start in range(0, max(len(admit), len(evict)), EVENT_BATCH):
+            a, e = admit[start:start + EVENT_BATCH], evict[start:start + EVENT_BATCH]
+            reply = self.client.events(self.instance_id, {name: [k.hex() for k in a]} if a else {},
+                                       {name: [k.hex() for k in e]} if e else {})
+            if not reply.get("known", False):
+                self.registered = False
+                self._wake.set()
+                raise ControllerError("the controller does not know this instance")
+            reported.update(a)
+            reported.difference_update(e)
+            self.counters["admits"] += len(a)
+            self.counters["evicts"] += len(e)
+
+    def close(self, unregister: bool = True) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        with self._cond:
+            self._cond.notify_all()
+        if unregister and self.registered:
+            try:
+                self.client.unregister(self.instance_id, timeout_s=1.0)
+            except ControllerError:
+                pass
+        self.client.close()
+
