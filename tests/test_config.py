@@ -50,3 +50,7 @@ def test_unknown_env_variable_is_an_error():
 @pytest.mark.parametrize("text, value", [("4GiB", 4 * 2**30), ("512MB", 512 * 10**6), ("1.5KiB", 1536), (7, 7)])
 def test_byte_sizes(text, value):
     assert parse_bytes(text, "x") == value
+
+
+def test_harness_variables_are_not_config():
+    assert Config.load(environ={"KVFABRIC_TEST_MODEL_DIR": "/x", "KVFABRIC_BENCH_DIR": "/y"}) == Config()

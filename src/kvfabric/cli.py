@@ -158,6 +158,15 @@ def bench_p2p(as_json: bool, repeats: int, quick: bool) -> None:
     run(as_json=as_json, repeats=repeats, quick=quick)
 
 
+@bench.command("vllm", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                         "help_option_names": []})
+@click.pass_context
+def bench_vllm(ctx: click.Context) -> None:
+    """TTFT through a real vLLM: no connector, kvfabric cold, vLLM's own hit, kvfabric hit in a fresh engine."""
+    from kvfabric.bench.vllm import main as vllm_main
+    sys.exit(vllm_main(ctx.args))
+
+
 @bench.command("long-doc-qa")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per request, then a summary object.")
 @click.option("--docs", "num_docs", default=3, show_default=True)

@@ -4,7 +4,8 @@ Contract:
 - `Config()` is the embedded default: cpu + disk tiers, chunk_size 256, sha256 keys, raw codec.
 - `Config.load(path)` reads YAML (or $KVFABRIC_CONFIG), then applies environment variables, which win.
   Env names are `KVFABRIC_<FIELD>` and `KVFABRIC_<SECTION>__<FIELD>`, e.g. KVFABRIC_CHUNK_SIZE=128,
-  KVFABRIC_DISK__CAPACITY=20GiB, KVFABRIC_TIERS=cpu,disk. KVFABRIC_HOME and KVFABRIC_CONFIG are not config keys.
+  KVFABRIC_DISK__CAPACITY=20GiB, KVFABRIC_TIERS=cpu,disk. KVFABRIC_HOME, KVFABRIC_CONFIG and the prefixes
+  KVFABRIC_TEST_* and KVFABRIC_BENCH_* are not config keys; any other unknown KVFABRIC_* name is an error.
 - An unknown key, a wrong type or a value outside its choices raises ConfigError naming the key and what is
   allowed. Byte sizes accept ints or strings such as "512MiB", "4GiB", "1.5GB".
 """
@@ -22,6 +23,7 @@ import yaml
 
 ENV_PREFIX = "KVFABRIC_"
 RESERVED_ENV = {"KVFABRIC_HOME", "KVFABRIC_CONFIG"}
+RESERVED_ENV_PREFIXES = ("KVFABRIC_TEST_", "KVFABRIC_BENCH_")  # for test and benchmark harnesses, never config
 TIER_NAMES = ("cpu", "shm", "disk", "redis", "peer")
 
 
@@ -166,7 +168,7 @@ def env_overrides(environ: dict[str, str]) -> dict[str, Any]:
     """KVFABRIC_A__B=v -> {"a": {"b": "v"}} (values stay strings; _build converts and checks them)."""
     out: dict[str, Any] = {}
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV:
+        if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES):
             continue
         path = name[len(ENV_PREFIX):].lower().split("__")
         node = out

@@ -1,0 +1,97 @@
+"""Copy token ranges between a paged KV cache and kvfabric's chunk tensors (no vLLM import).
+
+Contract:
+- A request's tokens live in a paged cache through its block table: token p sits in block `block_ids[p // B]`
+  at offset `p % B` (B = block size), i.e. slot `block_ids[p // B] * B + p % B`.
+- `CpuPagedLayer` wraps one layer of vLLM's CPU attention cache: a tensor (num_blocks, kv_heads, B, 2*head_dim)
+  whose every (block, head) is really a K region of B*D values followed by a V region of B*D values, so
+  `[b, h, n, :]` is NOT "K then V of token n". Inside a region the values are token-major ("td": [B, D], token
+  n's vector is row n) or dim-major ("dt": [D, B], token n's vector is column n). vLLM 0.32's "vec" ISA (x86
+  without AMX, fp32) stores K dim-major and V token-major; the connector measures this at start-up by letting
+  the attention kernel write known values (see `kvfabric.connectors.vllm.detect_cpu_kv_layout`).
+- `gather(layer, block_ids, start, end, out)` copies tokens [start, end) into out [2, H, end-start, D];
+  `scatter(layer, block_ids, start, end, src)` copies src [2, H, end-start, D] into the cache. Both copy one
+  (block, token-range) segment at a time straight between the two layouts (no temporary), and touch only the
+  slots of tokens [start, end) - never the rest of a partially covered block.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+import torch
+
+RegionLayout = Literal["td", "dt"]
+REGION_LAYOUTS: tuple[str, ...] = ("td", "dt")
+
+
+class CpuPagedLayer:
+    """One layer of vLLM's CPU paged KV cache, with K and V regions viewed per their layouts."""
+
+    def __init__(self, kv: torch.Tensor, block_size: int, key_layout: RegionLayout = "dt",
+                 value_layout: RegionLayout = "td") -> None:
+        if kv.dim() != 4 or kv.shape[2] != block_size or kv.shape[3] % 2:
+            raise ValueError(f"expected a CPU paged KV layer (num_blocks, kv_heads, {block_size}, 2*head_dim), "
+                             f"got {tuple(kv.shape)}")
+        if key_layout not in REGION_LAYOUTS or value_layout not in REGION_LAYOUTS:
+            raise ValueError(f"region layouts must be one of {REGION_LAYOUTS}, got {key_layout}, {value_layout}")
+        num_blocks, num_heads, _, two_d = kv.shape
+        self.block_size = block_size
+        self.num_heads = num_heads
+        self.head_dim = head_dim = two_d // 2
+        self.dtype = kv.dtype
+        self.layouts = (key_layout, value_layout)
+        # .view (never reshape): writes must land in the engine's buffer; raises if the layer is not viewable.
+        regions = kv.view(num_blocks, num_heads, 2, block_size * head_dim)
+        self._regions = [
+            regions[:, :, i].view(num_blocks, num_heads, block_size, head_dim) if layout == "td"
+            else regions[:, :, i].view(num_blocks, num_heads, head_dim, block_size)
+            for i, layout in enumerate(self.layouts)
+        ]
+
+    def segment(self, which: int, block: int, lo: int, hi: int) -> torch.Tensor:
+        """A [H, hi-lo, D] view of K (which=0) or V (which=1) of offsets [lo, hi) of one block."""
+        region = self._regions[which]
+        if self.layouts[which] == "td":
+            return region[block, :, lo:hi, :]
+        return region[block, :, :, lo:hi].transpose(1, 2)
+
+
+def segments(block_ids: Sequence[int], block_size: int, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """(block id, offset lo, offset hi, position of lo relative to start) for tokens [start, end)."""
+    if start < 0 or end < start:
+        raise ValueError(f"bad token range [{start}, {end})")
+    if end > len(block_ids) * block_size:
+        raise ValueError(f"tokens [{start}, {end}) exceed the {len(block_ids)} blocks of the block table")
+    pos = start
+    while pos < end:
+        j, lo = divmod(pos, block_size)
+        hi = min(block_size, lo + end - pos)
+        yield block_ids[j], lo, hi, pos - start
+        pos += hi - lo
+
+
+def gather(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int, out: torch.Tensor) -> None:
+    """Copy the KV of tokens [start, end) of one layer into out [2, H, end-start, D]."""
+    for block, lo, hi, at in segments(block_ids, layer.block_size, start, end):
+        for which in (0, 1):
+            out[which, :, at:at + hi - lo, :].copy_(layer.segment(which, block, lo, hi))
+
+
+def scatter(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int, src: torch.Tensor) -> None:
+    """Copy src [2, H, end-start, D] (KV of tokens [start, end)) into the layer's slots."""
+    for block, lo, hi, at in segments(block_ids, layer.block_size, start, end):
+        for which in (0, 1):
+            layer.segment(which, block, lo, hi).copy_(src[which, :, at:at + hi - lo, :])
+
+
+def blocks_of(block_ids: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
+    """Ids of the blocks holding tokens [start, end)."""
+    if end <= start:
+        return []
+    return list(block_ids[start // block_size:(end - 1) // block_size + 1])
+
+
+def render_region(values: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
+    """How a region stores `values` [B, D] (token n's vector in row n), flattened: the calibration reference."""
+    return (values if layout == "td" else values.t()).reshape(-1)
