@@ -55,3 +55,19 @@ def test_bench_tiers_quick_json(tmp_path, monkeypatch):
     ops = {(r["tier"], r["op"]) for r in rows}
     assert {("cpu", "store"), ("cpu", "retrieve"), ("disk", "store"), ("disk", "retrieve"), ("cpu", "lookup")} <= ops
     assert all(r["ratio"] > 0 for r in rows if "ratio" in r)
+
+
+def test_bench_long_doc_qa_smoke(monkeypatch):
+    """A tiny run on the real model: rows per round, hits where they must be, a summary with the ratios."""
+    result = CliRunner().invoke(main, ["bench", "long-doc-qa", "--json", "--docs", "1", "--length", "256",
+                                       "--question", "16"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    by_round = {r["round"]: r for r in rows if "round" in r}
+    assert set(by_round) == {"nocache", "cold", "warm-cpu", "warm-disk"}
+    assert by_round["nocache"]["hit_tokens"] == by_round["cold"]["hit_tokens"] == 0
+    assert by_round["warm-cpu"]["hit_tokens"] == 256 and by_round["warm-cpu"]["tier"] == "cpu"
+    assert by_round["warm-disk"]["hit_tokens"] == 256 and by_round["warm-disk"]["tier"] == "disk"
+    assert by_round["warm-disk"]["bytes_loaded"] > 0 and by_round["warm-disk"]["limit_ratio"] > 0
+    summary = rows[-1]
+    assert summary["summary"] == "long-doc-qa" and "miss_overhead_pct" in summary
