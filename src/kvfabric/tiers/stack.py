@@ -66,13 +66,14 @@ class TierStack:
 
     def get(self, key: bytes, scratch: Scratch | None = None) -> tuple[Blob, ChunkHeader, str] | None:
         """The chunk's blob, its header and the tier's name, or None. With `scratch`, a tier that supports
-        `get_into` reads into it (no allocation) unless the blob must be kept for promotion."""
-        pending = self._pending.get(key)
-        if pending is not None:
-            blob = pending[0]
-            self.counters["hit.pending"] += 1
-            return blob, parse(blob, key, verify_payload=False), "pending"
+        `get_into` reads into it (no allocation) unless the blob must be kept for promotion. Order: a trusted
+        first tier (process memory), then writes still queued, then the other tiers."""
         for level, tier in enumerate(self.tiers):
+            if level == int(self.tiers[0].is_trusted):  # right after process memory, before any slow tier
+                pending = self._pending.get(key)
+                if pending is not None:
+                    self.counters["hit.pending"] += 1
+                    return pending[0], parse(pending[0], key, verify_payload=False), "pending"
             get_into = getattr(tier, "get_into", None)
             if scratch is not None and level == 0 and get_into is not None:
                 blob = get_into(key, scratch)
