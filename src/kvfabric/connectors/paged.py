@@ -8,7 +8,7 @@ Contract:
   `[b, h, n, :]` is NOT "K then V of token n". Inside a region the values are token-major ("td": [B, D], token
   n's vector is row n) or dim-major ("dt": [D, B], token n's vector is column n). vLLM 0.32's "vec" ISA (x86
   without AMX, fp32) stores K dim-major and V token-major; the connector measures this at start-up by letting
-  the attention kernel write known values (see `kvfabric.connectors.vllm.detect_cpu_kv_layout`).
+  the attention kernel write known values (see `kvfabric.connectors.vllm.config.detect_cpu_kv_layout`).
 - `gather(layer, block_ids, start, end, out)` copies tokens [start, end) into out [2, H, end-start, D];
   `scatter(layer, block_ids, start, end, src)` copies src [2, H, end-start, D] into the cache. Both copy one
   (block, token-range) segment at a time straight between the two layouts (no temporary), and touch only the

@@ -1,0 +1,157 @@
+"""Connector configuration, and what the connector derives from vLLM's own config.
+
+Contract:
+- `kv_transfer_config(extra)` is the ``kv_transfer_config`` argument of ``vllm.LLM`` for this connector; vLLM loads
+  the class by module path + name, so the path is this package (``kvfabric.connectors.vllm``), never a submodule.
+- `resolve_config(extra)` splits ``kv_connector_extra_config`` into (kvfabric ``Config``, connector options).
+  The config keys (chunk_size, tiers, disk.path, ...) take precedence: extra config > ``KVFABRIC_*`` environment >
+  YAML (``config_file`` or ``$KVFABRIC_CONFIG``) > defaults. ``KVFABRIC_*`` variables that are not config keys
+  are ignored. The connector options, always present in the result with their defaults:
+
+    model_id             key namespace (default: the ``name`` in kvfabric's model marker, else the model path)
+    config_file          YAML file with kvfabric config
+    load_failure_policy  "recompute" (default: a bad chunk costs a recompute, never a failed request) or "fail";
+                         written into vLLM's ``kv_load_failure_policy``
+    stats_path           the worker writes its counters there as JSON (after steps that loaded, and at shutdown)
+    save_queue_bytes     bound on gathered KV waiting for the background saver (default 1 GiB; beyond it, saves are
+                         dropped and counted, never waited for)
+    key_mode             "tokens" (default): kvfabric's chained token-id keys, shared with kvfabric's other engines;
+                         requests with LoRA, multimodal inputs or a cache_salt are then not cached (token ids do not
+                         name their KV). "vllm": chunk key = our namespace + vLLM's block hash of the chunk's last
+                         block (which folds in LoRA, multimodal inputs, cache_salt); needs vLLM's prefix caching on
+                         (the default) and chunk_size a multiple of the block size; shared only between vLLM engines
+                         with the same prefix_caching_hash_algo (sha256 by default is reproducible across processes).
+
+- `layout_from_vllm` / `model_id_from_vllm`: the KVLayout and key namespace; anything the connector cannot serve
+  (tensor or pipeline parallel, an unsupported KV cache dtype) raises NotImplementedError at start-up.
+- `detect_cpu_kv_layout` measures, with vLLM's CPU attention kernel itself, whether the K and V regions of a cache
+  block are token-major ("td") or dim-major ("dt"); see ``kvfabric.connectors.paged``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.logger import init_logger
+
+from kvfabric.config import ENV_PREFIX, RESERVED_ENV, Config, ConfigError
+from kvfabric.connectors.paged import REGION_LAYOUTS, render_region
+from kvfabric.layout import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+CONNECTOR_KEYS = ("model_id", "config_file", "load_failure_policy", "stats_path", "save_queue_bytes", "key_mode")
+KEY_MODES = ("tokens", "vllm")
+PARAMS_KEY = "kvfabric"  # our entry in a request's kv_transfer_params
+_TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def kv_transfer_config(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``kv_transfer_config`` argument of ``vllm.LLM`` for this connector."""
+    extra = dict(extra or {})
+    return {
+        "kv_connector": "KVFabricConnector",
+        # the package, not this module: vLLM imports the path and looks the class up there
+        "kv_connector_module_path": __package__,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": extra.get("load_failure_policy", "recompute"),
+        "kv_connector_extra_config": extra,
+    }
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def resolve_config(extra: dict[str, Any] | None) -> tuple[Config, dict[str, Any]]:
+    """Split ``kv_connector_extra_config`` into (kvfabric Config, connector options); see the module doc."""
+    extra = dict(extra or {})
+    options = {key: extra.pop(key) for key in CONNECTOR_KEYS if key in extra}
+    policy = options.setdefault("load_failure_policy", "recompute")
+    if policy not in ("recompute", "fail"):
+        raise ConfigError(f"load_failure_policy: {policy!r} is not one of recompute, fail")
+    if options.setdefault("key_mode", "tokens") not in KEY_MODES:
+        raise ConfigError(f"key_mode: {options['key_mode']!r} is not one of {', '.join(KEY_MODES)}")
+    base = Config.load(options.get("config_file"), environ=_config_environ())  # YAML + KVFABRIC_* env
+    return Config.from_dict(_merge(base.to_dict(), extra)), options
+
+
+def _config_environ() -> dict[str, str]:
+    """os.environ minus KVFABRIC_* variables that are not config keys (KVFABRIC_TEST_MODEL_DIR, ...): an engine
+    must not fail to start because of an unrelated variable."""
+    fields = {f.name for f in dataclasses.fields(Config)}
+    out = {}
+    for name, value in os.environ.items():
+        if name.startswith(ENV_PREFIX) and name not in RESERVED_ENV and \
+                name[len(ENV_PREFIX):].lower().split("__")[0] not in fields:
+            logger.debug("kvfabric: ignoring %s (not a config key)", name)
+            continue
+        out[name] = value
+    return out
+
+
+def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
+        raise NotImplementedError("KVFabricConnector supports one worker (tensor and pipeline parallel size 1)")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", None) and str(cache_dtype) not in _TORCH_DTYPES.values():
+        raise NotImplementedError(f"KVFabricConnector does not support kv cache dtype {cache_dtype!r}")
+    dtype = model.dtype if cache_dtype in ("auto", None) else getattr(torch, str(cache_dtype))
+    if dtype not in _TORCH_DTYPES:
+        raise NotImplementedError(f"KVFabricConnector does not support dtype {dtype}")
+    return KVLayout(model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
+                    _TORCH_DTYPES[dtype])
+
+
+def model_id_from_vllm(vllm_config: VllmConfig, options: dict[str, Any]) -> str:
+    if options.get("model_id"):
+        return str(options["model_id"])
+    model = str(vllm_config.model_config.model)
+    marker = Path(model).expanduser() / "kvfabric_model.json"
+    try:
+        name = json.loads(marker.read_text()).get("name")
+        if name:
+            return str(name)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return str(Path(model).expanduser().resolve()) if Path(model).expanduser().is_dir() else model
+
+
+def detect_cpu_kv_layout(num_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                         kv_cache_dtype: str = "auto") -> tuple[str, str]:
+    """(K, V) region layouts ("td" token-major or "dt" dim-major) of vLLM's CPU attention cache, measured by
+    letting the attention kernel write known keys and values into a scratch one-block cache."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_dim, kv_cache_dtype)
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(block_size, num_heads, head_dim, generator=gen).to(dtype)  # [B, H, D]
+    value = torch.randn(block_size, num_heads, head_dim, generator=gen).to(dtype)
+    cache = torch.zeros(1, num_heads, block_size, 2 * head_dim, dtype=dtype)  # one block, as vLLM allocates it
+    key_cache, value_cache = cache.view(1, num_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(block_size, dtype=torch.int64),
+                                   isa, kv_cache_dtype=kv_cache_dtype)
+    regions = cache.view(num_heads, 2, block_size * head_dim)  # per head: K region, then V region
+    found = []
+    for which, values in ((0, key), (1, value)):
+        match = [layout for layout in REGION_LAYOUTS
+                 if all(torch.equal(regions[h, which], render_region(values[:, h, :], layout))
+                        for h in range(num_heads))]
+        if not match:
+            raise NotImplementedError(f"KVFabricConnector: unknown CPU KV cache layout (isa {isa!r}, {dtype}, "
+                                      f"block {block_size}, head_dim {head_dim}) for {'KV'[which]}")
+        found.append(match[0])
+    return found[0], found[1]
