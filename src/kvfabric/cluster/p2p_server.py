@@ -1,0 +1,272 @@
+"""Peer-to-peer chunk transfer, server side: a threaded TCP server that serves chunks from local tiers.
+
+`PeerServer`:
+- Binds 127.0.0.1 unless told otherwise; binding elsewhere needs a token. At most `max_connections`
+  connections are served at once (one thread each; extra ones get ERROR 503 and are closed).
+- A connection waits at most `idle_timeout_s` for the next request and `io_timeout_s` for the rest of a frame;
+  any protocol violation (bad magic, oversize or truncated body, bad token) gets an ERROR frame and the
+  connection is closed. Nothing a client sends can raise out of the server or stop it.
+- GET: each key is read from the served tiers (or the one named); blobs go out as they are stored, with
+  scatter-gather writes (no copy in user space); chunks kept as files (disk tier) go out with sendfile. A key
+  no tier holds (or a tier that raises) gives Status.MISSING and `on_missing(key)` is called (the worker then
+  corrects what the controller believes).
+- CONTROL: the JSON message goes to the `control` callback; its dict (or {"ok": false, "error": ...}) is the
+  REPLY.
+Threads rather than asyncio: tier reads block (files), and a blocking `sendmsg` of the stored blob sends it
+without first copying it into a transport buffer.
+
+The client side is `p2p_client`; `kvfabric.cluster.p2p` re-exports both.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from kvfabric.cluster import protocol as p
+from kvfabric.tiers.base import Blob, Tier
+
+# The logger name predates the split into p2p_server/p2p_client: keep it so log configuration still applies.
+log = logging.getLogger("kvfabric.cluster.p2p")
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class PeerServer:
+    def __init__(self, tiers: Sequence[Tier], *, token: str | None = None, host: str = "127.0.0.1", port: int = 0,
+                 control: Callable[[dict], dict] | None = None, on_missing: Callable[[bytes], None] | None = None,
+                 max_connections: int = 64, io_timeout_s: float = 10.0, idle_timeout_s: float = 60.0,
+                 max_keys: int = p.MAX_KEYS, max_request_bytes: int = p.MAX_REQUEST_BYTES) -> None:
+        if not token and not is_loopback(host):
+            raise ValueError(f"the peer server binds {host!r}, beyond loopback: a token is required")
+        self.tiers = list(tiers)
+        self._token = token.encode() if token else None
+        self.control = control
+        self.on_missing = on_missing
+        self.max_keys = min(max_keys, p.MAX_KEYS)
+        self.max_request_bytes = max_request_bytes
+        self.io_timeout_s = io_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._closing = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self.counters: dict[str, int] = {"requests": 0, "chunks_sent": 0, "bytes_sent": 0, "missing": 0,
+                                         "errors": 0, "rejected": 0, "sendfile": 0}
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(128)
+        self._sock.settimeout(0.2)  # the accept loop checks for close() this often
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._thread = threading.Thread(target=self._accept_loop, name="kvfabric-p2p-accept", daemon=True)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def start(self) -> PeerServer:
+        self._thread.start()
+        return self
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    # ---- connections ---------------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._closing.is_set():
+                    return
+                time.sleep(0.05)  # e.g. out of file descriptors: back off, keep serving
+                continue
+            p.tune(conn)
+            if not self._slots.acquire(blocking=False):
+                self._count("rejected")
+                self._reject(conn, 503, "too many connections")
+                continue
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kvfabric-p2p-conn", daemon=True).start()
+
+    def _reject(self, conn: socket.socket, code: int, message: str) -> None:
+        try:
+            conn.settimeout(1.0)
+            conn.sendall(p.encode_error(code, message))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self._closing.is_set():
+                try:
+                    kind, _, length = p.recv_header(conn, self.idle_timeout_s)
+                except (OSError, p.ProtocolError) as exc:
+                    if isinstance(exc, p.ProtocolError):
+                        self._count("errors")
+                        conn.settimeout(1.0)
+                        conn.sendall(p.encode_error(400, str(exc)))
+                    return
+                if kind not in (p.FrameType.GET, p.FrameType.CONTROL):
+                    self._count("errors")
+                    conn.sendall(p.encode_error(400, f"unexpected frame {kind.name}"))
+                    return
+                if length > self.max_request_bytes:
+                    self._count("errors")
+                    conn.sendall(p.encode_error(413, f"request of {length} bytes is over {self.max_request_bytes}"))
+                    return
+                body = bytearray(length)
+                p.recv_exact(conn, memoryview(body), self.io_timeout_s,
+                             time.monotonic() + self.io_timeout_s)
+                self._count("requests")
+                try:
+                    if kind == p.FrameType.GET:
+                        ok = self._get(conn, body)
+                    else:
+                        ok = self._control(conn, body)
+                except p.ProtocolError as exc:
+                    self._count("errors")
+                    conn.sendall(p.encode_error(400, str(exc)))
+                    return
+                if not ok:
+                    return
+        except OSError:
+            pass  # the client went away or stalled: drop the connection
+        except Exception:  # never let a handler bug take the server down
+            log.exception("peer connection failed")
+            self._count("errors")
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+            self._slots.release()
+
+    def _authorized(self, token: bytes) -> bool:
+        return self._token is None or hmac.compare_digest(token, self._token)
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def _get(self, conn: socket.socket, body: bytearray) -> bool:
+        token, tier_name, keys = p.decode_get(body)
+        if not self._authorized(token):
+            self._count("errors")
+            conn.sendall(p.encode_error(401, "bad token"))
+            return False
+        if len(keys) > self.max_keys:
+            conn.sendall(p.encode_error(413, f"at most {self.max_keys} keys per request"))
+            return False
+        tiers = [t for t in self.tiers if not tier_name or t.name == tier_name]
+        conn.settimeout(self.io_timeout_s)
+        for key in keys:
+            if self._send_file(conn, tiers, key):
+                continue
+            blob = self._read(tiers, key)
+            if blob is None:
+                self._count("missing")
+                conn.sendall(p.pack_header(p.FrameType.CHUNK, p.KEY_BYTES, p.Status.MISSING) + key)
+                if self.on_missing is not None:
+                    try:
+                        self.on_missing(key)
+                    except Exception:
+                        log.exception("on_missing callback failed")
+                continue
+            p.send_all(conn, [p.pack_header(p.FrameType.CHUNK, p.KEY_BYTES + len(blob), p.Status.OK), key, blob])
+            with self._lock:
+                self.counters["chunks_sent"] += 1
+                self.counters["bytes_sent"] += len(blob)
+        conn.sendall(p.pack_header(p.FrameType.END, 4) + len(keys).to_bytes(4, "little"))
+        return True
+
+    def _send_file(self, conn: socket.socket, tiers: Sequence[Tier], key: bytes) -> bool:
+        """Serve a chunk kept as a file (a disk tier exposing `path(key)`) with sendfile: no copy through this
+        process, no buffer to allocate. Only when no faster tier before it holds the key. True if sent."""
+        for tier in tiers:
+            path_of = getattr(tier, "path", None)
+            if path_of is None:
+                if tier.contains_many([key])[0]:
+                    return False  # a memory tier has it: the normal path
+                continue
+            try:
+                f = open(path_of(key), "rb")
+            except OSError:
+                continue
+            with f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    continue
+                conn.sendall(p.pack_header(p.FrameType.CHUNK, p.KEY_BYTES + size, p.Status.OK) + key)
+                # socket.sendfile: os.sendfile, waiting within the socket's timeout when its buffer is full.
+                # The file is immutable once renamed into place (the disk tier's contract).
+                if conn.sendfile(f, 0, size) != size:
+                    raise ConnectionError("file shrank while being sent")  # the client sees a failure
+            with self._lock:
+                self.counters["chunks_sent"] += 1
+                self.counters["bytes_sent"] += size
+                self.counters["sendfile"] += 1
+            return True
+        return False
+
+    @staticmethod
+    def _read(tiers: Sequence[Tier], key: bytes) -> Blob | None:
+        for tier in tiers:
+            try:
+                blob = tier.get(key)
+            except Exception:
+                log.exception("tier %s failed to read a chunk", tier.name)
+                continue
+            if blob is not None:
+                return blob
+        return None
+
+    def _control(self, conn: socket.socket, body: bytearray) -> bool:
+        token, message = p.decode_control(body)
+        if not self._authorized(token):
+            self._count("errors")
+            conn.sendall(p.encode_error(401, "bad token"))
+            return False
+        if self.control is None:
+            reply = {"ok": False, "error": "no control handler"}
+        else:
+            try:
+                reply = self.control(message)
+            except Exception as exc:
+                log.exception("control message failed")
+                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        data = p.encode_json(reply)
+        conn.settimeout(self.io_timeout_s)
+        conn.sendall(p.pack_header(p.FrameType.REPLY, len(data)) + data)
+        return True
+
+    def close(self) -> None:
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:  # wake handlers blocked in recv
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
