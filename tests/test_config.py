@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfabric.config import Config, ConfigError, parse_bytes
+from kvfabric.config import Config, ConfigError, parse_bytes, parse_codec
 
 
 def test_defaults():
@@ -36,6 +36,10 @@ def test_env_config_file(tmp_path):
     ({"disk": {"capacity": "lots"}}, "disk.capacity: expected a byte size"),
     ({"disk": {"fsync": "maybe"}}, "disk.fsync: expected true or false"),
     ({"disk": 3}, "disk: expected a mapping"),
+    ({"codec": "zstd"}, "codec: unknown codec 'zstd'; allowed: raw, int8, cachegen"),
+    ({"codec": "cachegen:10"}, "codec: level of cachegen must be an integer in 0..9, got '10'"),
+    ({"codec": "raw:1"}, "codec: level of raw must be an integer in 0..0"),
+    ({"redis": {"codec": "int8:x"}}, "redis.codec: level of int8 must be an integer in 0..1"),
 ])
 def test_errors_name_the_key(data, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -54,3 +58,9 @@ def test_byte_sizes(text, value):
 
 def test_harness_variables_are_not_config():
     assert Config.load(environ={"KVFABRIC_TEST_MODEL_DIR": "/x", "KVFABRIC_BENCH_DIR": "/y"}) == Config()
+
+
+def test_codec_specs_per_tier():
+    config = Config.load(environ={"KVFABRIC_CODEC": "int8", "KVFABRIC_REDIS__CODEC": "cachegen:7"})
+    assert (config.codec, config.redis.codec, config.disk.codec) == ("int8", "cachegen:7", "")
+    assert parse_codec("cachegen:7") == ("cachegen", 7) and parse_codec("raw") == ("raw", None)

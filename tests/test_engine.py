@@ -142,3 +142,27 @@ with CacheEngine(Config(chunk_size=16, disk=DiskTierConfig(path={config.disk.pat
     with CacheEngine(config, LAYOUT, "m") as engine:
         assert engine.lookup(list(range(64))) == 64
         assert torch.equal(engine.retrieve(list(range(64))), make_kv(64, seed=3))
+
+
+def test_per_tier_codec_keeps_memory_raw_and_disk_compressed(tmp_path):
+    """cpu keeps raw chunks, disk gets cachegen ones; a fresh engine reads the compressed copy within the codec's
+    error bound, and the engine's own codec is untouched."""
+    from kvfabric.codec.format import parse
+    from kvfabric.config import CpuTierConfig
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16")
+    disk = DiskTierConfig(path=str(tmp_path / "chunks"), codec="cachegen:3")
+    config = Config(chunk_size=32, disk=disk, cpu=CpuTierConfig(codec=""))
+    tokens, kv = list(range(64)), make_kv(64, layout=layout).to(torch.float16)
+    with CacheEngine(config, layout, "m") as engine:
+        engine.store(tokens, kv)
+        engine.flush()
+        key = engine.keys(tokens)[0]
+        cpu_tier, disk_tier = engine.stack.tiers
+        assert parse(cpu_tier.get(key), key).codec_id == 0
+        disk_blob = disk_tier.get(key)
+        assert parse(disk_blob, key).codec_id == 2 and len(disk_blob) < len(cpu_tier.get(key))
+        assert torch.equal(engine.retrieve(tokens), kv)  # served raw from memory
+    with CacheEngine(Config(chunk_size=32, tiers=("disk",), disk=disk), layout, "m") as engine:
+        got = engine.retrieve(tokens)
+        assert got.shape == kv.shape and not torch.equal(got, kv)
+        assert float((got.float() - kv.float()).abs().max()) < 0.5  # lossy, but close

@@ -2,6 +2,7 @@
 
 Contract:
 - `Config()` is the embedded default: cpu + disk tiers, chunk_size 256, sha256 keys, raw codec.
+- Codecs are `name` or `name:level` (raw | int8 | cachegen:0-9); each tier section may set its own `codec`.
 - `Config.load(path)` reads YAML (or $KVFABRIC_CONFIG), then applies environment variables, which win.
   Env names are `KVFABRIC_<FIELD>` and `KVFABRIC_<SECTION>__<FIELD>`, e.g. KVFABRIC_CHUNK_SIZE=128,
   KVFABRIC_DISK__CAPACITY=20GiB, KVFABRIC_TIERS=cpu,disk. KVFABRIC_HOME, KVFABRIC_CONFIG and the prefixes
@@ -25,6 +26,7 @@ ENV_PREFIX = "KVFABRIC_"
 RESERVED_ENV = {"KVFABRIC_HOME", "KVFABRIC_CONFIG"}
 RESERVED_ENV_PREFIXES = ("KVFABRIC_TEST_", "KVFABRIC_BENCH_")  # for test and benchmark harnesses, never config
 TIER_NAMES = ("cpu", "shm", "disk", "redis", "peer")
+CODEC_LEVELS = {"raw": (0, 0), "int8": (0, 1), "cachegen": (0, 9)}  # name -> (lowest, highest) level
 
 
 class ConfigError(ValueError):
@@ -56,9 +58,31 @@ def parse_bytes(value: Any, key: str) -> int:
 ByteSize = typing.Annotated[int, "bytes"]
 
 
+def parse_codec(spec: str, key: str = "codec") -> tuple[str, int | None]:
+    """"name" or "name:level" (raw | int8 | cachegen[:0-9]) -> (name, level or None for the codec's default)."""
+    name, _, level_text = str(spec).strip().partition(":")
+    if name not in CODEC_LEVELS:
+        raise ConfigError(f"{key}: unknown codec {name!r}; allowed: {', '.join(CODEC_LEVELS)} (with :level)")
+    if not level_text:
+        return name, None
+    low, high = CODEC_LEVELS[name]
+    if not level_text.isdigit() or not low <= int(level_text) <= high:
+        raise ConfigError(f"{key}: level of {name} must be an integer in {low}..{high}, got {level_text!r}")
+    return name, int(level_text)
+
+
+def _check_tier_codec(spec: str, key: str) -> None:
+    if spec:  # "" = the engine's codec
+        parse_codec(spec, key)
+
+
 @dataclass(frozen=True, slots=True)
 class CpuTierConfig:
     capacity: ByteSize = 4 * 2**30
+    codec: str = ""  # "" = the top-level codec; e.g. "cachegen:6" keeps this tier's copy compressed
+
+    def __post_init__(self) -> None:
+        _check_tier_codec(self.codec, "cpu.codec")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +90,10 @@ class DiskTierConfig:
     path: str = ""  # empty: <KVFABRIC_HOME>/chunks
     capacity: ByteSize = 50 * 2**30
     fsync: bool = False  # atomic rename + checksums already make a crash a clean miss
+    codec: str = ""  # "" = the top-level codec
+
+    def __post_init__(self) -> None:
+        _check_tier_codec(self.codec, "disk.codec")
 
     def resolved_path(self) -> Path:
         return Path(self.path).expanduser() if self.path else kvfabric_home() / "chunks"
@@ -76,6 +104,10 @@ class ShmTierConfig:
     name: str = "kvfabric"  # pool file /dev/shm/kvfabric-<name>; every process using the same name shares it
     capacity: ByteSize = 2**30  # reserved in /dev/shm at creation (containers often give /dev/shm only 64 MB)
     lock_timeout_s: float = 2.0  # a writer waits at most this long for the pool lock, then drops the put
+    codec: str = ""  # "" = the top-level codec
+
+    def __post_init__(self) -> None:
+        _check_tier_codec(self.codec, "shm.codec")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +119,10 @@ class RedisTierConfig:
     capacity: ByteSize = 2**40  # informational: the server's maxmemory is the real bound
     breaker_failures: int = 3  # consecutive failures that open the circuit
     backoff_max_s: float = 30.0
+    codec: str = ""  # "" = the top-level codec; "cachegen" sends ~4x fewer bytes over the network
+
+    def __post_init__(self) -> None:
+        _check_tier_codec(self.codec, "redis.codec")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +151,7 @@ class Config:
     hash: Literal["sha256", "blake3"] = "sha256"
     salt: str = ""  # tenant salt: separates key namespaces
     save_partial_chunk: bool = False
-    codec: Literal["raw"] = "raw"
+    codec: str = "raw"  # raw | int8 | cachegen, optionally with a level ("cachegen:6"); tiers may override
     tiers: tuple[str, ...] = ("cpu", "disk")
     write_queue_chunks: int = 64
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
@@ -127,6 +163,7 @@ class Config:
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
             raise ConfigError(f"chunk_size: must be positive, got {self.chunk_size}")
+        parse_codec(self.codec, "codec")
         if self.write_queue_chunks <= 0:
             raise ConfigError(f"write_queue_chunks: must be positive, got {self.write_queue_chunks}")
         if not self.tiers or len(set(self.tiers)) != len(self.tiers):

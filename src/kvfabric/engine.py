@@ -24,9 +24,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from kvfabric.codec.base import codec_for_id, get_codec
+from kvfabric.codec.base import Codec, Decoders, get_codec
 from kvfabric.codec.format import ChunkFormatError, ChunkHeader
-from kvfabric.config import Config
+from kvfabric.config import Config, parse_codec
 from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
 from kvfabric.tiers.base import Blob, Scratch, Tier
@@ -66,11 +66,22 @@ class CacheEngine:
         self.layout = layout
         self.model_id = model_id
         self.chunk_size = self.config.chunk_size
-        self.codec = get_codec(self.config.codec)
+        self.codec = get_codec(*parse_codec(self.config.codec))
+        self.decoders = Decoders()
         self._root = root_key(model_id, layout, self.chunk_size, self.config.salt, self.config.hash)
         self.stack = TierStack(tiers if tiers is not None else build_tiers(self.config),
                                self.config.write_queue_chunks)
         self.counters: Counter[str] = Counter()
+        # Tiers whose config names another codec get their own encoding of each chunk (e.g. raw in process
+        # memory, cachegen on the network tiers); blobs are self-describing, so reads never need to know.
+        self._tier_codecs: dict[int, Codec] = {}  # stack level -> its codec, where not the engine's
+        codecs: dict[tuple[str, int | None], Codec] = {parse_codec(self.config.codec): self.codec}
+        for level, tier in enumerate(self.stack.tiers):
+            spec = getattr(getattr(self.config, tier.name, None), "codec", "")
+            if spec and parse_codec(spec) not in codecs:
+                codecs[parse_codec(spec)] = get_codec(*parse_codec(spec))
+            if spec and codecs[parse_codec(spec)] is not self.codec:
+                self._tier_codecs[level] = codecs[parse_codec(spec)]
         for tier in self.stack.tiers:  # tiers that report to a cluster learn this engine's key namespace
             bind = getattr(tier, "bind_engine", None)
             if bind is not None:
@@ -111,10 +122,23 @@ class CacheEngine:
             if is_present:
                 continue
             s, e = self._span(i, num_tokens)
-            self.stack.put(keys[i], self.codec.encode(kv[:, :, :, s - start:e - start, :], keys[i], self.layout))
+            self.put_chunk(keys[i], kv[:, :, :, s - start:e - start, :])
             num_stored += 1
         self.counters["chunks_stored"] += num_stored
         return num_stored
+
+    def put_chunk(self, key: bytes, kv: torch.Tensor, blob: Blob | None = None) -> None:
+        """Store one chunk's KV [L, 2, H, C, D] under `key`: encoded once with the engine's codec (or `blob`, that
+        encoding made by the caller) and once more for each other codec a tier asks for."""
+        if blob is None:
+            blob = self.codec.encode(kv, key, self.layout)
+        encoded: dict[int, Blob] = {}  # id(codec) -> blob: tiers sharing a codec share one encoding
+        per_level: dict[int, Blob] = {}
+        for level, codec in self._tier_codecs.items():
+            if id(codec) not in encoded:
+                encoded[id(codec)] = codec.encode(kv, key, self.layout)
+            per_level[level] = encoded[id(codec)]
+        self.stack.put(key, blob, per_level)
 
     def retrieve(self, tokens: Tokens, out: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = len(tokens)
@@ -167,7 +191,7 @@ class CacheEngine:
         try:
             if header.fingerprint != self.layout.fingerprint or header.shape != self.layout.shape(e - s):
                 raise ChunkFormatError(f"chunk made for another layout {header.shape}")
-            codec_for_id(header.codec_id).decode(header, memoryview(blob), self.layout, out[:, :, :, s:e, :])
+            self.decoders[header.codec_id].decode(header, memoryview(blob), self.layout, out[:, :, :, s:e, :])
         except ChunkFormatError:
             self.stack.discard(key)
             return False

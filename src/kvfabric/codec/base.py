@@ -27,18 +27,47 @@ class Codec(Protocol):
     def decode(self, header: ChunkHeader, blob: memoryview, layout: KVLayout, out: torch.Tensor) -> None: ...
 
 
-def get_codec(name: str) -> Codec:
+def get_codec(name: str, level: int | None = None) -> Codec:
+    """The codec called `name` ("raw", "int8", "cachegen"), at `level` (None: the codec's default)."""
+    from kvfabric.codec.int8 import Int8Codec
     from kvfabric.codec.raw import RawCodec
-    codecs: dict[str, type] = {"raw": RawCodec}
+    if name == "cachegen":
+        from kvfabric.codec.cachegen import DEFAULT_LEVEL, CacheGenCodec
+        return CacheGenCodec(DEFAULT_LEVEL if level is None else level)
+    codecs: dict[str, type] = {"raw": RawCodec, "int8": Int8Codec}
     if name not in codecs:
-        raise ValueError(f"unknown codec {name!r}; choose one of {sorted(codecs)}")
-    return codecs[name]()
+        raise ValueError(f"unknown codec {name!r}; choose one of {sorted([*codecs, 'cachegen'])}")
+    if name == "raw":
+        if level not in (None, 0):
+            raise ValueError(f"the raw codec has no levels, got level={level}")
+        return RawCodec()
+    return codecs[name]() if level is None else codecs[name](level)
 
 
 def codec_for_id(codec_id: int) -> Codec:
+    """A new decoder for a chunk header's codec id (the level is read from the header by `decode`)."""
+    from kvfabric.codec.format import ChunkFormatError
+    from kvfabric.codec.int8 import Int8Codec
     from kvfabric.codec.raw import RawCodec
-    by_id: dict[int, type] = {RawCodec.codec_id: RawCodec}
-    if codec_id not in by_id:
-        from kvfabric.codec.format import ChunkFormatError
-        raise ChunkFormatError(f"unknown codec id {codec_id}")
-    return by_id[codec_id]()
+    if codec_id == RawCodec.codec_id:
+        return RawCodec()
+    if codec_id == Int8Codec.codec_id:
+        return Int8Codec()
+    if codec_id == 2:
+        from kvfabric.codec.cachegen import CacheGenCodec
+        return CacheGenCodec()
+    raise ChunkFormatError(f"unknown codec id {codec_id}")
+
+
+class Decoders:
+    """One decoder per codec id, made on first use and kept: a codec may hold scratch buffers and worker threads
+    (cachegen) that are worth reusing from chunk to chunk. One instance per engine or receiver."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, Codec] = {}
+
+    def __getitem__(self, codec_id: int) -> Codec:
+        codec = self._by_id.get(codec_id)
+        if codec is None:
+            codec = self._by_id[codec_id] = codec_for_id(codec_id)
+        return codec

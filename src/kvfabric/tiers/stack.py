@@ -7,7 +7,8 @@ Contract:
   and a damaged one is deleted from that tier, counted, and the next tier is tried. A hit below the first tier is
   promoted into the faster tiers.
 - Tiers with `is_read_only` (a peer) are read from but never written to.
-- `put(key, blob)`: the first tier is written synchronously when it is trusted (process memory, cheap); every other
+- `put(key, blob, per_level)`: `per_level` gives some tiers (by index) their own encoding of the chunk (a
+  per-tier codec); the others get `blob`. The first tier is written synchronously when it is trusted (process memory, cheap); every other
   tier is written by one background thread from a bounded queue. A full queue drops the write and counts it:
   the engine's step never waits for disk or network. `flush()` waits for queued writes.
 - Queued writes are readable before they land (`pending`), so a store is visible to lookups at once.
@@ -36,7 +37,8 @@ class TierStack:
         self._writable = tuple(i for i, tier in enumerate(self.tiers) if not getattr(tier, "is_read_only", False))
         self._pending: dict[bytes, tuple[Blob, int]] = {}
         self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[bytes, Blob, tuple[int, ...]] | None] = queue.Queue(write_queue_size)
+        self._queue: queue.Queue[tuple[bytes, Blob, tuple[int, ...], dict[int, Blob]] | None] = \
+            queue.Queue(write_queue_size)
         self._writer = threading.Thread(target=self._write_loop, name="kvfabric-writer", daemon=True)
         self._writer.start()
 
@@ -130,13 +132,14 @@ class TierStack:
                 tier.unpin(keys)
 
     # ---- writes ------------------------------------------------------------------------------------------
-    def put(self, key: bytes, blob: Blob) -> None:
-        self._write(key, blob, self._writable)
+    def put(self, key: bytes, blob: Blob, per_level: dict[int, Blob] | None = None) -> None:
+        self._write(key, blob, self._writable, per_level or {})
         self.counters["stored"] += 1
 
-    def _write(self, key: bytes, blob: Blob, levels: tuple[int, ...]) -> None:
+    def _write(self, key: bytes, blob: Blob, levels: tuple[int, ...], per_level: dict[int, Blob] | None = None) -> None:
+        per_level = per_level or {}
         if levels and levels[0] == 0 and self.tiers[0].is_trusted:
-            self.tiers[0].put(key, blob)
+            self.tiers[0].put(key, per_level.get(0, blob))
             levels = levels[1:]
         if not levels:
             return
@@ -144,7 +147,7 @@ class TierStack:
             if key in self._pending:
                 return
             try:
-                self._queue.put_nowait((key, blob, levels))
+                self._queue.put_nowait((key, blob, levels, per_level))
             except queue.Full:
                 self.counters["dropped_writes"] += 1
                 return
@@ -152,11 +155,11 @@ class TierStack:
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            key, blob, levels = item
+            key, blob, levels, per_level = item
             try:
                 for level in levels:
                     tier = self.tiers[level]
-                    if not tier.put(key, blob):
+                    if not tier.put(key, per_level.get(level, blob)):
                         self.counters[f"failed_writes.{tier.name}"] += 1
             except Exception:  # a tier bug must not kill the writer thread
                 log.exception("background write of %s failed", key.hex()[:16])

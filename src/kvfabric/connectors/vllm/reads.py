@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from kvfabric.codec.base import codec_for_id
 from kvfabric.codec.format import ChunkFormatError
 from kvfabric.codec.raw import RawCodec, payload_view
 from kvfabric.engine import CacheEngine
@@ -66,7 +65,7 @@ class ChunkReader:
                 self._held += 1  # the view may live in this buffer: the next chunk takes the next one
             else:
                 kv = torch.empty(layout.shape(cs), dtype=layout.torch_dtype)
-                codec_for_id(header.codec_id).decode(header, memoryview(blob), layout, kv)
+                self.engine.decoders[header.codec_id].decode(header, memoryview(blob), layout, kv)
         except ChunkFormatError as exc:
             logger.warning("kvfabric: dropping undecodable chunk %s: %s", key.hex()[:16], exc)
             self.engine.stack.discard(key)

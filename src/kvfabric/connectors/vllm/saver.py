@@ -112,12 +112,10 @@ class Saver:
         engine, layout = self.engine, self.engine.layout
         if engine.stack.contains_many([key], writable_only=True)[0]:
             return False
-        if blob is None:
-            blob = engine.codec.encode(kv, key, layout)
-        else:  # raw codec: the payload is already in place (RawCodec.encode without its copy)
+        if blob is not None:  # raw codec: the payload is already in place (RawCodec.encode without its copy)
             write_blob(ChunkHeader(RawCodec.codec_id, layout.dtype_code, 0, layout.fingerprint, tuple(kv.shape),
                                    key, len(blob) - HEADER_BYTES), blob)
-        engine.stack.put(key, blob)
+        engine.put_chunk(key, kv, blob)
         engine.counters["chunks_stored"] += 1
         return True
 

@@ -1,0 +1,299 @@
+"""Per-model profiles: offline-measured quantization steps and probability models, shared by every chunk.
+
+CacheGen's observation is that the statistics of a model's KV (which channels matter, how spread each one is)
+barely change from one context to the next, so they can be measured once per model instead of being shipped in
+every chunk. A profile holds, for each (layer, K/V, channel) group:
+
+- `e_base`: the level-1 quantization step as an exponent (step = 2^(e/8)), from the channel's sensitivity:
+  the Fisher information of the next-token distribution with respect to that KV channel, measured with
+  autograd on calibration text (the first token of each text, the attention sink, is left out: the codec keeps
+  each chunk's first token exact anyway). A step proportional to 1/sqrt(Fisher) gives every channel the same
+  expected share of the output error, which is the rate-optimal allocation for a fixed mean KL;
+- `dflag`: whether the channel is coded as anchor + deltas (token locality) or flat around its mean;
+- `ia4` / `id4`: the scale of the residuals of anchors / other tokens at level 1, as a model index
+  (family.py) in quarter steps, so that any level's index is exact integer arithmetic.
+
+A chunk coded with a profile stores only its per-channel means; the stream names the profile by `profile_id`
+(a checksum of its arrays), and a decoder without that profile refuses the chunk (a miss, never garbage).
+Profiles ship as `tables/profile_<layout fingerprint hex>.npz` (plain arrays, loaded with allow_pickle=False).
+`python -m kvfabric.codec.cachegen.profile --help` rebuilds one (needs the model; minutes on a CPU).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from kvfabric.codec.cachegen.family import NUM_SCALES
+from kvfabric.layout import KVLayout
+
+TABLES = Path(__file__).with_name("tables")
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True, eq=False)
+class Profile:
+    fingerprint: bytes
+    group_size: int
+    anchor_bits: int
+    e_base: np.ndarray  # int16 [S, C]
+    ia4: np.ndarray  # int16 [S, C]; anchor model index x4 at level 1 (ignored for flat channels)
+    id4: np.ndarray  # int16 [S, C]
+    dflag: np.ndarray  # uint8 [S, C]
+    meta: dict
+
+    @property
+    def id(self) -> int:
+        return profile_id(self)
+
+    def params(self, level: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(step exponents, anchor model index (255 = flat), other model index, dflag) at `level`."""
+        return _params(self, level)
+
+
+def profile_id(p: Profile) -> int:
+    h = xxhash.xxh3_64()
+    h.update(np.array([PROFILE_VERSION, p.group_size, p.anchor_bits], dtype="<i4").tobytes())
+    h.update(p.fingerprint)
+    for a in (p.e_base.astype("<i2"), p.ia4.astype("<i2"), p.id4.astype("<i2"), p.dflag.astype("u1")):
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.intdigest() or 1  # 0 means "no profile" in a stream
+
+
+def level_shift(level: int) -> int:
+    """Step exponent added at `level` (>= 1): each level is sqrt(2) coarser, about half a bit less a value."""
+    return 4 * (level - 1)
+
+
+@lru_cache(maxsize=32)
+def _params_cached(pid: int, level: int, p: Profile) -> tuple[np.ndarray, ...]:
+    shift = level_shift(level)
+    e = p.e_base.astype(np.int64) + shift
+    ia = np.clip((p.ia4.astype(np.int64) - 2 * shift + 2) // 4, 0, NUM_SCALES - 1)
+    idd = np.clip((p.id4.astype(np.int64) - 2 * shift + 2) // 4, 0, NUM_SCALES - 1)
+    dflag = p.dflag.astype(np.uint8)
+    ia = np.where(dflag != 0, ia, 255).astype(np.uint8)
+    for a in (e, ia, idd, dflag):
+        a.setflags(write=False)
+    return e, ia, idd.astype(np.uint8), dflag
+
+
+def _params(p: Profile, level: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    return _params_cached(p.id, level, p)  # type: ignore[return-value]
+
+
+def save(p: Profile, path: Path) -> None:
+    np.savez_compressed(
+        path, version=np.array([PROFILE_VERSION]), fingerprint=np.frombuffer(p.fingerprint, dtype=np.uint8),
+        group_size=np.array([p.group_size]), anchor_bits=np.array([p.anchor_bits]),
+        e_base=p.e_base.astype(np.int16), ia4=p.ia4.astype(np.int16), id4=p.id4.astype(np.int16),
+        dflag=p.dflag.astype(np.uint8), meta=np.frombuffer(json.dumps(p.meta).encode(), dtype=np.uint8))
+
+
+def load(path: Path) -> Profile:
+    with np.load(path, allow_pickle=False) as z:
+        if int(z["version"][0]) != PROFILE_VERSION:
+            raise ValueError(f"{path}: profile version {int(z['version'][0])} unsupported")
+        shapes = {z[k].shape for k in ("e_base", "ia4", "id4", "dflag")}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+            raise ValueError(f"{path}: malformed profile arrays")
+        return Profile(fingerprint=z["fingerprint"].tobytes(), group_size=int(z["group_size"][0]),
+                       anchor_bits=int(z["anchor_bits"][0]), e_base=z["e_base"].astype(np.int16),
+                       ia4=z["ia4"].astype(np.int16), id4=z["id4"].astype(np.int16),
+                       dflag=z["dflag"].astype(np.uint8), meta=json.loads(z["meta"].tobytes().decode() or "{}"))
+
+
+@lru_cache(maxsize=None)
+def shipped() -> dict[bytes, Profile]:
+    """The profiles shipped as package data, by layout fingerprint (a malformed file is skipped)."""
+    found: dict[bytes, Profile] = {}
+    for path in sorted(TABLES.glob("profile_*.npz")):
+        try:
+            p = load(path)
+        except (ValueError, KeyError, OSError):
+            continue
+        found[p.fingerprint] = p
+    return found
+
+
+def for_layout(layout: KVLayout) -> Profile | None:
+    p = shipped().get(layout.fingerprint)
+    if p is None or p.e_base.shape != (2 * layout.num_layers, layout.num_kv_heads * layout.head_dim):
+        return None
+    return p
+
+
+def by_id(pid: int) -> Profile | None:
+    for p in shipped().values():
+        if p.id == pid:
+            return p
+    return None
+
+
+# ---- calibration (offline; needs torch + transformers and the model) ----------------------------------------
+def fisher_diagonal(model, contexts: list[list[int]], num_next: int = 64, draws: int = 2, seed: int = 0):  # noqa: ANN001, ANN201
+    """Mean over contexts of the squared gradient of log p(y) (y drawn from the model itself, summed over the
+    `num_next` positions after each context) with respect to every KV entry: [L, 2, H, T, D] per context,
+    reduced here to [L, 2, H, D] (mean over tokens 1.., the sink token 0 excluded). Also returns each context's
+    KV (fp16-rounded, float32 numpy [L, 2, H, T, D]) for the rest of the calibration."""
+    import torch
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    class _Layer(CacheLayerMixin):
+        is_compileable = False
+        is_sliding = False
+
+        def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+            super().__init__()
+            self.keys, self.values, self.is_initialized, self.device = k, v, True, k.device
+
+        def lazy_initialization(self, *args: object) -> None:
+            return None
+
+        def update(self, k: torch.Tensor, v: torch.Tensor, *args: object, **kwargs: object):  # noqa: ANN202
+            self.keys = torch.cat([self.keys, k], 2)
+            self.values = torch.cat([self.values, v], 2)
+            return self.keys, self.values
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.keys.shape[2] + query_length, 0
+
+        def get_seq_length(self) -> int:
+            return self.keys.shape[2]
+
+        def get_max_length(self) -> int:
+            return -1
+
+    class _Cache(Cache):
+        def __init__(self, kv: torch.Tensor) -> None:
+            super().__init__(layers=[_Layer(kv[i, 0][None], kv[i, 1][None]) for i in range(kv.shape[0])])
+
+    from kvfabric.engines.hf import BufferCache, layout_for
+
+    gen = torch.Generator().manual_seed(seed)
+    total = None
+    kvs = []
+    layout = layout_for(model.config)
+    for ids in contexts:
+        ctx, nxt = ids[:-num_next], ids[-num_next:]
+        with torch.no_grad():
+            buf = torch.zeros(layout.shape(len(ctx)))
+            model(input_ids=torch.tensor([ctx]), cache=BufferCache(buf, 0), use_cache=True, logits_to_keep=1)
+        kvs.append(buf.half().float().numpy())
+        kv = buf.clone().requires_grad_(True)
+        t = kv.shape[3]
+        out = model(input_ids=torch.tensor([nxt]), position_ids=torch.arange(t, t + len(nxt))[None],
+                    cache=_Cache(kv), use_cache=True)
+        logp = torch.log_softmax(out.logits[0].float(), -1)
+        for r in range(draws):
+            y = torch.multinomial(logp.detach().exp(), 1, generator=gen)[:, 0]
+            (grad,) = torch.autograd.grad(logp.gather(1, y[:, None]).sum(), kv, retain_graph=r + 1 < draws)
+            g2 = grad[:, :, :, 1:].pow(2).mean(3)  # [L, 2, H, D], sink excluded
+            total = g2 if total is None else total + g2
+    return (total / (len(contexts) * draws)).double().numpy(), kvs
+
+
+def build(layout: KVLayout, fisher: np.ndarray, kv_chunks: list[np.ndarray], *, alpha1: float = 2.5e-5,
+          group_size: int = 10, anchor_bits: int = 1, shrink: float = 1.0, meta: dict | None = None) -> Profile:
+    """Profile from a Fisher diagonal [L, 2, H, D] and calibration KV chunks ([L, 2, H, T, D] float32 each):
+    steps from the Fisher information, then modes and residual scales measured by coding the chunks."""
+    from kvfabric.codec.cachegen import kernels as K
+
+    S, C = 2 * layout.num_layers, layout.num_kv_heads * layout.head_dim
+    w = np.maximum(fisher.reshape(S, C), 1e-30)
+    logw = np.log2(w)
+    if shrink != 1.0:  # pull each channel toward its (layer, K/V) mean, in log scale
+        logw = shrink * logw + (1.0 - shrink) * logw.mean(axis=1, keepdims=True)
+    e_base = np.clip(np.round(8.0 * (math.log2(alpha1) - 0.5 * logw)), -120, 120).astype(np.int64)
+    steps = K.steps_from_exponents(e_base)
+    asteps = K.steps_from_exponents(e_base - 8 * anchor_bits)
+    cost = np.zeros((S, C, 2))
+    sums = np.zeros((S, C, 3))  # sum of mean q^2: flat, anchors, others (delta mode)
+    counts = 0
+    for x in kv_chunks:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        T = x.shape[3]
+        st = np.empty((S, C, 4))
+        K.chunk_stats(x, 1, st)
+        mus = (st[:, :, 0] / max(T - 1, 1)).astype(np.float16).astype(np.float32)
+        head = np.ascontiguousarray(x[:, :, :, 0, :].reshape(S, C))
+        sq = np.empty((C, 5))
+        c2 = np.zeros((S, C, 2))
+        K.mode_costs(x, np.arange(S, dtype=np.int64), head, mus, steps, asteps, group_size, True, sq, c2, 1)
+        cost += c2
+        for s in range(S):
+            K.quantize_stats(x[s // 2, s % 2], head[s], mus[s], steps[s], asteps[s], group_size, True, sq, 1)
+            n = T - 1
+            na = sq[:, 3]
+            sums[s, :, 0] += sq[:, 0] / n
+            sums[s, :, 1] += sq[:, 1] / np.maximum(na, 1)
+            sums[s, :, 2] += sq[:, 2] / np.maximum(n - na, 1)
+        counts += 1
+    # the Gaussian model that codes all chunks best has the mean of their second moments as its variance
+    mean_log_var = np.log2(np.maximum(sums / max(counts, 1), 1e-6))
+    dflag = (cost[:, :, 1] < cost[:, :, 0]).astype(np.uint8) if group_size > 1 else np.zeros((S, C), np.uint8)
+    # model index i = 4 * log2(sigma) + 16 (family.py); in quarter units i4 = 16 * log2(sigma) + 64
+    to_i4 = lambda lv: np.round(16.0 * (0.5 * lv + 4.0)).astype(np.int64)  # noqa: E731
+    ia4 = to_i4(mean_log_var[:, :, 1])
+    id4 = np.where(dflag != 0, to_i4(mean_log_var[:, :, 2]), to_i4(mean_log_var[:, :, 0]))
+    return Profile(fingerprint=layout.fingerprint, group_size=group_size, anchor_bits=anchor_bits,
+                   e_base=e_base.astype(np.int16), ia4=np.clip(ia4, -4096, 4096).astype(np.int16),
+                   id4=np.clip(id4, -4096, 4096).astype(np.int16), dflag=dflag, meta=dict(meta or {}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Rebuild a model's profile from calibration text (MuSiQue-style JSON: [{"ctxs": [{"title", "text"}]}])."""
+    import argparse
+
+    import torch
+
+    from kvfabric.engines.hf import layout_for, use_fast_attention
+    from kvfabric.engines.model import DEFAULT_MODEL, ensure_model, load_model
+
+    ap = argparse.ArgumentParser(prog="python -m kvfabric.codec.cachegen.profile")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--texts", required=True, help="JSON file of questions with ctxs (e.g. musique_s.json)")
+    ap.add_argument("--first", type=int, default=0)
+    ap.add_argument("--count", type=int, default=24)
+    ap.add_argument("--ctx-tokens", type=int, default=1536)
+    ap.add_argument("--extra-text", action="append", default=[], help="plain-text files added as contexts")
+    ap.add_argument("--shrink", type=float, default=1.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    model, tok = load_model(str(ensure_model(args.model)), dtype=torch.float32)
+    model.eval()
+    use_fast_attention(model)
+    data = json.loads(Path(args.texts).read_text())
+    n = args.ctx_tokens + 64
+    contexts = []
+    for i in range(args.first, args.first + args.count):
+        ids: list[int] = []
+        j = i
+        while len(ids) < n:
+            ids += tok("\n\n".join(c["title"] + "\n" + c["text"] for c in data[j % len(data)]["ctxs"]))["input_ids"]
+            j += 1
+        contexts.append(ids[:n])
+    for path in args.extra_text:
+        ids = tok(Path(path).read_text())["input_ids"]
+        contexts += [ids[i:i + n] for i in range(0, len(ids) - n + 1, n)]
+    layout = layout_for(model.config, "float16")
+    fisher, kvs = fisher_diagonal(model, contexts)
+    chunks = [kv[:, :, :, s:s + 256] for kv in kvs for s in range(0, kv.shape[3] - 255, 256)]
+    meta = {"model": args.model, "texts": Path(args.texts).name, "first": args.first, "count": len(contexts),
+            "ctx_tokens": args.ctx_tokens, "shrink": args.shrink, "alpha1": 2.5e-5}
+    prof = build(layout, fisher, chunks, shrink=args.shrink, meta=meta)
+    out = Path(args.out) if args.out else TABLES / f"profile_{layout.fingerprint.hex()}.npz"
+    save(prof, out)
+    np.save(out.with_suffix(".fisher.npy"), fisher) if args.out else None
+    print(f"{out}: profile {prof.id:#018x}, delta channels {int(prof.dflag.sum())}/{prof.dflag.size}")
+
+
+if __name__ == "__main__":
+    main()

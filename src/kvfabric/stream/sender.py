@@ -1,0 +1,104 @@
+"""Sending end: a prompt's chunks, pre-encoded at every option, sent one by one as the policy decides.
+
+`prepare(...)` encodes every chunk with the raw codec and at each cachegen level, as a store that keeps chunks at
+several levels would (CacheGen stores each chunk at every level): the send loop only picks and sends bytes, so
+its timing is the link's. `send_prompt(sock, prompt, policy)` sends HELLO, then each chunk as KV or TOKENS,
+then END, feeding the policy the measured seconds of each send.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvfabric.codec.cachegen import CacheGenCodec
+from kvfabric.codec.raw import RawCodec
+from kvfabric.hashing import chunk_keys, root_key
+from kvfabric.layout import KVLayout
+from kvfabric.stream import protocol as W
+from kvfabric.stream.policy import RAW, RECOMPUTE, Choice
+
+
+@dataclass
+class PreparedPrompt:
+    tokens: list[int]
+    layout: KVLayout
+    chunk_size: int
+    model_id: str
+    keys: list[bytes]
+    blobs: dict[str, list[bytes]]  # option -> blob of each chunk
+    encode_s: dict[str, float] = field(default_factory=dict)  # option -> seconds to encode every chunk
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.keys)
+
+    def span(self, i: int) -> tuple[int, int]:
+        return i * self.chunk_size, min((i + 1) * self.chunk_size, len(self.tokens))
+
+    def wire_sizes(self, option: str) -> list[int]:
+        if option == RECOMPUTE:
+            return [W.FRAME.size + 4 * (e - s) for s, e in map(self.span, range(self.num_chunks))]
+        return [W.FRAME.size + len(b) for b in self.blobs[option]]
+
+
+def prompt_keys(tokens: Sequence[int], layout: KVLayout, model_id: str, chunk_size: int) -> list[bytes]:
+    return [bytes(k) for k in chunk_keys(tokens, root_key(model_id, layout, chunk_size), chunk_size, True)]
+
+
+def prepare(tokens: Sequence[int], kv: torch.Tensor, layout: KVLayout, model_id: str, chunk_size: int,
+            levels: Sequence[int] = (1, 3, 5, 7, 9), threads: int | None = None) -> PreparedPrompt:
+    """kv [L, 2, H, >= len(tokens), D]: the prompt's KV. Encodes every chunk raw and at each cachegen level."""
+    tokens = [int(t) for t in tokens]
+    keys = prompt_keys(tokens, layout, model_id, chunk_size)
+    codecs: dict[str, object] = {RAW: RawCodec()}
+    codecs.update({f"L{lvl}": CacheGenCodec(lvl, threads=threads) for lvl in levels})
+    blobs: dict[str, list[bytes]] = {}
+    encode_s: dict[str, float] = {}
+    for name, codec in codecs.items():
+        start = time.perf_counter()
+        blobs[name] = [bytes(codec.encode(kv[:, :, :, i * chunk_size:min((i + 1) * chunk_size, len(tokens)), :],  # type: ignore[attr-defined]
+                                          key, layout)) for i, key in enumerate(keys)]
+        encode_s[name] = time.perf_counter() - start
+    return PreparedPrompt(tokens, layout, chunk_size, model_id, keys, blobs, encode_s)
+
+
+@dataclass
+class SendReport:
+    choices: list[Choice]
+    wire_bytes: list[int]
+    send_s: list[float]
+    total_s: float
+
+
+def send_prompt(sock: socket.socket, prompt: PreparedPrompt, policy, t0: float | None = None) -> SendReport:  # noqa: ANN001
+    """Send `prompt` over `sock` (e.g. a ThrottledSocket). t0: the request's start (perf_counter) for the
+    policy's time budget; default now."""
+    t0 = time.perf_counter() if t0 is None else t0
+    W.send_frame(sock, W.HELLO, 0, W.hello_body(prompt.tokens, prompt.chunk_size, prompt.model_id, prompt.layout))
+    options = [o for o in prompt.blobs] + [RECOMPUTE]
+    sizes = {o: prompt.wire_sizes(o) for o in options}
+    choices, wire, secs = [], [], []
+    for i in range(prompt.num_chunks):
+        choice = policy.choose({o: sizes[o][i:] for o in options}, time.perf_counter() - t0)
+        start = time.perf_counter()
+        if choice.option == RECOMPUTE:
+            s, e = prompt.span(i)
+            body = np.asarray(prompt.tokens[s:e], dtype="<u4").tobytes()
+            n = W.send_frame(sock, W.TOKENS, i, body)
+        else:
+            blob = prompt.blobs[choice.option][i]
+            level = 0 if choice.option == RAW else int(choice.option[1:])
+            n = W.send_frame(sock, W.KV, i, blob, level)
+        took = time.perf_counter() - start
+        if choice.option != RECOMPUTE:
+            policy.observe(n, took)
+        choices.append(choice)
+        wire.append(n)
+        secs.append(took)
+    W.send_frame(sock, W.END, prompt.num_chunks)
+    return SendReport(choices, wire, secs, time.perf_counter() - t0)
