@@ -71,3 +71,40 @@ def test_bench_long_doc_qa_smoke(monkeypatch):
     assert by_round["warm-disk"]["bytes_loaded"] > 0 and by_round["warm-disk"]["limit_ratio"] > 0
     summary = rows[-1]
     assert summary["summary"] == "long-doc-qa" and "miss_overhead_pct" in summary
+
+
+def test_bench_blend_report_summarises_saved_rows(tmp_path):
+    """--report rebuilds the summary from a (partial) --json run: gap closed = 1 - KL / KL of full reuse, speedup
+    = full TTFT / TTFT; a question cut off before its reuse row is left out."""
+    rows = []
+    for q, (reuse_kl, blend_kl) in enumerate([(0.2, 0.05), (0.1, 0.03)]):
+        rows += [{"q": q, "setting": "full", "ttft_s": 12.0, "kl": 0.0, "top1": 1.0, "f1": 0.5, "recompute_frac": 1.0},
+                 {"q": q, "setting": "reuse", "ttft_s": 0.5, "kl": reuse_kl, "top1": 0.8, "f1": 0.4,
+                  "recompute_frac": 0.0},
+                 {"q": q, "setting": "blend@15", "ttft_s": 4.0, "kl": blend_kl, "top1": 0.95, "f1": 0.5,
+                  "recompute_frac": 0.17}]
+    rows.append({"q": 2, "setting": "full", "ttft_s": 12.0, "kl": 0.0, "top1": 1.0, "f1": 0.0, "recompute_frac": 1.0})
+    path = tmp_path / "blend.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    result = CliRunner().invoke(main, ["bench", "blend", "--report", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    out = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    at15 = next(r for r in out if r.get("setting") == "blend@15")
+    assert at15["questions"] == 2 and at15["speedup"] == 3.0
+    assert at15["gap_closed"] == round(1 - 0.04 / 0.15, 3)  # mean KL over mean reuse KL
+    assert at15["gap_closed_q"] == round((0.75 + 0.7) / 2, 3)  # per question, then averaged
+    targets = out[-1]
+    assert targets["summary"] == "targets" and targets["gap_met"] is False and targets["speedup_met"] is True
+
+
+def test_bench_stream_smoke():
+    """A short prompt over the throttled links on the real model: each strategy at each link, raw exact."""
+    result = CliRunner().invoke(main, ["bench", "stream", "--json", "--tokens", "512"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"link"')]
+    assert {(r["link"], r["strategy"]) for r in rows} == {(link, s) for link in ("100Mbit", "1Gbit", "unthrottled")
+                                                         for s in ("raw", "adaptive", "recompute")}
+    raw = [r for r in rows if r["strategy"] == "raw"]
+    assert all(r["kl_first"] == 0.0 and r["same_first"] for r in raw)
+    slow = {r["strategy"]: r for r in rows if r["link"] == "100Mbit"}
+    assert slow["adaptive"]["wire_mb"] < slow["raw"]["wire_mb"]

@@ -179,5 +179,51 @@ def bench_long_doc_qa(as_json: bool, num_docs: int, doc_tokens: int, question_to
     run(num_docs, doc_tokens, question_tokens, seed, as_json)
 
 
+
+@bench.command("codec")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--plot", default=None, metavar="PNG", help="Write the level table as a plot.")
+@click.option("--docs", "num_docs", default=8, show_default=True, help="Held-out documents.")
+@click.option("--length", "ctx_tokens", default=2048, show_default=True, help="Context tokens per document.")
+@click.option("--repeats", default=3, show_default=True)
+@click.option("--quick", is_flag=True, help="Fewer documents and codecs (a smoke run).")
+def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int, repeats: int, quick: bool) -> None:
+    """Codec levels on the real model: size ratio vs fp16, top-1 and KL of the next 64 tokens, encode/decode MB/s."""
+    from kvfabric.bench.codec import run
+    run(as_json=as_json, plot=plot, num_docs=num_docs, ctx_tokens=ctx_tokens, repeats=repeats, quick=quick)
+
+
+@bench.command("stream")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--plot", default=None, metavar="PNG", help="Write the TTFT table as a plot.")
+@click.option("--tokens", "prompt_tokens", default=2048, show_default=True, help="Prompt tokens to send.")
+@click.option("--target", "ttft_target_s", default=1.0, show_default=True, help="TTFT target of the adaptive sender.")
+@click.option("--quick", is_flag=True, help="A shorter prompt (a smoke run).")
+def bench_stream(as_json: bool, plot: str | None, prompt_tokens: int, ttft_target_s: float, quick: bool) -> None:
+    """KV streaming over a throttled loopback link: raw vs adaptive cachegen vs recompute, at 100 Mbit/s, 1 Gbit/s
+    and unthrottled."""
+    from kvfabric.bench.stream import run
+    run(as_json=as_json, plot=plot, prompt_tokens=prompt_tokens, ttft_target_s=ttft_target_s, quick=quick)
+
+
+@bench.command("blend")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per question and setting, then summaries.")
+@click.option("--questions", "limit", default=150, show_default=True, help="MuSiQue questions to run.")
+@click.option("--start", default=0, show_default=True, help="First question.")
+@click.option("--passages", default=10, show_default=True, help="Passages per question.")
+@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
+@click.option("--auto", is_flag=True, help="Also run the load controller's own choice of ratio.")
+@click.option("--report", "report_path", default=None, metavar="JSONL",
+              help="Only summarise the JSON lines of an earlier (possibly unfinished) --json run.")
+def bench_blend(as_json: bool, limit: int, start: int, passages: int, data: str | None, auto: bool,
+                report_path: str | None) -> None:
+    """CacheBlend on the real model: full prefill vs full reuse vs blend at 5/15/30% vs random 15%."""
+    from kvfabric.bench import blend
+    if report_path:
+        blend.report(report_path, as_json)
+        return
+    blend.run(as_json=as_json, limit=limit, start=start, passages=passages, data=data, auto=auto)
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
