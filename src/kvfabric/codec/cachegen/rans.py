@@ -18,6 +18,9 @@ Robustness: every read is bounds-checked (past the end reads as 0 and marks the 
 validated by the caller before a kernel runs, and all state arithmetic stays below 2^32 whatever the input, so a
 hostile stream can produce only garbage values, never a crash or a hang (work is bounded by the output size).
 
+Why the four lanes are written out by hand (the one repetition in this package): the same decoder with an inlined
+per-lane helper returning (state, position, symbol) measured 3x slower under numba 0.68 (82 vs 260 MB/s a core).
+
 Without numba the same functions run as plain Python (slow, for portability and tests of the fallback).
 """
 from __future__ import annotations
