@@ -78,10 +78,13 @@ class CacheEngine:
         codecs: dict[tuple[str, int | None], Codec] = {parse_codec(self.config.codec): self.codec}
         for level, tier in enumerate(self.stack.tiers):
             spec = getattr(getattr(self.config, tier.name, None), "codec", "")
-            if spec and parse_codec(spec) not in codecs:
-                codecs[parse_codec(spec)] = get_codec(*parse_codec(spec))
-            if spec and codecs[parse_codec(spec)] is not self.codec:
-                self._tier_codecs[level] = codecs[parse_codec(spec)]
+            if not spec:
+                continue
+            parsed = parse_codec(spec)
+            if parsed not in codecs:
+                codecs[parsed] = get_codec(*parsed)
+            if codecs[parsed] is not self.codec:
+                self._tier_codecs[level] = codecs[parsed]
         for tier in self.stack.tiers:  # tiers that report to a cluster learn this engine's key namespace
             bind = getattr(tier, "bind_engine", None)
             if bind is not None:

@@ -28,20 +28,20 @@ class Codec(Protocol):
 
 
 def get_codec(name: str, level: int | None = None) -> Codec:
-    """The codec called `name` ("raw", "int8", "cachegen"), at `level` (None: the codec's default)."""
-    from kvfabric.codec.int8 import Int8Codec
-    from kvfabric.codec.raw import RawCodec
-    if name == "cachegen":
-        from kvfabric.codec.cachegen import DEFAULT_LEVEL, CacheGenCodec
-        return CacheGenCodec(DEFAULT_LEVEL if level is None else level)
-    codecs: dict[str, type] = {"raw": RawCodec, "int8": Int8Codec}
-    if name not in codecs:
-        raise ValueError(f"unknown codec {name!r}; choose one of {sorted([*codecs, 'cachegen'])}")
+    """The codec called `name` ("raw", "int8", "cachegen"), at `level` (None: the codec's default). cachegen is
+    imported only when asked for (it loads numba)."""
     if name == "raw":
+        from kvfabric.codec.raw import RawCodec
         if level not in (None, 0):
             raise ValueError(f"the raw codec has no levels, got level={level}")
         return RawCodec()
-    return codecs[name]() if level is None else codecs[name](level)
+    if name == "int8":
+        from kvfabric.codec.int8 import Int8Codec
+        return Int8Codec() if level is None else Int8Codec(level)
+    if name == "cachegen":
+        from kvfabric.codec.cachegen import CacheGenCodec
+        return CacheGenCodec() if level is None else CacheGenCodec(level)
+    raise ValueError(f"unknown codec {name!r}; choose one of ['cachegen', 'int8', 'raw']")
 
 
 def codec_for_id(codec_id: int) -> Codec:
