@@ -146,6 +146,27 @@ def test_levels_trade_size_for_error():
     assert len(lossless) < kv.numel() * 2  # the exponent byte compresses
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_every_output_dtype_gets_the_float32_decode_rounded_once(dtype):
+    """fp16 outputs are written by the kernel itself (F16C rounding); they must equal the float32 decode cast
+    by torch, bit for bit, for every layout dtype, in strided views too; raw (non-finite) segments included."""
+    layout = KVLayout(4, 2, 16, dtype)
+    g = torch.Generator().manual_seed(3)
+    kv = (torch.randn(layout.shape(70), generator=g) * 40).to(layout.torch_dtype)
+    kv[1, 0, 0, 5, 3] = float("inf")  # this segment is stored raw
+    codec = CacheGenCodec(4, use_profile=False, threads=2)
+    blob = codec.encode(kv, KEY, layout)
+    header = parse(blob, KEY)
+    ref = torch.empty(layout.shape(70))
+    codec.decode(header, memoryview(blob), layout, ref)
+    for out_dtype in (torch.float16, torch.bfloat16):
+        big = torch.full((4, 2, 2, 90, 16), float("nan"), dtype=out_dtype)
+        out = big[:, :, :, 10:80]  # a strided view, as the engine's paged buffers give
+        codec.decode(header, memoryview(blob), layout, out)
+        assert torch.equal(out, ref.to(out_dtype)), out_dtype
+        assert big[:, :, :, :10].isnan().all() and big[:, :, :, 80:].isnan().all()
+
+
 def test_token_locality_and_layer_sensitivity_choices():
     layout = KVLayout(6, 1, 8, "float32")
     g = torch.Generator().manual_seed(0)

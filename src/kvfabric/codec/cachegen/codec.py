@@ -175,7 +175,7 @@ class CacheGenCodec:
         head = bits_to_f32(head_bits, layout)
         n = T - 1
         st = np.empty((S, C, 4))
-        x = self._float32_stats(src, st)  # [L, 2, H, T, D] float32 (maybe a strided view of kv)
+        x = self._float32_stats(src, st)  # [L, 2, H, T, D] float32, C-contiguous
         kinds = np.full(S, SEG_EMBEDDED, np.uint8)
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             finite = np.isfinite(st).all(axis=(1, 2)) & np.isfinite(head).all(axis=1) if n else \
@@ -232,6 +232,8 @@ class CacheGenCodec:
         starts = np.zeros(S, np.int64)
         fam = family()
         if self.coder == "rans":
+            head, mu, steps, asteps = (np.ascontiguousarray(a) for a in (head, mu, steps, asteps))
+
             def work(part: np.ndarray) -> None:
                 qbuf = self._scratch("q", (T, C), np.int32)
                 K.encode_segments(x, part, head, mu, steps, asteps, dflag, ia, idx, choose, G, True, fam.fc, fam.rcps,
@@ -265,20 +267,20 @@ class CacheGenCodec:
 
     def _float32_stats(self, src: torch.Tensor, st: np.ndarray) -> np.ndarray:
         """kv as float32 numpy, and st [S, C, 4] = per-channel (sum, sum of squares, min, max) over tokens >= 1.
-        Why per segment in the pool: the fp16 -> fp32 cast and the statistics are a third of the encode time,
-        and both release the GIL (numpy casts, numba kernels), so they split across cores like the coding."""
+        Why per layer in the pool: the fp16 -> fp32 widening and the statistics release the GIL (numba kernels),
+        so they split across cores like the coding."""
         L = int(src.shape[0])
         if src.dtype == torch.float32:
-            x, cast = src.numpy(), None
-        elif src.dtype == torch.float16:
-            x, cast = self._scratch("x", tuple(src.shape), np.float32), src.numpy()
+            x, bits = np.ascontiguousarray(src.numpy()), None  # the coding kernels want it contiguous
+        elif src.dtype == torch.float16:  # widened by a kernel: numpy's cast is 10x slower than F16C
+            x, bits = self._scratch("x", tuple(src.shape), np.float32), src.numpy().view(np.uint16)
         else:  # bfloat16 has no numpy dtype: one torch cast
-            x, cast = src.float().numpy(), None
+            x, bits = np.ascontiguousarray(src.float().numpy()), None
 
         def prep(layers: np.ndarray) -> None:
             for l in layers:  # chunk_stats reads K and V of every layer it is given: one layer at a time
-                if cast is not None:
-                    x[l] = cast[l]
+                if bits is not None:
+                    K.widen_f16(bits[l], x[l])
                 K.chunk_stats(x[l:l + 1], 1, st[2 * l:2 * l + 2])
         self._split(prep, np.arange(L, dtype=np.int64))
         return x
@@ -314,33 +316,30 @@ class CacheGenCodec:
         raw_bytes = H * T * D * isz
         if (lengths[kinds == SEG_RAW] != raw_bytes).any():
             raise ChunkFormatError("cachegen raw segment has the wrong length")
-        o5, scratch = self._output(out)
+        o5, scratch = self._output(out, lossy=mode == MODE_LOSSY)
         if mode == MODE_LOSSLESS:
             decode_lossless(rd, kinds, lengths, layout, o5, header.shape)
-            copied = False
-        else:  # segments are copied into `out` by the threads that decode them
-            dst = out.detach().numpy() if scratch and out.dtype == torch.float16 and out.device.type == "cpu" \
-                else None
-            self._decode_lossy(rd, kinds, lengths, layout, o5, header, flags, pid, coder, G, ab, dst)
-            copied = dst is not None
+        else:
+            self._decode_lossy(rd, kinds, lengths, layout, o5, header, flags, pid, coder, G, ab)
         if rd.pos != pad4(len(pay)) or len(pay) % 4:
             raise ChunkFormatError("cachegen stream has trailing bytes")
-        if scratch and not copied:
+        if scratch:
             out.copy_(torch.from_numpy(o5))
 
-    def _output(self, out: torch.Tensor) -> tuple[np.ndarray, bool]:
-        """A float32 numpy view of `out`, or a scratch buffer to copy from (the bool says which)."""
-        if out.dtype == torch.float32 and out.device.type == "cpu" and not out.requires_grad:
-            return out.detach().numpy(), False
+    def _output(self, out: torch.Tensor, lossy: bool) -> tuple[np.ndarray, bool]:
+        """Where the kernels write: a numpy view of `out` (float32; for the lossy kernels also fp16, as uint16
+        bits), or a float32 scratch buffer to copy from (the bool says which)."""
+        if out.device.type == "cpu" and not out.requires_grad:
+            if out.dtype == torch.float32:
+                return out.detach().numpy(), False
+            if out.dtype == torch.float16 and lossy:
+                return out.detach().numpy().view(np.uint16), False
         return self._scratch("out", tuple(out.shape), np.float32), True
 
     def _decode_lossy(self, rd: Reader, kinds: np.ndarray, lengths: np.ndarray, layout: KVLayout, o5: np.ndarray,
-                      header: ChunkHeader, flags: int, pid: int, coder: int, G: int, ab: int,
-                      out: np.ndarray | None) -> None:
-        """Decode into o5 (float32); with `out` (fp16; o5 is then a scratch buffer) each segment is also cast into
-        out as soon as it is decoded, in the thread that decoded it (numpy casts release the GIL and, unlike
-        torch's, never wait on an intra-op thread pool). On ChunkFormatError `out` may be partly
-        written: the caller treats the chunk as a miss."""
+                      header: ChunkHeader, flags: int, pid: int, coder: int, G: int, ab: int) -> None:
+        """Decode into o5: float32, or uint16 holding fp16 values (written by the kernel itself: no float32
+        pass, no cast). On ChunkFormatError o5 may be partly written: the caller treats the chunk as a miss."""
         L, _, H, T, D = header.shape
         S, C = 2 * L, H * D
         if not flags & FLAG_HEAD:
@@ -395,10 +394,9 @@ class CacheGenCodec:
         offs = (starts - base) // 2  # segment s: words_all[offs[s]:ends[s]]
         ends = offs + lengths // 2
         for s in np.flatnonzero(kinds == SEG_RAW):
-            bits = rd.pay[starts[s]:starts[s] + lengths[s]].view(dtype_bits(layout))
-            o5[s // 2, s % 2] = bits_to_f32(bits, layout).reshape(H, T, D)
-            if out is not None:
-                out[s // 2, s % 2] = o5[s // 2, s % 2]
+            vals = bits_to_f32(rd.pay[starts[s]:starts[s] + lengths[s]].view(dtype_bits(layout)), layout)
+            o5[s // 2, s % 2] = (vals if o5.dtype == np.float32 else vals.astype(np.float16).view(np.uint16)).reshape(
+                H, T, D)
         segs = np.flatnonzero(lossy).astype(np.int64)
         if not len(segs):
             return
@@ -411,8 +409,6 @@ class CacheGenCodec:
                     l, k = divmod(int(s), 2)
                     bad += not K.decode_lossy(words_all, offs[s], ends[s], o5[l, k], head[s], mu[s], steps[s],
                                               asteps[s], dflag[s], ja[s], ka[s], jd[s], kd[s], G, True, slots)
-                    if out is not None:
-                        out[l, k] = o5[l, k]
                 return bad
             bad = sum(self._split(work, segs))
         else:
@@ -424,9 +420,9 @@ class CacheGenCodec:
                 except ValueError:
                     bad += 1
                     continue
-                K.dequantize(q, head[s], mu[s], steps[s], asteps[s], dflag[s], G, True, o5[s // 2, s % 2])
-                if out is not None:
-                    out[s // 2, s % 2] = o5[s // 2, s % 2]
+                seg = np.empty((H, T, D), np.float32)
+                K.dequantize(q, head[s], mu[s], steps[s], asteps[s], dflag[s], G, True, seg)
+                o5[s // 2, s % 2] = seg if o5.dtype == np.float32 else seg.astype(np.float16).view(np.uint16)
         if bad:
             raise ChunkFormatError(f"cachegen: {bad} segment(s) failed to decode")
 

@@ -19,9 +19,10 @@ from kvfabric.codec.cachegen.quant import (
     quantize,
     quantize_stats,
     steps_from_exponents,
+    widen_f16,
 )
 from kvfabric.codec.cachegen.rans import MASK, PB, QMAX, RL, decode_lossy, encode_lossy
 
 __all__ = ["HAVE_NUMBA", "MASK", "PB", "POW8", "QMAX", "RL", "chunk_stats", "decode_bytes", "decode_lossy",
            "dequantize", "encode_bytes", "encode_lossy", "encode_segments", "mode_costs", "quantize",
-           "quantize_stats", "slots_for", "steps_from_exponents", "table_from_counts"]
+           "quantize_stats", "slots_for", "steps_from_exponents", "table_from_counts", "widen_f16"]

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from kvfabric.codec.cachegen.jit import SIG, inline, jit
+from kvfabric.codec.cachegen.jit import SIG, inline, jit, widen
 from kvfabric.codec.cachegen.rans import QMAX, encode_lossy
 
 # 2^(i/8) for i = 0..7 as exact float32 constants: steps are ldexp(POW8[e & 7], e >> 3), bit-identical everywhere.
@@ -69,46 +69,56 @@ def quantize_stats(x, head, mus, steps, asteps, G, has_head, sq, stride):  # noq
 def quantize(x, head, mus, steps, asteps, dflag, G, has_head, q, sq):  # noqa: ANN001, ANN201
     """Closed-loop quantization of segment x [H, T, D] into q [T, C] (int32); sq [C, 2] gets sum q^2 of
     (anchors, others). A non-anchor of a delta channel is coded against its anchor's *reconstruction* (the head
-    token's exact value for group 0), so its error is its own rounding only: |x - x_hat| <= step / 2."""
+    token's exact value for group 0), so its error is its own rounding only: |x - x_hat| <= step / 2.
+    Why the loops look like this: the inner loop runs over the D contiguous values of one (head, token) with
+    per-channel accumulators and a select instead of a branch, so LLVM vectorizes it (x is C-contiguous)."""
     H, T, D = x.shape
     C = H * D
     ref = np.empty(C, np.float32)
     inv = np.empty(C, np.float32)
     ainv = np.empty(C, np.float32)
+    isd = np.empty(C, np.bool_)
+    acc_a = np.zeros(C)
+    acc_d = np.zeros(C)
     for c in range(C):
         inv[c] = np.float32(1.0) / steps[c]
         ainv[c] = np.float32(1.0) / asteps[c]
         ref[c] = mus[c]
-        sq[c, 0] = 0.0
-        sq[c, 1] = 0.0
+        isd[c] = dflag[c] != 0
     t0 = 0
     if has_head:
         t0 = 1
-        for h in range(H):
-            for d in range(D):
-                c = h * D + d
-                q[0, c] = 0
-                if dflag[c] != 0:
-                    ref[c] = head[c]
+        for c in range(C):
+            q[0, c] = 0
+            if isd[c]:
+                ref[c] = head[c]
     half = np.float32(0.5)
+    lim = np.float32(QMAX)
     for t in range(t0, T):
+        qt = q[t]
         if t % G == 0:
             for h in range(H):
+                xr = x[h, t]
+                b = h * D
                 for d in range(D):
-                    c = h * D + d
+                    c = b + d
                     mu = mus[c]
-                    qq = min(max(math.floor((x[h, t, d] - mu) * ainv[c] + half), -QMAX), QMAX)
-                    q[t, c] = qq
-                    sq[c, 0] += qq * qq
-                    if dflag[c] != 0:
-                        ref[c] = mu + np.float32(qq) * asteps[c]
+                    qf = min(max(np.float32(math.floor((xr[d] - mu) * ainv[c] + half)), -lim), lim)
+                    qt[c] = np.int32(qf)
+                    acc_a[c] += np.float64(qf) * np.float64(qf)
+                    ref[c] = mu + qf * asteps[c] if isd[c] else ref[c]
         else:
             for h in range(H):
+                xr = x[h, t]
+                b = h * D
                 for d in range(D):
-                    c = h * D + d
-                    qq = min(max(math.floor((x[h, t, d] - ref[c]) * inv[c] + half), -QMAX), QMAX)
-                    q[t, c] = qq
-                    sq[c, 1] += qq * qq
+                    c = b + d
+                    qf = min(max(np.float32(math.floor((xr[d] - ref[c]) * inv[c] + half)), -lim), lim)
+                    qt[c] = np.int32(qf)
+                    acc_d[c] += np.float64(qf) * np.float64(qf)
+    for c in range(C):
+        sq[c, 0] = acc_a[c]
+        sq[c, 1] = acc_d[c]
 
 
 @jit(SIG.get("dequantize"))
@@ -138,7 +148,7 @@ def dequantize(q, head, mus, steps, asteps, dflag, G, has_head, out):  # noqa: A
 
 @jit(SIG.get("chunk_stats"))
 def chunk_stats(x, t0, st):  # noqa: ANN001, ANN201
-    """Per channel of x [L, 2, H, T, D] (float32, any strides), over tokens t >= t0: st [S, C, 4] =
+    """Per channel of x [L, 2, H, T, D] (float32, C-contiguous), over tokens t >= t0: st [S, C, 4] =
     (sum, sum of squares, min, max), S = 2L segments, C = H * D channels."""
     L, _, H, T, D = x.shape
     sm = np.empty(D)
@@ -167,6 +177,17 @@ def chunk_stats(x, t0, st):  # noqa: ANN001, ANN201
                 st[s, c, 1] = sq[d]
                 st[s, c, 2] = lo[d]
                 st[s, c, 3] = hi[d]
+
+
+@jit(SIG.get("widen_f16"))
+def widen_f16(bits, x):  # noqa: ANN001, ANN201
+    """x = the float32 values of fp16 bits [2, H, T, D] (both any strides): exact, at memory speed."""
+    K2, H, T, D = bits.shape
+    for k in range(K2):
+        for h in range(H):
+            for t in range(T):
+                for d in range(D):
+                    x[k, h, t, d] = widen(bits[k, h, t, d])
 
 
 @jit(SIG.get("mode_costs"))

@@ -3,7 +3,8 @@
 Why our own coder: constriction (the reference path, `reference.py`) decodes 26-49 M symbols/s on one thread;
 a 1 Gbit/s link needs about 60 M fp16 values/s and our target is 250 M/s. Here each table lookup is a single
 load from a small shared table (family.py), four independent rANS states hide its latency, and dequantization
-is fused into the decode loop, which writes straight into the caller's (strided) output view.
+is fused into the decode loop, which writes straight into the caller's (strided) output view, as float32 or as
+fp16 (jit.store).
 
 rANS parameters: 32-bit states in [2^16, 2^32), 16-bit renormalization words, PROB_BITS = 12. A symbol whose
 model has a raw shift k also carries k bypass bits; an escape symbol carries 16 raw bits (the residual + 32768).
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvfabric.codec.cachegen.jit import SIG, jit
+from kvfabric.codec.cachegen.jit import SIG, jit, store
 
 PB = 12
 MASK = (1 << PB) - 1
@@ -245,8 +246,9 @@ def encode_lossy(q_in, ja, ka, jd, kd, G, has_head, fc, rcps, out):  # noqa: ANN
 
 @jit(SIG.get("decode_lossy"))
 def decode_lossy(words, pos, end, out, head, mus, steps, asteps, dflag, ja, ka, jd, kd, G, has_head, slots):  # noqa: ANN001, ANN201, E501
-    """Decode one segment's words[pos:end] into out [H, T, D] (float32, any strides). Returns True when the
-    stream decoded exactly (all words used, all states back at 2^16); False means corrupt (out is garbage)."""
+    """Decode one segment's words[pos:end] into out [H, T, D] (any strides): float32, or uint16 to receive fp16
+    bits (rounded to nearest even, as a numpy cast would; no float32 pass). Returns True when the stream decoded
+    exactly (all words used, all states back at 2^16); False means corrupt (out is garbage)."""
     H, T, D = out.shape
     C = H * D
     if end - pos < 8:
@@ -279,19 +281,19 @@ def decode_lossy(words, pos, end, out, head, mus, steps, asteps, dflag, ja, ka, 
         as0, as1, as2, as3 = asteps[c0], asteps[c1], asteps[c2], asteps[c3]
         st0, st1, st2, st3 = steps[c0], steps[c1], steps[c2], steps[c3]
         if has_head:
-            out[h0, 0, d0] = head[c0]
+            out[h0, 0, d0] = store(head[c0], out)
             if dl0:
                 r0 = head[c0]
             if live1:
-                out[h1, 0, d1] = head[c1]
+                out[h1, 0, d1] = store(head[c1], out)
                 if dl1:
                     r1 = head[c1]
             if live2:
-                out[h2, 0, d2] = head[c2]
+                out[h2, 0, d2] = store(head[c2], out)
                 if dl2:
                     r2 = head[c2]
             if live3:
-                out[h3, 0, d3] = head[c3]
+                out[h3, 0, d3] = store(head[c3], out)
                 if dl3:
                     r3 = head[c3]
         v0 = v1 = v2 = v3 = np.float32(0.0)
@@ -330,7 +332,7 @@ def decode_lossy(words, pos, end, out, head, mus, steps, asteps, dflag, ja, ka, 
                 x0 = (x0 << (n << 4)) | (np.int64(words[min(pos, last)]) & -n)
                 pos += n
             v0 = B0 + np.float32(q) * S0
-            out[h0, t, d0] = v0
+            out[h0, t, d0] = store(v0, out)
             if live1:
                 e = np.int64(slots[J1, x1 & MASK])
                 x1 = ((e >> 8) & 0xFFF) * (x1 >> PB) + (e >> 20)
@@ -351,7 +353,7 @@ def decode_lossy(words, pos, end, out, head, mus, steps, asteps, dflag, ja, ka, 
                     x1 = (x1 << (n << 4)) | (np.int64(words[min(pos, last)]) & -n)
                     pos += n
                 v1 = B1 + np.float32(q) * S1
-                out[h1, t, d1] = v1
+                out[h1, t, d1] = store(v1, out)
             if live2:
                 e = np.int64(slots[J2, x2 & MASK])
                 x2 = ((e >> 8) & 0xFFF) * (x2 >> PB) + (e >> 20)
@@ -372,7 +374,7 @@ def decode_lossy(words, pos, end, out, head, mus, steps, asteps, dflag, ja, ka, 
                     x2 = (x2 << (n << 4)) | (np.int64(words[min(pos, last)]) & -n)
                     pos += n
                 v2 = B2 + np.float32(q) * S2
-                out[h2, t, d2] = v2
+                out[h2, t, d2] = store(v2, out)
             if live3:
                 e = np.int64(slots[J3, x3 & MASK])
                 x3 = ((e >> 8) & 0xFFF) * (x3 >> PB) + (e >> 20)
@@ -393,7 +395,7 @@ def decode_lossy(words, pos, end, out, head, mus, steps, asteps, dflag, ja, ka, 
                     x3 = (x3 << (n << 4)) | (np.int64(words[min(pos, last)]) & -n)
                     pos += n
                 v3 = B3 + np.float32(q) * S3
-                out[h3, t, d3] = v3
+                out[h3, t, d3] = store(v3, out)
             if anchor:
                 r0 = v0 if dl0 else mu0
                 r1 = v1 if dl1 else mu1
