@@ -188,6 +188,25 @@ def test_runner_equals_hf_when_every_token_is_computed(smol):
     assert (kv2 - kv).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("key_start", [0, 7])
+def test_scattered_query_attention_equals_dense_masked_attention(smol, key_start):
+    """Blocks of queries (unmasked prefix + masked window, merged by log-sum-exp) == one dense masked softmax."""
+    runner = LlamaRunner(smol[0])
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, n, d = runner.num_heads, runner.num_kv_heads, 300, runner.head_dim
+    keys, values = torch.randn(1, hkv, n, d, generator=g), torch.randn(1, hkv, n, d, generator=g)
+    for positions in (torch.sort(torch.randperm(n - key_start, generator=g)[:150]).values + key_start,
+                      torch.arange(key_start, n)[-70:], torch.tensor([key_start, n - 1])):
+        q = torch.randn(1, hq, positions.numel(), d, generator=g)
+        got = runner._attend_sparse(q, keys[:, :, key_start:], values[:, :, key_start:], positions, key_start)
+        k_all = keys[0, :, key_start:].repeat_interleave(hq // hkv, 0)  # [Hq, n', D]
+        v_all = values[0, :, key_start:].repeat_interleave(hq // hkv, 0)
+        scores = q[0] @ k_all.transpose(1, 2) * runner.scaling
+        hidden = torch.arange(key_start, n).view(1, -1) > positions.view(-1, 1)
+        ref = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1) @ v_all
+        assert (got[0] - ref).abs().max() < 1e-5
+
+
 @pytest.mark.slow
 def test_blend_with_every_token_recomputed_equals_hf(smol, blender32, prompt):
     for seg in prompt[:-1]:

@@ -97,6 +97,12 @@ def test_bench_blend_report_summarises_saved_rows(tmp_path):
     assert targets["summary"] == "targets" and targets["gap_met"] is False and targets["speedup_met"] is True
 
 
+@pytest.mark.parametrize("args", [["--stride", "0"], ["--check-layers", "2,x"], ["--check-layers", "4,2"]])
+def test_bench_blend_rejects_bad_sampling_and_check_layers(args):
+    result = CliRunner().invoke(main, ["bench", "blend", "--questions", "1", *args])
+    assert result.exit_code == 2 and "Invalid value" in result.output, result.output
+
+
 def test_bench_stream_smoke():
     """A short prompt over the throttled links on the real model: each strategy at each link, raw exact."""
     result = CliRunner().invoke(main, ["bench", "stream", "--json", "--tokens", "512"])

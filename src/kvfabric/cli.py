@@ -210,19 +210,33 @@ def bench_stream(as_json: bool, plot: str | None, prompt_tokens: int, ttft_targe
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per question and setting, then summaries.")
 @click.option("--questions", "limit", default=150, show_default=True, help="MuSiQue questions to run.")
 @click.option("--start", default=0, show_default=True, help="First question.")
+@click.option("--stride", default=1, show_default=True, help="Take every STRIDE-th question (a spread sample).")
+@click.option("--check-layers", "check_layers", default=None, metavar="L1,L2,..",
+              help="BlendConfig.check_layers (default: the config's).")
 @click.option("--passages", default=10, show_default=True, help="Passages per question.")
 @click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
 @click.option("--auto", is_flag=True, help="Also run the load controller's own choice of ratio.")
 @click.option("--report", "report_path", default=None, metavar="JSONL",
               help="Only summarise the JSON lines of an earlier (possibly unfinished) --json run.")
-def bench_blend(as_json: bool, limit: int, start: int, passages: int, data: str | None, auto: bool,
-                report_path: str | None) -> None:
+def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers: str | None, passages: int,
+                data: str | None, auto: bool, report_path: str | None) -> None:
     """CacheBlend on the real model: full prefill vs full reuse vs blend at 5/15/30% vs random 15%."""
     from kvfabric.bench import blend
     if report_path:
         blend.report(report_path, as_json)
         return
-    blend.run(as_json=as_json, limit=limit, start=start, passages=passages, data=data, auto=auto)
+    if stride < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--stride")
+    layers = None
+    if check_layers:
+        from kvfabric.blend import BlendConfig
+        try:
+            layers = tuple(int(x) for x in check_layers.split(","))
+            BlendConfig(check_layers=layers)
+        except ValueError as e:
+            raise click.BadParameter(f"{check_layers!r}: {e}", param_hint="--check-layers") from None
+    blend.run(as_json=as_json, limit=limit, start=start, stride=stride, check_layers=layers, passages=passages,
+              data=data, auto=auto)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -111,12 +111,14 @@ def compare(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, floa
 def run(as_json: bool = False, limit: int = 5, passages: int = 10, ratios: tuple[float, ...] = (0.05, 0.15, 0.30),
         random_ratio: float = 0.15, data: str | os.PathLike | None = None, answer_tokens: int = 8,
         max_new_tokens: int = 24, kv_dtype: str = "float16", model: str | None = None, start: int = 0,
-        auto: bool = False, seed: int = 0, progress: bool = True) -> list[dict]:
-    from kvfabric.blend import Blender, LoadController
+        auto: bool = False, seed: int = 0, progress: bool = True, stride: int = 1,
+        check_layers: tuple[int, ...] | None = None) -> list[dict]:
+    from kvfabric.blend import BlendConfig, Blender, LoadController
     from kvfabric.config import Config, CpuTierConfig
     from kvfabric.engines.model import DEFAULT_MODEL, load_model
 
-    examples = json.loads(find_data(data).read_text())[start:start + limit]
+    examples = json.loads(find_data(data).read_text())[start:start + limit * stride:stride]
+    blend_config = BlendConfig(check_layers=check_layers) if check_layers else BlendConfig()  # validates
     threads = os.environ.get("OMP_NUM_THREADS", "").strip()
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else len(os.sched_getaffinity(0)))
     name = model or DEFAULT_MODEL
@@ -131,12 +133,14 @@ def run(as_json: bool = False, limit: int = 5, passages: int = 10, ratios: tuple
         settings += [("auto", "blend", None)]
     stop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if i is not None}
     rows: list[dict] = []
-    with Blender(hf_model, model_id=name, kv_dtype=kv_dtype, config=config, controller=controller) as blender:
+    with Blender(hf_model, model_id=name, kv_dtype=kv_dtype, config=config, controller=controller,
+                 blend=blend_config) as blender:
         if not blender.enabled:
             console.print(f"[red]blend gate failed (error {blender.gate_error:.3g}): every setting is a full prefill")
         # warm-up (kernels, allocator) outside the measurements
         blender.prefill([[1] * 64, [2] * 32], mode="full")
-        for qi, example in enumerate(examples, start=start):
+        for done, example in enumerate(examples):
+            qi = start + done * stride
             segments, answers = build_segments(tokenizer, example, passages)
             n = sum(map(len, segments))
             q_start = n - len(segments[-1])
@@ -174,11 +178,11 @@ def run(as_json: bool = False, limit: int = 5, passages: int = 10, ratios: tuple
                 for row in mine.values():
                     print(json.dumps(row), flush=True)
             if progress:  # on stderr: never mixed into the JSON lines
-                console.print(f"q{qi} ({qi - start + 1}/{len(examples)}) {n} tokens: " + ", ".join(
+                console.print(f"q{qi} ({done + 1}/{len(examples)}) {n} tokens: " + ", ".join(
                     f"{s} {r['ttft_s']:.1f}s KL {r['kl']:.3f}" for s, r in mine.items()))
     summary = summarize(rows, [s for s, _, _ in settings])
     title = (f"bench blend: {len({r['q'] for r in rows})} MuSiQue questions x {passages} passages, "
-             f"{name}, KV {kv_dtype} ({threads_note()})")
+             f"{name}, KV {kv_dtype}, check layers {list(blend_config.check_layers)} ({threads_note()})")
     emit(summary, as_json, title, ["setting", "questions", "ttft_s", "speedup", "recompute_frac", "kl",
                                    "gap_closed", "gap_closed_q", "top1", "f1"])
     targets = targets_row(summary, passages)
