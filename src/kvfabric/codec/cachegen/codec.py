@@ -32,8 +32,8 @@ Stream (the chunk payload; all integers little-endian, every block 4-byte aligne
     data     each segment's bytes in order (lossy: u16 rANS words; lossless: u16 frequencies[256], the low
              bytes, then the words)
 
-Decoding trusts nothing: magic, version, sizes, counts, model indices and ids are checked before any kernel
-runs, lengths must add up to the payload exactly, and each rANS segment must end exactly where it should with
+Decoding (the prelude here, the lossy segments in decode.py) trusts nothing: magic, version, sizes, counts, model
+indices and ids are checked before any kernel runs, lengths must add up to the payload exactly, and each rANS segment must end exactly where it should with
 its states back at their initial value. Any failure raises ChunkFormatError.
 """
 from __future__ import annotations
@@ -47,7 +47,8 @@ import torch
 
 from kvfabric.codec.cachegen import kernels as K
 from kvfabric.codec.cachegen import profile as P
-from kvfabric.codec.cachegen.family import NUM_SCALES, family
+from kvfabric.codec.cachegen.decode import decode_lossy, stated_error_bound
+from kvfabric.codec.cachegen.family import family
 from kvfabric.codec.cachegen.lossless import decode_lossless, encode_lossless
 from kvfabric.codec.cachegen.wire import (
     CODEC_ID,
@@ -70,7 +71,6 @@ from kvfabric.codec.cachegen.wire import (
     STREAM_VERSION,
     Reader,
     bits_to_f32,
-    dtype_bits,
     pad4,
     round_to_layout,
 )
@@ -320,7 +320,7 @@ class CacheGenCodec:
         if mode == MODE_LOSSLESS:
             decode_lossless(rd, kinds, lengths, layout, o5, header.shape)
         else:
-            self._decode_lossy(rd, kinds, lengths, layout, o5, header, flags, pid, coder, G, ab)
+            decode_lossy(rd, kinds, lengths, layout, o5, header, flags, pid, coder, G, ab, self._split)
         if rd.pos != pad4(len(pay)) or len(pay) % 4:
             raise ChunkFormatError("cachegen stream has trailing bytes")
         if scratch:
@@ -336,124 +336,7 @@ class CacheGenCodec:
                 return out.detach().numpy().view(np.uint16), False
         return self._scratch("out", tuple(out.shape), np.float32), True
 
-    def _decode_lossy(self, rd: Reader, kinds: np.ndarray, lengths: np.ndarray, layout: KVLayout, o5: np.ndarray,
-                      header: ChunkHeader, flags: int, pid: int, coder: int, G: int, ab: int) -> None:
-        """Decode into o5: float32, or uint16 holding fp16 values (written by the kernel itself: no float32
-        pass, no cast). On ChunkFormatError o5 may be partly written: the caller treats the chunk as a miss."""
-        L, _, H, T, D = header.shape
-        S, C = 2 * L, H * D
-        if not flags & FLAG_HEAD:
-            raise ChunkFormatError("cachegen lossy stream without its head token")
-        head = bits_to_f32(rd.array(dtype_bits(layout).str, (S, C)), layout)
-        mu = rd.array("<f2", (S, C)).astype(np.float32)
-        lossy = kinds != SEG_RAW
-        if not np.isfinite(mu).all() or not np.isfinite(head[lossy]).all():
-            raise ChunkFormatError("cachegen means or head not finite")
-        e = np.zeros((S, C), np.int64)
-        ia = np.zeros((S, C), np.int64)
-        idx = np.zeros((S, C), np.int64)
-        emb = np.flatnonzero(kinds == SEG_EMBEDDED)
-        if len(emb):
-            e[emb] = rd.array("i1", (len(emb), C))
-            ia[emb] = rd.array("u1", (len(emb), C))
-            idx[emb] = rd.array("u1", (len(emb), C))
-        prof_rows = np.flatnonzero(kinds == SEG_PROFILE)
-        if len(prof_rows):
-            prof = P.by_id(pid) if flags & FLAG_PROFILE and pid else None
-            if prof is None or prof.e_base.shape != (S, C) or prof.group_size != G or prof.anchor_bits != ab:
-                raise ChunkFormatError(f"cachegen stream needs profile {pid:#x}, which this build does not have")
-            e_p, ia_p, id_p, _ = prof.params(header.level)
-            e[prof_rows], ia[prof_rows], idx[prof_rows] = e_p[prof_rows], ia_p[prof_rows], id_p[prof_rows]
-        elif flags & FLAG_PROFILE:
-            raise ChunkFormatError("cachegen profile flag without profile segments")
-        if ((ia >= NUM_SCALES) & (ia != 255)).any() or (idx >= NUM_SCALES).any():
-            raise ChunkFormatError("cachegen model index out of range")
-        dflag = (ia != 255).astype(np.uint8)
-        steps = K.steps_from_exponents(e)
-        asteps = np.where(dflag != 0, K.steps_from_exponents(e - 8 * ab), steps).astype(np.float32)
-        i_a = np.where(dflag != 0, ia, idx)
-        ka = np.maximum(0, (i_a - 32 + 3) // 4)
-        kd = np.maximum(0, (idx - 32 + 3) // 4)
-        ja, jd = (i_a - 4 * ka).astype(np.int32), (idx - 4 * kd).astype(np.int32)
-        ka, kd = ka.astype(np.int32), kd.astype(np.int32)
-        # segment data: lossy segments are u16 words, raw ones layout-dtype values; each starts 4-byte aligned
-        base = rd.pos
-        starts = np.zeros(S, np.int64)
-        pos = base
-        for s in range(S):
-            if lengths[s] % 2 and kinds[s] != SEG_RAW:
-                raise ChunkFormatError("cachegen segment length is odd")
-            starts[s] = pos
-            pos = pad4(pos + int(lengths[s]))
-        if pos > len(rd.pay):
-            raise ChunkFormatError("cachegen segment data runs past the payload")
-        rd.pos = pos
-        words_all = rd.pay[base:base + (pos - base) // 2 * 2].view("<u2")
-        if not words_all.flags.aligned:
-            words_all = words_all.copy()
-        offs = (starts - base) // 2  # segment s: words_all[offs[s]:ends[s]]
-        ends = offs + lengths // 2
-        for s in np.flatnonzero(kinds == SEG_RAW):
-            vals = bits_to_f32(rd.pay[starts[s]:starts[s] + lengths[s]].view(dtype_bits(layout)), layout)
-            o5[s // 2, s % 2] = (vals if o5.dtype == np.float32 else vals.astype(np.float16).view(np.uint16)).reshape(
-                H, T, D)
-        segs = np.flatnonzero(lossy).astype(np.int64)
-        if not len(segs):
-            return
-        if coder == CODER_RANS:
-            slots = family().slots
-
-            def work(part: np.ndarray) -> int:
-                bad = 0
-                for s in part:
-                    l, k = divmod(int(s), 2)
-                    bad += not K.decode_lossy(words_all, offs[s], ends[s], o5[l, k], head[s], mu[s], steps[s],
-                                              asteps[s], dflag[s], ja[s], ka[s], jd[s], kd[s], G, True, slots)
-                return bad
-            bad = sum(self._split(work, segs))
-        else:
-            from kvfabric.codec.cachegen import reference as R
-            bad = 0
-            for s in segs:
-                try:
-                    q = R.decode_segment(words_all[offs[s]:ends[s]], T, C, ia[s], idx[s], G)
-                except ValueError:
-                    bad += 1
-                    continue
-                seg = np.empty((H, T, D), np.float32)
-                K.dequantize(q, head[s], mu[s], steps[s], asteps[s], dflag[s], G, True, seg)
-                o5[s // 2, s % 2] = seg if o5.dtype == np.float32 else seg.astype(np.float16).view(np.uint16)
-        if bad:
-            raise ChunkFormatError(f"cachegen: {bad} segment(s) failed to decode")
-
     # ---- contract helpers ------------------------------------------------------------------------------------
     def error_bound(self, kv: torch.Tensor, blob: bytes | bytearray | memoryview, layout: KVLayout) -> torch.Tensor:
-        """Per-element bound on |decode(encode(kv)) - kv| stated by this stream: half a quantization step of the
-        element's channel (0 in the exact head token and raw segments), plus rounding to the layout dtype."""
-        from kvfabric.codec.format import parse
-        header = parse(blob)
-        L, _, H, T, D = header.shape
-        S, C = 2 * L, H * D
-        if header.level == 0:
-            return torch.zeros(header.shape)
-        pay = np.frombuffer(memoryview(blob), np.uint8, offset=HEADER_BYTES)
-        rd = Reader(pay)
-        (*_, pid) = PRELUDE.unpack(rd.take(PRELUDE.size).tobytes())
-        kinds = rd.array("u1", (S,))
-        rd.array("<u4", (S,))
-        rd.take(S * C * layout.itemsize)
-        rd.take(S * C * 2)
-        e = np.zeros((S, C), np.int64)
-        emb = np.flatnonzero(kinds == SEG_EMBEDDED)
-        if len(emb):
-            e[emb] = rd.array("i1", (len(emb), C))
-        prof_rows = np.flatnonzero(kinds == SEG_PROFILE)
-        if len(prof_rows):
-            e[prof_rows] = P.by_id(pid).params(header.level)[0][prof_rows]  # type: ignore[union-attr]
-        half = torch.from_numpy(K.steps_from_exponents(e).astype(np.float64) / 2).reshape(L, 2, H, 1, D)
-        half = half.expand(L, 2, H, T, D).clone()
-        half[torch.from_numpy(kinds == SEG_RAW).reshape(L, 2)] = 0.0
-        half[:, :, :, 0, :] = 0.0
-        ulp = kv.float().abs() * (2.0 ** -10 if layout.dtype == "float16" else 2.0 ** -7 if layout.dtype == "bfloat16"
-                                  else 2.0 ** -23)
-        return half + ulp + 1e-30
+        """Per-element bound on |decode(encode(kv)) - kv| stated by this stream (decode.stated_error_bound)."""
+        return stated_error_bound(kv, blob, layout)
