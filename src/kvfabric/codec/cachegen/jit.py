@@ -32,9 +32,9 @@ try:
     HAVE_NUMBA = True
 
     class _Lazy:
-        """An entry point compiled on first call with its explicit signature(s) ("A" layout arrays: contiguous or
-        strided, read-only or not, all share one compiled body) and cached on disk: importing costs nothing,
-        and a process compiles (or loads from the cache) only the kernels it uses."""
+        """An entry point compiled on first call with its explicit signature(s) and cached on disk: importing
+        costs nothing, and a process compiles (or loads from the cache) only the kernels it uses. Arrays are "A"
+        layout (contiguous or strided, read-only or not: one compiled body), or "C" where a loop must vectorize."""
 
         def __init__(self, fn, sig) -> None:  # noqa: ANN001
             self.py_func, self.sig, self._fn = fn, sig, None  # sig: one signature or a list of them
