@@ -146,15 +146,17 @@ def test_levels_trade_size_for_error():
     assert len(lossless) < kv.numel() * 2  # the exponent byte compresses
 
 
+@pytest.mark.parametrize("level", [0, 4])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_every_output_dtype_gets_the_float32_decode_rounded_once(dtype):
-    """fp16 outputs are written by the kernel itself (F16C rounding); they must equal the float32 decode cast
-    by torch, bit for bit, for every layout dtype, in strided views too; raw (non-finite) segments included."""
+def test_every_output_dtype_gets_the_float32_decode_rounded_once(dtype, level):
+    """fp16 outputs are written by the decoders themselves (F16C rounding, or the fp16 bits as they are); they
+    must equal the float32 decode cast by torch, bit for bit, for every layout dtype, lossy and lossless, in
+    strided views too; raw (non-finite) segments included."""
     layout = KVLayout(4, 2, 16, dtype)
     g = torch.Generator().manual_seed(3)
     kv = (torch.randn(layout.shape(70), generator=g) * 40).to(layout.torch_dtype)
     kv[1, 0, 0, 5, 3] = float("inf")  # this segment is stored raw
-    codec = CacheGenCodec(4, use_profile=False, threads=2)
+    codec = CacheGenCodec(level, use_profile=False, threads=2)
     blob = codec.encode(kv, KEY, layout)
     header = parse(blob, KEY)
     ref = torch.empty(layout.shape(70))

@@ -316,9 +316,9 @@ class CacheGenCodec:
         raw_bytes = H * T * D * isz
         if (lengths[kinds == SEG_RAW] != raw_bytes).any():
             raise ChunkFormatError("cachegen raw segment has the wrong length")
-        o5, scratch = self._output(out, lossy=mode == MODE_LOSSY)
+        o5, scratch = self._output(out)
         if mode == MODE_LOSSLESS:
-            decode_lossless(rd, kinds, lengths, layout, o5, header.shape)
+            decode_lossless(rd, kinds, lengths, layout, o5, header.shape, self._split)
         else:
             decode_lossy(rd, kinds, lengths, layout, o5, header, flags, pid, coder, G, ab, self._split)
         if rd.pos != pad4(len(pay)) or len(pay) % 4:
@@ -326,13 +326,13 @@ class CacheGenCodec:
         if scratch:
             out.copy_(torch.from_numpy(o5))
 
-    def _output(self, out: torch.Tensor, lossy: bool) -> tuple[np.ndarray, bool]:
-        """Where the kernels write: a numpy view of `out` (float32; for the lossy kernels also fp16, as uint16
-        bits), or a float32 scratch buffer to copy from (the bool says which)."""
+    def _output(self, out: torch.Tensor) -> tuple[np.ndarray, bool]:
+        """Where the decoders write: a numpy view of `out` (float32, or fp16 as uint16 bits), or a float32
+        scratch buffer to copy from (the bool says which)."""
         if out.device.type == "cpu" and not out.requires_grad:
             if out.dtype == torch.float32:
                 return out.detach().numpy(), False
-            if out.dtype == torch.float16 and lossy:
+            if out.dtype == torch.float16:
                 return out.detach().numpy().view(np.uint16), False
         return self._scratch("out", tuple(out.shape), np.float32), True
 

@@ -1,6 +1,8 @@
 """Lossless level (0) of the cachegen codec: byte planes, the high byte of each value entropy-coded."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -50,33 +52,55 @@ def encode_lossless(kv: torch.Tensor, layout: KVLayout, out: np.ndarray) -> list
 
 
 def decode_lossless(rd: Reader, kinds: np.ndarray, lengths: np.ndarray, layout: KVLayout, o5: np.ndarray,
-                    shape: tuple[int, ...]) -> None:
-    """Inverse of encode_lossless into o5 [L, 2, H, T, D] (float32); raises ChunkFormatError on any mismatch."""
+                    shape: tuple[int, ...], split: Callable[[Callable[[np.ndarray], int], np.ndarray], list[int]]
+                    ) -> None:
+    """Inverse of encode_lossless into o5 [L, 2, H, T, D]: float32, or uint16 holding fp16 values (an fp16 chunk's
+    bits are copied as they are). Every segment's table and size are checked first, in this thread; the segments
+    then decode in the codec's threads (`split`). Raises ChunkFormatError on any mismatch."""
     L, _, H, T, D = shape
     isz = layout.itemsize
     n = H * T * D
-    bits = np.empty((n, isz), np.uint8)
-    hi = np.empty(n, np.uint8)
+    low_n = n * (isz - 1)
+    head_n = 512 + low_n + (low_n % 2)
+    segs, slots = [], []
     for s in range(2 * L):
         seg = rd.take(int(lengths[s]))
+        segs.append(seg)
         if kinds[s] == SEG_RAW:
-            flat = seg
-        else:
-            low_n = n * (isz - 1)
-            head_n = 512 + low_n + (low_n % 2)
-            if len(seg) < head_n + 8 or (len(seg) - head_n) % 2:
-                raise ChunkFormatError("cachegen lossless segment too short")
-            freq = seg[:512].view("<u2").astype(np.int64)
-            if freq.sum() != 1 << K.PB or freq.max() >= 1 << K.PB:
-                raise ChunkFormatError("cachegen lossless table invalid")
-            words = seg[head_n:].view("<u2")
-            if not words.flags.aligned:
-                words = words.copy()
-            if not K.decode_bytes(words, 0, len(words), K.slots_for(freq), hi):
-                raise ChunkFormatError("cachegen lossless segment failed to decode")
-            bits[:, : isz - 1] = seg[512:512 + low_n].reshape(n, isz - 1)
-            bits[:, isz - 1] = hi
-            flat = bits.reshape(-1)
-        vals = bits_to_f32(flat.view(dtype_bits(layout)), layout)
-        o5[s // 2, s % 2] = vals.reshape(H, T, D)
+            slots.append(None)
+            continue
+        if len(seg) < head_n + 8 or (len(seg) - head_n) % 2:
+            raise ChunkFormatError("cachegen lossless segment too short")
+        freq = seg[:512].view("<u2").astype(np.int64)
+        if freq.sum() != 1 << K.PB or freq.max() >= 1 << K.PB:
+            raise ChunkFormatError("cachegen lossless table invalid")
+        slots.append(K.slots_for(freq))
+    same_bits = o5.dtype == np.uint16 and layout.dtype == "float16"
 
+    def work(part: np.ndarray) -> int:
+        bad = 0
+        bits = np.empty((n, isz), np.uint8)
+        hi = np.empty(n, np.uint8)
+        for s in part:
+            seg = segs[s]
+            if slots[s] is None:
+                flat = seg
+            else:
+                words = seg[head_n:].view("<u2")
+                if not words.flags.aligned:
+                    words = words.copy()
+                if not K.decode_bytes(words, 0, len(words), slots[s], hi):
+                    bad += 1
+                    continue
+                bits[:, : isz - 1] = seg[512:512 + low_n].reshape(n, isz - 1)
+                bits[:, isz - 1] = hi
+                flat = bits.reshape(-1)
+            dst = o5[s // 2, s % 2]
+            if same_bits:
+                dst[...] = flat.view(np.uint16).reshape(H, T, D)
+                continue
+            vals = bits_to_f32(flat.view(dtype_bits(layout)), layout).reshape(H, T, D)
+            dst[...] = vals if o5.dtype == np.float32 else vals.astype(np.float16).view(np.uint16)
+        return bad
+    if sum(split(work, np.arange(2 * L, dtype=np.int64))):
+        raise ChunkFormatError("cachegen lossless segment failed to decode")
