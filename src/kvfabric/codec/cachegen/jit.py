@@ -97,12 +97,6 @@ try:
     _f32, _f64, _i32, _i64, _u8, _u16, _u32, _b = (_t.float32, _t.float64, _t.int32, _t.int64, _t.uint8, _t.uint16,
                                                    _t.uint32, _t.boolean)
     SIG = {
-        "quantize_stats": _t.void(_arr(_f32, 3, True), _arr(_f32, 1, True), _arr(_f32, 1, True), _arr(_f32, 1, True),
-                                  _arr(_f32, 1, True), _i64, _b, _arr(_f64, 2), _i64),
-        "quantize": _t.void(_arr(_f32, 3, True), _arr(_f32, 1, True), _arr(_f32, 1, True), _arr(_f32, 1, True),
-                            _arr(_f32, 1, True), _arr(_u8, 1, True), _i64, _b, _arr(_i32, 2), _arr(_f64, 2)),
-        "encode_lossy": _i64(_arr(_i32, 2, True), _arr(_i32, 1, True), _arr(_i32, 1, True), _arr(_i32, 1, True),
-                             _arr(_i32, 1, True), _i64, _b, _arr(_i64, 2, True), _arr(_f64, 2, True), _arr(_u16, 1)),
         "decode_lossy": [_b(_arr(_u16, 1, True), _i64, _i64, _arr(out, 3), _arr(_f32, 1, True), _arr(_f32, 1, True),
                             _arr(_f32, 1, True), _arr(_f32, 1, True), _arr(_u8, 1, True), _arr(_i32, 1, True),
                             _arr(_i32, 1, True), _arr(_i32, 1, True), _arr(_i32, 1, True), _i64, _b,

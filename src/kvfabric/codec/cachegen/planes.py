@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvfabric.codec.cachegen.jit import SIG, inline, jit
-from kvfabric.codec.cachegen.rans import MASK, PB, RL
+from kvfabric.codec.cachegen.rans import MASK, PB, RL, flush_states, load_states
 
 
 @inline
@@ -37,29 +37,11 @@ def encode_bytes(sym, freqs, cums, out):  # noqa: ANN001, ANN201
     """rANS-encode a byte sequence (4 lanes, symbol i in lane i % 4) with one table; returns the start index."""
     n = sym.shape[0]
     pos = out.shape[0]
-    x0 = np.int64(RL)
-    x1 = np.int64(RL)
-    x2 = np.int64(RL)
-    x3 = np.int64(RL)
+    xs = np.full(4, RL, np.int64)  # the lanes' states
     for i in range(n - 1, -1, -1):
         s = sym[i]
-        f = np.int64(freqs[s])
-        cc = np.int64(cums[s])
-        lane = i & 3
-        if lane == 0:
-            x0, pos = _put_sym(x0, pos, out, f, cc)
-        elif lane == 1:
-            x1, pos = _put_sym(x1, pos, out, f, cc)
-        elif lane == 2:
-            x2, pos = _put_sym(x2, pos, out, f, cc)
-        else:
-            x3, pos = _put_sym(x3, pos, out, f, cc)
-    for x in (x3, x2, x1, x0):
-        pos -= 1
-        out[pos] = x >> 16
-        pos -= 1
-        out[pos] = x & 0xFFFF
-    return pos
+        xs[i & 3], pos = _put_sym(xs[i & 3], pos, out, np.int64(freqs[s]), np.int64(cums[s]))
+    return flush_states(out, pos, xs[0], xs[1], xs[2], xs[3])
 
 
 @jit(SIG.get("decode_bytes"))
@@ -68,34 +50,16 @@ def decode_bytes(words, pos, end, slots, out):  # noqa: ANN001, ANN201
     n = out.shape[0]
     if end - pos < 8:
         return False
-    x0 = np.int64(words[pos]) | (np.int64(words[pos + 1]) << 16)
-    x1 = np.int64(words[pos + 2]) | (np.int64(words[pos + 3]) << 16)
-    x2 = np.int64(words[pos + 4]) | (np.int64(words[pos + 5]) << 16)
-    x3 = np.int64(words[pos + 6]) | (np.int64(words[pos + 7]) << 16)
+    xs = np.empty(4, np.int64)  # the lanes' states
+    xs[0], xs[1], xs[2], xs[3] = load_states(words, pos)
     pos += 8
     for i in range(n):
-        lane = i & 3
-        if lane == 0:
-            x = x0
-        elif lane == 1:
-            x = x1
-        elif lane == 2:
-            x = x2
-        else:
-            x = x3
+        x = xs[i & 3]
         e = np.int64(slots[x & MASK])
         x = ((e >> 8) & 0xFFF) * (x >> PB) + (e >> 20)
         out[i] = e & 0xFF
-        x, pos = _read(x, pos, words, end)
-        if lane == 0:
-            x0 = x
-        elif lane == 1:
-            x1 = x
-        elif lane == 2:
-            x2 = x
-        else:
-            x3 = x
-    return pos == end and x0 == RL and x1 == RL and x2 == RL and x3 == RL
+        xs[i & 3], pos = _read(x, pos, words, end)
+    return pos == end and xs[0] == RL and xs[1] == RL and xs[2] == RL and xs[3] == RL
 
 
 def table_from_counts(counts: np.ndarray) -> np.ndarray:
