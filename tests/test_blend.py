@@ -314,6 +314,30 @@ def test_misses_and_vanished_passages_fall_back(smol, blender32, prompt, monkeyp
 
 
 @pytest.mark.slow
+def test_a_caller_ranking_chooses_the_recomputed_tokens(blender32, prompt):
+    for seg in prompt[:-1]:
+        blender32.cache_passage(seg)
+    n = sum(map(len, prompt))
+    q_start = n - len(prompt[-1])
+    a = len(prompt[0]) + len(prompt[1])  # the second passage spans [a, b)
+    b = a + len(prompt[2])
+    ranking = torch.zeros(n)
+    ranking[a:b] = 1.0
+    reuse = blender32.prefill(prompt, mode="reuse", logits_from=q_start)
+    res = blender32.prefill(prompt, mode="blend", recompute_ratio=(b - a) / q_start, ranking=ranking,
+                            logits_from=q_start)
+    assert res.tokens_per_layer[-1] == len(prompt[-1]) + (b - a)
+    last = blender32.runner.num_layers - 1
+    assert not torch.equal(res.kv[last, :, :, a:b], reuse.kv[last, :, :, a:b])  # the ranked passage: recomputed
+    assert torch.equal(res.kv[last, :, :, :a], reuse.kv[last, :, :, :a])  # the others: the cached KV as loaded
+    assert torch.equal(res.kv[last, :, :, b:q_start], reuse.kv[last, :, :, b:q_start])
+    with pytest.raises(ValueError, match="one score per prompt token"):
+        blender32.prefill(prompt, mode="blend", ranking=torch.zeros(n - 1), logits_from=q_start)
+    with pytest.raises(ValueError, match="only used by mode='blend'"):
+        blender32.prefill(prompt, mode="random", ranking=ranking, logits_from=q_start)
+
+
+@pytest.mark.slow
 def test_loads_run_ahead_in_the_loader_thread(blender32, prompt, monkeypatch):
     for seg in prompt[:-1]:
         blender32.cache_passage(seg)
@@ -447,19 +471,27 @@ def test_controller_drives_the_ratio(smol, prompt):
 
 @pytest.mark.slow
 def test_bench_blend_smoke(tmp_path, capsys):
-    from kvfabric.bench.blend import f1_score, run
+    from kvfabric.bench.blend import f1_score, report, run
     text = resources.files("kvfabric").joinpath("data/demo_document.txt").read_text()
     paras = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 250][:2]
     data = [{"question": "Who founded Halvor's Point?", "answers": ["Halvor Lund"],
              "ctxs": [{"title": f"Part {i}", "text": p[:300]} for i, p in enumerate(paras)]}]
     path = tmp_path / "qa.json"
     path.write_text(json.dumps(data))
-    rows = run(as_json=True, limit=1, passages=2, data=path, ratios=(0.15,), max_new_tokens=4, answer_tokens=3)
+    rows = run(as_json=True, limit=1, passages=2, data=path, ratios=(0.15,), max_new_tokens=4, answer_tokens=3,
+               oracle=True)
     out = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     settings_seen = [r["setting"] for r in out if "q" in r]
-    assert settings_seen == ["full", "reuse", "blend@15", "random@15"]
-    full = next(r for r in out if r.get("setting") == "full" and "q" in r)
-    assert full["kl"] == 0 and full["top1"] == 1
+    assert settings_seen == ["full", "reuse", "blend@15", "random@15", "oracle@15"]
+    by = {r["setting"]: r for r in out if "q" in r}
+    assert by["full"]["kl"] == 0 and by["full"]["top1"] == 1 and by["full"]["passages"] == 2
+    reuse = by["reuse"]
+    assert reuse["kl_q"] > 0 and reuse["kl"] >= min(reuse["kl_q"], reuse["kl_ans"])  # the parts bracket the mean
+    assert reuse["kl"] <= max(reuse["kl_q"], reuse["kl_ans"])
+    assert by["oracle@15"]["kl"] < reuse["kl"]  # the oracle's 15 % fixes part of the reuse error
+    path.with_suffix(".jsonl").write_text("\n".join(json.dumps(r) for r in out if "q" in r))
+    summary = {s["setting"]: s for s in report(path.with_suffix(".jsonl")) if s.get("summary") == "blend"}
+    assert summary["oracle@15"]["kl_ans"] == pytest.approx(by["oracle@15"]["kl_ans"], abs=1e-4)
     assert any(r.get("summary") == "targets" for r in rows)
     assert f1_score("Halvor Lund, in 1791", ["Halvor Lund"]) == pytest.approx(2 / 3)
     assert f1_score("", ["x"]) == 0.0

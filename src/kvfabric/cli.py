@@ -216,10 +216,12 @@ def bench_stream(as_json: bool, plot: str | None, prompt_tokens: int, ttft_targe
 @click.option("--passages", default=10, show_default=True, help="Passages per question.")
 @click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
 @click.option("--auto", is_flag=True, help="Also run the load controller's own choice of ratio.")
+@click.option("--oracle", is_flag=True,
+              help="Also run 15 % with tokens ranked from a full prefill (a study: one more prefill per question).")
 @click.option("--report", "report_path", default=None, metavar="JSONL",
               help="Only summarise the JSON lines of an earlier (possibly unfinished) --json run.")
 def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers: str | None, passages: int,
-                data: str | None, auto: bool, report_path: str | None) -> None:
+                data: str | None, auto: bool, oracle: bool, report_path: str | None) -> None:
     """CacheBlend on the real model: full prefill vs full reuse vs blend at 5/15/30% vs random 15%."""
     from kvfabric.bench import blend
     if report_path:
@@ -236,7 +238,7 @@ def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers
         except ValueError as e:
             raise click.BadParameter(f"{check_layers!r}: {e}", param_hint="--check-layers") from None
     blend.run(as_json=as_json, limit=limit, start=start, stride=stride, check_layers=layers, passages=passages,
-              data=data, auto=auto)
+              data=data, auto=auto, oracle=oracle)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,9 +6,13 @@ the blend namespace), then the question segment, always computed. For each quest
 - `reuse`: every passage's cached KV re-rotated to its offset, nothing recomputed (only the question computed);
 - `blend@R`: CacheBlend recomputing the top R of the passage tokens by KV deviation (R = 5 %, 15 %, 30 %);
 - `random@15`: the same pipeline with 15 % random tokens (the control);
-- `auto` (optional): the ratio picked by the loading controller from the measured load speed.
+- `auto` (optional): the ratio picked by the loading controller from the measured load speed;
+- `oracle@15` (optional, a study): the same pipeline ranking tokens by what a full prefill reveals (the attention the
+  question pays each token in every layer from the first check layer on, times how far its cached V is from the
+  true V): a bound on what a better online score could buy at 15 %.
 Metrics per setting, against `full`: next-token distributions over every question position and the first
 `answer_tokens` tokens of full's greedy answer (teacher-forced): mean KL(full || setting) and top-1 agreement;
+`kl_q` / `kl_ans`: the KL over the question positions / over the answer tokens only;
 answer F1 (SQuAD-normalised, greedy answer vs the gold answers); TTFT; mean recomputed fraction of the passage
 tokens per layer. Summary: medians of TTFT and of the per-question speed-up vs `full`, mean KL, the share of the
 full-reuse KL gap closed (1 - mean KL / mean KL of reuse; also the mean of per-question shares), top-1, F1.
@@ -34,6 +38,8 @@ from kvfabric.bench.common import emit, threads_note
 DATA_NAME = "musique_s.json"
 SYSTEM = "You are a helpful assistant. Answer the question using the passages."
 PLACEHOLDER = "\x00KVFABRIC\x00"
+COLUMNS = ["setting", "questions", "ttft_s", "speedup", "recompute_frac", "kl", "gap_closed", "gap_closed_q", "kl_ans",
+           "gap_ans", "top1", "f1"]
 
 
 def find_data(path: str | os.PathLike | None = None) -> Path:
@@ -98,6 +104,33 @@ def build_segments(tokenizer: Any, example: dict, num_passages: int) -> tuple[li
     return [enc(head), *passages, question], answers
 
 
+@torch.inference_mode()
+def oracle_ranking(runner: Any, tokens: list[int], q_start: int, cached_kv: torch.Tensor,
+                   first_layer: int) -> torch.Tensor:
+    """A score per token [n] that needs the answer: a full prefill of ``tokens`` run layer by layer; from
+    ``first_layer`` on, the attention the question tokens (``q_start``..) pay each token (summed over heads and
+    questions) times the norm of (true V - cached V), summed over layers. ``cached_kv`` [L, 2, H, >= n, D] holds the
+    reused KV (a ``reuse`` prefill's workspace). A study tool: it costs a full prefill."""
+    n = len(tokens)
+    kv = runner.workspace(n)
+    pos = torch.arange(n)
+    rope = runner.rope(pos)
+    hidden = runner.embed(torch.tensor(tokens))
+    group = runner.num_heads // runner.num_kv_heads
+    unseen = pos.view(1, -1) > pos[q_start:].view(-1, 1)  # [f, n]: causal mask of the question rows
+    rank = torch.zeros(n)
+    for l in range(runner.num_layers):
+        q, k, v = runner.qkv(l, hidden, rope)
+        runner.write_kv(kv, l, slice(0, n), k, v)
+        if l >= first_layer:
+            keys = kv[l, 0, :, :n].repeat_interleave(group, dim=0)  # [Hq, n, D]
+            scores = torch.matmul(q[0][:, q_start:], keys.transpose(1, 2)) * runner.scaling  # [Hq, f, n]
+            attn = torch.softmax(scores.masked_fill_(unseen, float("-inf")), dim=-1).sum(dim=(0, 1))  # [n]
+            rank += attn * (kv[l, 1, :, :n] - cached_kv[l, 1, :, :n]).norm(dim=-1).sum(dim=0)
+        hidden = runner.attend(l, hidden, q, kv, pos, n)
+    return rank
+
+
 # ---- metrics --------------------------------------------------------------------------------------------
 def compare(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
     """Mean KL(ref || other) and top-1 agreement over rows."""
@@ -112,7 +145,7 @@ def run(as_json: bool = False, limit: int = 5, passages: int = 10, ratios: tuple
         random_ratio: float = 0.15, data: str | os.PathLike | None = None, answer_tokens: int = 8,
         max_new_tokens: int = 24, kv_dtype: str = "float16", model: str | None = None, start: int = 0,
         auto: bool = False, seed: int = 0, progress: bool = True, stride: int = 1,
-        check_layers: tuple[int, ...] | None = None) -> list[dict]:
+        check_layers: tuple[int, ...] | None = None, oracle: bool = False) -> list[dict]:
     from kvfabric.blend import BlendConfig, Blender, LoadController
     from kvfabric.config import Config, CpuTierConfig
     from kvfabric.engines.model import DEFAULT_MODEL, load_model
@@ -131,6 +164,8 @@ def run(as_json: bool = False, limit: int = 5, passages: int = 10, ratios: tuple
     settings += [(f"random@{round(random_ratio * 100)}", "random", random_ratio)]
     if auto:
         settings += [("auto", "blend", None)]
+    if oracle:
+        settings += [("oracle@15", "blend", 0.15)]
     stop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if i is not None}
     rows: list[dict] = []
     with Blender(hf_model, model_id=name, kv_dtype=kv_dtype, config=config, controller=controller,
@@ -151,9 +186,16 @@ def run(as_json: bool = False, limit: int = 5, passages: int = 10, ratios: tuple
             capacity = n + max(max_new_tokens, answer_tokens) + 1
             ref_logits: torch.Tensor | None = None
             ref_answer: list[int] = []
+            reuse_kv: torch.Tensor | None = None
             for setting, mode, ratio in settings:
+                ranking = None
+                if setting.startswith("oracle") and reuse_kv is not None:
+                    tokens = [t for seg in segments for t in seg]
+                    ranking = oracle_ranking(blender.runner, tokens, q_start, reuse_kv, blend_config.check_layers[0])
                 res = blender.prefill(segments, mode=mode, recompute_ratio=ratio if setting != "auto" else None,
-                                      logits_from=q_start, capacity=capacity, seed=seed + qi)
+                                      logits_from=q_start, capacity=capacity, seed=seed + qi, ranking=ranking)
+                if setting == "reuse" and oracle:
+                    reuse_kv = res.kv
                 answer = blender.generate(res, max_new_tokens, stop_ids)
                 if ref_logits is None:  # full comes first: its greedy answer is the teacher-forced continuation
                     ref_answer = [t for t in answer if t not in stop_ids][:answer_tokens]
@@ -162,16 +204,19 @@ def run(as_json: bool = False, limit: int = 5, passages: int = 10, ratios: tuple
                 if ref_logits is None:
                     ref_logits = logits
                 kl, top1 = compare(ref_logits, logits)
+                rows_q = res.logits.shape[0]
+                kl_q = compare(ref_logits[:rows_q], res.logits)[0]
+                kl_ans = compare(ref_logits[rows_q:], tf)[0] if tf.shape[0] else 0.0
                 reused = max(res.reused_tokens, 1)
                 fixed = n - res.reused_tokens
                 frac = [(t - fixed) / reused for t in res.tokens_per_layer]
                 text = tokenizer.decode([t for t in answer if t not in stop_ids], skip_special_tokens=True).strip()
                 rows.append({"q": qi, "setting": setting, "mode": mode, "ratio": round(res.ratio, 4),
-                             "prompt_tokens": n, "reused_tokens": res.reused_tokens,
+                             "passages": len(segments) - 2, "prompt_tokens": n, "reused_tokens": res.reused_tokens,
                              "ttft_s": round(res.ttft_s, 4), "load_s": round(res.load_s, 4),
                              "load_wait_s": round(res.load_wait_s, 4), "cache_s": round(cache_s, 3),
                              "recompute_frac": round(statistics.fmean(frac[1:]) if res.blended else 1.0, 4),
-                             "kl": round(kl, 5), "top1": round(top1, 4), "f1": round(f1_score(text, answers), 4),
+                             "kl": round(kl, 5), "kl_q": round(kl_q, 5), "kl_ans": round(kl_ans, 5), "top1": round(top1, 4), "f1": round(f1_score(text, answers), 4),
                              "answer": text, "fallback": res.fallback})
             mine = {r["setting"]: r for r in rows if r["q"] == qi}
             if as_json:  # stream: a long run keeps what it measured so far
@@ -183,8 +228,7 @@ def run(as_json: bool = False, limit: int = 5, passages: int = 10, ratios: tuple
     summary = summarize(rows, [s for s, _, _ in settings])
     title = (f"bench blend: {len({r['q'] for r in rows})} MuSiQue questions x {passages} passages, "
              f"{name}, KV {kv_dtype}, check layers {list(blend_config.check_layers)} ({threads_note()})")
-    emit(summary, as_json, title, ["setting", "questions", "ttft_s", "speedup", "recompute_frac", "kl",
-                                   "gap_closed", "gap_closed_q", "top1", "f1"])
+    emit(summary, as_json, title, COLUMNS)
     targets = targets_row(summary, passages)
     emit([targets], as_json, "targets", list(targets))
     return rows + summary + [targets]
@@ -195,12 +239,14 @@ def summarize(rows: list[dict], settings: list[str]) -> list[dict]:
     for r in rows:
         by_q[r["q"]][r["setting"]] = r
     reuse_kl = statistics.fmean(r["kl"] for r in rows if r["setting"] == "reuse") if rows else 0.0
+    reuse_ans = _mean([r for r in rows if r["setting"] == "reuse"], "kl_ans")
     out = []
     for s in settings:
         mine = [r for r in rows if r["setting"] == s]
         if not mine:
             continue
         kl = statistics.fmean(r["kl"] for r in mine)
+        kl_ans = _mean(mine, "kl_ans")
         shares = [1 - by_q[r["q"]][s]["kl"] / by_q[r["q"]]["reuse"]["kl"] for r in mine
                   if by_q[r["q"]]["reuse"]["kl"] > 0]
         out.append({"summary": "blend", "setting": s, "questions": len(mine),
@@ -210,9 +256,17 @@ def summarize(rows: list[dict], settings: list[str]) -> list[dict]:
                     "kl": round(kl, 4),
                     "gap_closed": round(1 - kl / reuse_kl, 3) if reuse_kl > 0 else None,
                     "gap_closed_q": round(statistics.fmean(shares), 3) if shares else None,
+                    "kl_q": _mean(mine, "kl_q"), "kl_ans": kl_ans,
+                    "gap_ans": round(1 - kl_ans / reuse_ans, 3) if kl_ans is not None and reuse_ans else None,
                     "top1": round(statistics.fmean(r["top1"] for r in mine), 3),
                     "f1": round(statistics.fmean(r["f1"] for r in mine), 3)})
     return out
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    """Mean of ``key`` over rows, None when a row lacks it (JSON lines of an older run)."""
+    values = [r.get(key) for r in rows]
+    return round(statistics.fmean(values), 4) if values and None not in values else None
 
 
 def targets_row(summary: list[dict], passages: int) -> dict:
@@ -234,9 +288,8 @@ def report(path: str | os.PathLike, as_json: bool = False) -> list[dict]:
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     summary = summarize(rows, settings)
     emit(summary, as_json, f"bench blend (from {path}): {len(complete)} questions",
-         ["setting", "questions", "ttft_s", "speedup", "recompute_frac", "kl", "gap_closed", "gap_closed_q", "top1",
-          "f1"])
-    passages = 10
+         COLUMNS)
+    passages = rows[0].get("passages", 10) if rows else 10  # runs before the field existed: the default 10
     targets = targets_row(summary, passages)
     emit([targets], as_json, "targets", list(targets))
     return summary + [targets]

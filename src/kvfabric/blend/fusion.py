@@ -18,6 +18,8 @@ kept in a :class:`~kvfabric.blend.store.PassageStore` (a CacheEngine namespace `
       linearly to ``recompute_ratio`` at the last); later layers run only for the active tokens (plus every computed
       token) and write their K/V over the cached ones;
     - ``"random"``: the same, with random scores (the control).
+  ``ranking`` (a score per prompt token, higher first) replaces the blend score at every check layer: a study tool,
+  e.g. the oracle of ``kvfabric bench blend --oracle`` built from a full prefill.
   Loads are pipelined: a loader thread fetches the passages' KV from the tiers layer group by layer group, in layer
   order, re-rotating each as it lands, and runs ahead of the compute thread, which waits only for the group of the
   layer it is about to run (layer i+1 loads while layer i computes; layers before the first check layer are
@@ -140,10 +142,12 @@ class Blender:
     @torch.inference_mode()
     def prefill(self, segments: Sequence[Sequence[int]], *, mode: Mode = "blend", reuse: Sequence[bool] | None = None,
                 recompute_ratio: float | None = None, logits_from: int | None = None, capacity: int | None = None,
-                seed: int = 0) -> BlendResult:
+                seed: int = 0, ranking: torch.Tensor | None = None) -> BlendResult:
         started = time.perf_counter()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if ranking is not None and mode != "blend":
+            raise ValueError(f"a ranking is only used by mode='blend', not {mode!r}")
         segments = [[int(t) for t in seg] for seg in segments]
         if not segments or not segments[-1]:
             raise ValueError("need one or more segments, the last one non-empty")
@@ -168,6 +172,8 @@ class Blender:
         fixed = torch.ones(n, dtype=torch.bool)  # tokens always computed
         for off, seg in spans:
             fixed[off:off + len(seg)] = False
+        if ranking is not None and tuple(ranking.shape) != (n,):
+            raise ValueError(f"ranking must have one score per prompt token ({n}), got {tuple(ranking.shape)}")
         if logits_from < 0 or logits_from >= n or not bool(fixed[logits_from:].all()):
             raise ValueError(f"logits_from={logits_from} must fall in the computed suffix of the prompt")
         reused = n - int(fixed.sum())
@@ -191,7 +197,7 @@ class Blender:
         groups = sorted({self.store.group_of(l) for l in range(first_loaded, self.runner.num_layers)})
         loader = Loader(self.store, self.runner, self._pool, kv, spans, groups)
         try:
-            result = self._blend(tokens, kv, fixed, loader, checks, ratio, mode, logits_from, seed, started)
+            result = self._blend(tokens, kv, fixed, loader, checks, ratio, mode, logits_from, seed, started, ranking)
         except LoadFailed:
             loader.finish()  # raises if the loader failed with an error rather than a miss
             log.warning("kvfabric.blend: a cached passage vanished during the load; full prefill instead")
@@ -215,7 +221,8 @@ class Blender:
                            [n] * self.runner.num_layers, time.perf_counter() - started, fallback=fallback)
 
     def _blend(self, tokens: list[int], kv: torch.Tensor, fixed: torch.Tensor, loader: Loader, checks: list[int],
-               ratio: float, mode: str, logits_from: int, seed: int, started: float) -> BlendResult:
+               ratio: float, mode: str, logits_from: int, seed: int, started: float,
+               ranking: torch.Tensor | None) -> BlendResult:
         runner, store = self.runner, self.store
         n = len(tokens)
         num_reused = n - int(fixed.sum())
@@ -246,6 +253,8 @@ class Blender:
                 runner.write_kv(kv, l, _as_index(active), k, v)  # fresh K/V for every active token
                 if mode == "random":
                     scores = torch.rand(local_reused.numel(), generator=gen)
+                elif ranking is not None:  # the caller's own ranking (studies: an oracle built from a full prefill)
+                    scores = ranking[pos_reused]
                 else:
                     local_fixed = torch.nonzero(fixed[active]).view(-1)
                     scores = self.score(l, pos_reused, (k[0][:, local_reused], v[0][:, local_reused]), old,
