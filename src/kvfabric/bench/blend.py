@@ -216,7 +216,8 @@ def run(as_json: bool = False, limit: int = 5, passages: int = 10, ratios: tuple
                              "ttft_s": round(res.ttft_s, 4), "load_s": round(res.load_s, 4),
                              "load_wait_s": round(res.load_wait_s, 4), "cache_s": round(cache_s, 3),
                              "recompute_frac": round(statistics.fmean(frac[1:]) if res.blended else 1.0, 4),
-                             "kl": round(kl, 5), "kl_q": round(kl_q, 5), "kl_ans": round(kl_ans, 5), "top1": round(top1, 4), "f1": round(f1_score(text, answers), 4),
+                             "kl": round(kl, 5), "kl_q": round(kl_q, 5), "kl_ans": round(kl_ans, 5),
+                             "top1": round(top1, 4), "f1": round(f1_score(text, answers), 4),
                              "answer": text, "fallback": res.fallback})
             mine = {r["setting"]: r for r in rows if r["q"] == qi}
             if as_json:  # stream: a long run keeps what it measured so far
@@ -287,8 +288,7 @@ def report(path: str | os.PathLike, as_json: bool = False) -> list[dict]:
     rows = [r for r in rows if r["q"] in complete]
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     summary = summarize(rows, settings)
-    emit(summary, as_json, f"bench blend (from {path}): {len(complete)} questions",
-         COLUMNS)
+    emit(summary, as_json, f"bench blend (from {path}): {len(complete)} questions", COLUMNS)
     passages = rows[0].get("passages", 10) if rows else 10  # runs before the field existed: the default 10
     targets = targets_row(summary, passages)
     emit([targets], as_json, "targets", list(targets))

@@ -32,9 +32,10 @@ Stream (the chunk payload; all integers little-endian, every block 4-byte aligne
     data     each segment's bytes in order (lossy: u16 rANS words; lossless: u16 frequencies[256], the low
              bytes, then the words)
 
-Decoding (the prelude here, the lossy segments in decode.py) trusts nothing: magic, version, sizes, counts, model
-indices and ids are checked before any kernel runs, lengths must add up to the payload exactly, and each rANS segment must end exactly where it should with
-its states back at their initial value. Any failure raises ChunkFormatError.
+Decoding (the prelude here, the lossy segments in decode.py) trusts nothing: magic, version, sizes, counts,
+model indices and ids are checked before any kernel runs, lengths must add up to the payload exactly, and each
+rANS segment must end exactly where it should with its states back at their initial value. Any failure raises
+ChunkFormatError.
 """
 from __future__ import annotations
 

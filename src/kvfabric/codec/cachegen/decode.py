@@ -22,6 +22,7 @@ from kvfabric.codec.cachegen.wire import (
     SEG_PROFILE,
     SEG_RAW,
     Reader,
+    as_out,
     bits_to_f32,
     dtype_bits,
     pad4,
@@ -90,8 +91,7 @@ def decode_lossy(rd: Reader, kinds: np.ndarray, lengths: np.ndarray, layout: KVL
     ends = offs + lengths // 2
     for s in np.flatnonzero(kinds == SEG_RAW):
         vals = bits_to_f32(rd.pay[starts[s]:starts[s] + lengths[s]].view(dtype_bits(layout)), layout)
-        o5[s // 2, s % 2] = (vals if o5.dtype == np.float32 else vals.astype(np.float16).view(np.uint16)).reshape(
-            H, T, D)
+        o5[s // 2, s % 2] = as_out(vals, o5).reshape(H, T, D)
     segs = np.flatnonzero(lossy).astype(np.int64)
     if not len(segs):
         return
@@ -117,7 +117,7 @@ def decode_lossy(rd: Reader, kinds: np.ndarray, lengths: np.ndarray, layout: KVL
                 continue
             seg = np.empty((H, T, D), np.float32)
             K.dequantize(q, head[s], mu[s], steps[s], asteps[s], dflag[s], G, True, seg)
-            o5[s // 2, s % 2] = seg if o5.dtype == np.float32 else seg.astype(np.float16).view(np.uint16)
+            o5[s // 2, s % 2] = as_out(seg, o5)
     if bad:
         raise ChunkFormatError(f"cachegen: {bad} segment(s) failed to decode")
 

@@ -125,5 +125,3 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
 
     def inline(fn):  # noqa: ANN001, ANN201
         return fn
-
-

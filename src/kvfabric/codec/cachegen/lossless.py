@@ -11,6 +11,7 @@ from kvfabric.codec.cachegen.wire import (
     SEG_BYTES,
     SEG_RAW,
     Reader,
+    as_out,
     bits_to_f32,
     dtype_bits,
     round_to_layout,
@@ -100,7 +101,7 @@ def decode_lossless(rd: Reader, kinds: np.ndarray, lengths: np.ndarray, layout: 
                 dst[...] = flat.view(np.uint16).reshape(H, T, D)
                 continue
             vals = bits_to_f32(flat.view(dtype_bits(layout)), layout).reshape(H, T, D)
-            dst[...] = vals if o5.dtype == np.float32 else vals.astype(np.float16).view(np.uint16)
+            dst[...] = as_out(vals, o5)
         return bad
     if sum(split(work, np.arange(2 * L, dtype=np.int64))):
         raise ChunkFormatError("cachegen lossless segment failed to decode")

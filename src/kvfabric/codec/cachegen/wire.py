@@ -43,6 +43,12 @@ def bits_to_f32(bits: np.ndarray, layout: KVLayout) -> np.ndarray:
     return bits.view("<f4").astype(np.float32)
 
 
+def as_out(values: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """float32 values as elements of a decoder's output `out`: themselves for float32, their fp16 bits (round to
+    nearest even) for a uint16 output holding fp16. The numpy twin of the kernels' jit.store."""
+    return values if out.dtype == np.float32 else values.astype(np.float16).view(np.uint16)
+
+
 def round_to_layout(values: torch.Tensor, layout: KVLayout) -> np.ndarray:
     """Bit patterns of `values` in the layout dtype (numpy, contiguous)."""
     t = values.to(layout.torch_dtype).contiguous()
