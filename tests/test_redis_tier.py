@@ -198,7 +198,7 @@ def test_maxmemory_eviction_is_clean_misses(redis_server_factory) -> None:
     for key, blob, hit in zip(keys, blobs, present):
         got = stack.get(key)
         if hit:
-            assert got is not None and bytes(got[0]) == bytes(blob)
+            assert got is not None and bytes(got.blob) == bytes(blob)
         else:
             assert got is None and tier.get(key) is None
     assert not any(name.endswith(".errors") for name in tier.counters)
@@ -235,7 +235,7 @@ def test_corrupted_value_is_caught_by_the_stack(tier: RedisTier, redis_server: R
     stack.flush()
     client.setrange(redis_key(key), 100, b"garbage")
     got = stack.get(key)
-    assert got is not None and got[2] == "disk" and bytes(got[0]) == bytes(blob)
+    assert got is not None and got.tier == "disk" and bytes(got.blob) == bytes(blob)
     assert stack.counters["corrupt.redis"] == 1
     stack.flush()  # the disk hit is promoted back into redis, intact
     assert tier2.get(key) == bytes(blob)
@@ -296,7 +296,7 @@ def test_cluster_round_trip_across_slots(redis_cluster) -> None:
     stack.put(keys[250], blob)
     stack.flush()
     got = stack.get(keys[250])
-    assert got is not None and bytes(got[0]) == bytes(blob)
+    assert got is not None and bytes(got.blob) == bytes(blob)
     stack.close()  # closes the tier
     tier = RedisTier(redis_cluster.url, is_cluster=True)
     tier.clear()

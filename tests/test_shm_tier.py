@@ -320,7 +320,7 @@ def test_concurrent_writers_killed_at_random_never_tear(pool_name: str) -> None:
         blob = make_blob(key_of(i), 200_000, seed=i)
         assert tier.put(key_of(i), blob)
         got = stack.get(key_of(i))
-        assert got is not None and bytes(got[0]) == bytes(blob)
+        assert got is not None and bytes(got.blob) == bytes(blob)
     assert stack.counters["corrupt.shm"] == 0
     assert_stats_consistent(tier)
     stack.close()

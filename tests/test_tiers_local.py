@@ -83,9 +83,9 @@ def test_stack_promotes_and_reads_pending_writes(tmp_path):
     stack.flush()
     cpu.clear()
     found = stack.get(key(1))
-    assert found is not None and found[2] == "disk"
+    assert found is not None and found.tier == "disk"
     assert cpu.contains_many([key(1)]) == [True]  # promoted
-    assert stack.get(key(1))[2] == "cpu"
+    assert stack.get(key(1)).tier == "cpu"
     stack.close()
 
 
@@ -96,7 +96,7 @@ def test_stack_falls_back_to_next_tier_when_one_copy_is_damaged(tmp_path):
     stack.flush()
     disk_a.path(key(1)).write_bytes(b"garbage")
     found = stack.get(key(1))
-    assert found is not None and found[2] == "disk" and bytes(found[0]) == make_blob(key(1))
+    assert found is not None and found.tier == "disk" and bytes(found.blob) == make_blob(key(1))
     assert stack.counters["corrupt.disk"] == 1
     stack.close()
 

@@ -139,7 +139,7 @@ class TierContract:
             stack.put(key(5), make_blob(key(5), seed=5))
             stack.flush()
             found = stack.get(key(5))
-            assert found is not None and bytes(found[0]) == make_blob(key(5), seed=5)
+            assert found is not None and bytes(found.blob) == make_blob(key(5), seed=5)
         finally:
             stack.flush()
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -25,12 +24,13 @@ import numpy as np
 import torch
 
 from kvfabric.codec.base import Codec, Decoders, get_codec
-from kvfabric.codec.format import ChunkFormatError, ChunkHeader
+from kvfabric.codec.format import ChunkFormatError
 from kvfabric.config import Config, parse_codec
+from kvfabric.counters import Counters, merged
 from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
 from kvfabric.tiers.base import Blob, Scratch, Tier
-from kvfabric.tiers.stack import TierStack
+from kvfabric.tiers.stack import StackHit, TierStack
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -71,7 +71,7 @@ class CacheEngine:
         self._root = root_key(model_id, layout, self.chunk_size, self.config.salt, self.config.hash)
         self.stack = TierStack(tiers if tiers is not None else build_tiers(self.config),
                                self.config.write_queue_chunks)
-        self.counters: Counter[str] = Counter()
+        self.counters = Counters()
         # Tiers whose config names another codec get their own encoding of each chunk (e.g. raw in process
         # memory, cachegen on the network tiers); blobs are self-describing, so reads never need to know.
         self._tier_codecs: dict[int, Codec] = {}  # stack level -> its codec, where not the engine's
@@ -105,7 +105,7 @@ class CacheEngine:
     def lookup(self, tokens: Tokens) -> int:
         keys = self.keys(tokens)
         num_hit = self.stack.prefix_length(keys)
-        self.counters["lookups"] += 1
+        self.counters.add("lookups")
         return self._span(num_hit - 1, len(tokens))[1] if num_hit else 0
 
     def store(self, tokens: Tokens, kv: torch.Tensor, start: int = 0) -> int:
@@ -127,7 +127,7 @@ class CacheEngine:
             s, e = self._span(i, num_tokens)
             self.put_chunk(keys[i], kv[:, :, :, s - start:e - start, :])
             num_stored += 1
-        self.counters["chunks_stored"] += num_stored
+        self.counters.add("chunks_stored", num_stored)
         return num_stored
 
     def put_chunk(self, key: bytes, kv: torch.Tensor, blob: Blob | None = None) -> None:
@@ -159,12 +159,12 @@ class CacheEngine:
                 if found is None or not self._decode_chunk(keys[i], found, i, num_tokens, out):
                     break
                 num_done = self._span(i, num_tokens)[1]
-        self.counters["retrieves"] += 1
-        self.counters["tokens_retrieved"] += num_done
-        self.counters["retrieve_ns"] += int((time.perf_counter() - started) * 1e9)
+        self.counters.add("retrieves")
+        self.counters.add("tokens_retrieved", num_done)
+        self.counters.add("retrieve_ns", int((time.perf_counter() - started) * 1e9))
         return out[:, :, :, :num_done, :]
 
-    def _fetch_ahead(self, keys: Sequence[bytes]) -> Iterator[tuple[Blob, ChunkHeader, str] | None]:
+    def _fetch_ahead(self, keys: Sequence[bytes]) -> Iterator[StackHit | None]:
         """Yield stack.get(key) for each key in order. A chunk not in process memory is read one step ahead by
         the reader thread (file or network I/O and its checksum overlap the decoding of the previous chunk);
         two scratch buffers alternate, so the one being decoded is never the one being filled. Chunks in
@@ -187,9 +187,9 @@ class CacheEngine:
             if ahead is not None:
                 ahead.result()  # never leave a read in flight into a buffer the next call reuses
 
-    def _decode_chunk(self, key: bytes, found: tuple[Blob, ChunkHeader, str], i: int, num_tokens: int,
+    def _decode_chunk(self, key: bytes, found: StackHit, i: int, num_tokens: int,
                       out: torch.Tensor) -> bool:
-        blob, header, _ = found
+        blob, header = found.blob, found.header
         s, e = self._span(i, num_tokens)
         try:
             if header.fingerprint != self.layout.fingerprint or header.shape != self.layout.shape(e - s):
@@ -209,7 +209,7 @@ class CacheEngine:
         self.stack.flush()
 
     def stats(self) -> dict[str, object]:
-        return {"counters": dict(self.counters + self.stack.counters),
+        return {"counters": merged(self.counters, self.stack.counters),
                 "tiers": [tier.usage() for tier in self.stack.tiers]}
 
     def close(self) -> None:

@@ -50,9 +50,9 @@ def run(num_docs: int = 3, doc_tokens: int = 4096, question_tokens: int = 64, se
                     if round_name == "warm-disk":
                         cache.flush()
                         cache.stack.tiers[0].clear()  # the cpu tier: next hit comes from disk
-                    before = dict(cache.stack.counters)
+                    before = cache.stack.counters.snapshot()
                     result = engine.generate(doc + question, max_new_tokens=1, use_cache=round_name != "nocache")
-                    after = cache.stack.counters
+                    after = cache.stack.counters.snapshot()
                     delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
                     tiers = sorted({k.split(".", 1)[1] for k in delta if k.startswith("hit.")})
                     bytes_loaded = sum(v for k, v in delta.items() if k.startswith("bytes_read."))

@@ -19,13 +19,23 @@ import contextlib
 import logging
 import queue
 import threading
-from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from kvfabric.codec.format import ChunkFormatError, ChunkHeader, parse
+from kvfabric.counters import Counters
 from kvfabric.tiers.base import Blob, Scratch, Tier
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StackHit:
+    """A verified chunk found by `TierStack.get`: its blob, parsed header, and where it came from ("pending" for a
+    write still queued)."""
+    blob: Blob
+    header: ChunkHeader
+    tier: str
 
 
 class TierStack:
@@ -33,7 +43,7 @@ class TierStack:
         if not tiers:
             raise ValueError("a tier stack needs at least one tier")
         self.tiers = list(tiers)
-        self.counters: Counter[str] = Counter()
+        self.counters = Counters()
         self._writable = tuple(i for i, tier in enumerate(self.tiers) if not getattr(tier, "is_read_only", False))
         self._pending: dict[bytes, tuple[Blob, int]] = {}
         self._lock = threading.Lock()
@@ -66,7 +76,7 @@ class TierStack:
                 present[i] = hit
         return present
 
-    def get(self, key: bytes, scratch: Scratch | None = None) -> tuple[Blob, ChunkHeader, str] | None:
+    def get(self, key: bytes, scratch: Scratch | None = None) -> StackHit | None:
         """The chunk's blob, its header and the tier's name, or None. With `scratch`, a tier that supports
         `get_into` reads into it (no allocation) unless the blob must be kept for promotion. Order: a trusted
         first tier (process memory), then writes still queued, then the other tiers."""
@@ -74,8 +84,8 @@ class TierStack:
             if level == int(self.tiers[0].is_trusted):  # right after process memory, before any slow tier
                 pending = self._pending.get(key)
                 if pending is not None:
-                    self.counters["hit.pending"] += 1
-                    return pending[0], parse(pending[0], key, verify_payload=False), "pending"
+                    self.counters.add("hit.pending")
+                    return StackHit(pending[0], parse(pending[0], key, verify_payload=False), "pending")
             get_into = getattr(tier, "get_into", None)
             if scratch is not None and level == 0 and get_into is not None:
                 blob = get_into(key, scratch)
@@ -87,15 +97,15 @@ class TierStack:
                 header = parse(blob, key, verify_payload=not tier.is_trusted)
             except ChunkFormatError as exc:
                 log.warning("dropping damaged chunk %s from tier %s: %s", key.hex()[:16], tier.name, exc)
-                self.counters[f"corrupt.{tier.name}"] += 1
+                self.counters.add(f"corrupt.{tier.name}")
                 tier.delete(key)
                 continue
-            self.counters[f"hit.{tier.name}"] += 1
-            self.counters[f"bytes_read.{tier.name}"] += len(blob)
+            self.counters.add(f"hit.{tier.name}")
+            self.counters.add(f"bytes_read.{tier.name}", len(blob))
             if level > 0:
                 self._write(key, blob, tuple(i for i in self._writable if i < level))
-            return blob, header, tier.name
-        self.counters["miss"] += 1
+            return StackHit(blob, header, tier.name)
+        self.counters.add("miss")
         return None
 
     def is_in_memory(self, key: bytes) -> bool:
@@ -117,7 +127,7 @@ class TierStack:
 
     def discard(self, key: bytes) -> None:
         """Remove a chunk found unusable above this layer (e.g. a payload that does not decode)."""
-        self.counters["discarded"] += 1
+        self.counters.add("discarded")
         for tier in self.tiers:
             tier.delete(key)
 
@@ -134,7 +144,7 @@ class TierStack:
     # ---- writes ------------------------------------------------------------------------------------------
     def put(self, key: bytes, blob: Blob, per_level: dict[int, Blob] | None = None) -> None:
         self._write(key, blob, self._writable, per_level or {})
-        self.counters["stored"] += 1
+        self.counters.add("stored")
 
     def _write(self, key: bytes, blob: Blob, levels: tuple[int, ...], per_level: dict[int, Blob] | None = None) -> None:
         per_level = per_level or {}
@@ -149,7 +159,7 @@ class TierStack:
             try:
                 self._queue.put_nowait((key, blob, levels, per_level))
             except queue.Full:
-                self.counters["dropped_writes"] += 1
+                self.counters.add("dropped_writes")
                 return
             self._pending[key] = (blob, len(levels))
 
@@ -160,10 +170,10 @@ class TierStack:
                 for level in levels:
                     tier = self.tiers[level]
                     if not tier.put(key, per_level.get(level, blob)):
-                        self.counters[f"failed_writes.{tier.name}"] += 1
+                        self.counters.add(f"failed_writes.{tier.name}")
             except Exception:  # a tier bug must not kill the writer thread
                 log.exception("background write of %s failed", key.hex()[:16])
-                self.counters["failed_writes"] += 1
+                self.counters.add("failed_writes")
             finally:
                 with self._lock:
                     self._pending.pop(key, None)

@@ -18,7 +18,6 @@ Contract:
 """
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from vllm.logger import init_logger
 
 from kvfabric.codec.format import ChunkFormatError
 from kvfabric.codec.raw import RawCodec, payload_view
+from kvfabric.counters import Counters
 from kvfabric.engine import CacheEngine
 from kvfabric.tiers.base import Scratch
 
@@ -33,7 +33,7 @@ logger = init_logger(__name__)
 
 
 class ChunkReader:
-    def __init__(self, engine: CacheEngine, counters: Counter[str]) -> None:
+    def __init__(self, engine: CacheEngine, counters: Counters) -> None:
         self.engine = engine
         self.layout = engine.layout
         self.chunk_size = engine.chunk_size
@@ -53,9 +53,9 @@ class ChunkReader:
         # checksums verified for untrusted tiers; a bad blob is deleted
         found = self.engine.stack.get(key, self._pool[self._held])
         if found is None:
-            self.counters["load_missing_chunks"] += 1
+            self.counters.add("load_missing_chunks")
             return None
-        blob, header, tier = found
+        blob, header, tier = found.blob, found.header, found.tier
         try:
             if header.fingerprint != layout.fingerprint or header.shape != layout.shape(cs):
                 raise ChunkFormatError(f"chunk made for another layout {header.shape}")
@@ -69,9 +69,9 @@ class ChunkReader:
         except ChunkFormatError as exc:
             logger.warning("kvfabric: dropping undecodable chunk %s: %s", key.hex()[:16], exc)
             self.engine.stack.discard(key)
-            self.counters["load_corrupt_chunks"] += 1
+            self.counters.add("load_corrupt_chunks")
             return None
         by_tier = stats.setdefault("bytes", {})
         by_tier[tier] = by_tier.get(tier, 0) + len(blob)
-        self.counters[f"bytes_loaded.{tier}"] += len(blob)
+        self.counters.add(f"bytes_loaded.{tier}", len(blob))
         return kv

@@ -18,7 +18,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from vllm.logger import init_logger
 from kvfabric.codec.format import HEADER_BYTES, ChunkHeader, write_blob
 from kvfabric.codec.raw import RawCodec
 from kvfabric.connectors.vllm.metadata import SaveSpec
+from kvfabric.counters import Counters
 from kvfabric.engine import CacheEngine
 
 logger = init_logger(__name__)
@@ -47,7 +47,7 @@ class ActiveSave:
 
 
 class Saver:
-    def __init__(self, engine: CacheEngine, counters: Counter[str], max_bytes: int, track_stored: bool,
+    def __init__(self, engine: CacheEngine, counters: Counters, max_bytes: int, track_stored: bool,
                  on_stored: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.counters = counters  # the worker's connector counters
@@ -91,8 +91,8 @@ class Saver:
             try:
                 started = time.perf_counter_ns()
                 num = sum(self._store_chunk(key, kv, blob) for key, (_, kv, blob) in zip(spec.keys, save.chunks))
-                self.counters["save_store_ns"] += time.perf_counter_ns() - started
-                self.counters["chunks_stored"] += num
+                self.counters.add("save_store_ns", time.perf_counter_ns() - started)
+                self.counters.add("chunks_stored", num)
                 if self._on_stored is not None:
                     self._on_stored()
                 if self._track_stored:
@@ -100,7 +100,7 @@ class Saver:
                         self._stored_keys.extend(spec.keys)
             except Exception:  # a bug here must not kill the saver
                 logger.exception("kvfabric: storing KV of request %s failed", spec.req_id)
-                self.counters["save_errors"] += 1
+                self.counters.add("save_errors")
             finally:
                 with self._lock:
                     self._queued_bytes -= save.num_bytes
@@ -116,7 +116,7 @@ class Saver:
             write_blob(ChunkHeader(RawCodec.codec_id, layout.dtype_code, 0, layout.fingerprint, tuple(kv.shape),
                                    key, len(blob) - HEADER_BYTES), blob)
         engine.put_chunk(key, kv, blob)
-        engine.counters["chunks_stored"] += 1
+        engine.counters.add("chunks_stored")
         return True
 
     def join(self) -> None:

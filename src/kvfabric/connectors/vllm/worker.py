@@ -27,7 +27,6 @@ import dataclasses
 import json
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +35,7 @@ import torch
 from vllm.logger import init_logger
 
 from kvfabric.config import Config
+from kvfabric.counters import Counters
 from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather, scatter
 from kvfabric.connectors.vllm.config import detect_cpu_kv_layout
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec
@@ -68,7 +68,7 @@ class _WorkerSide:
         self.engine = CacheEngine(config, layout, model_id)  # tiers per config (a cluster node wires its own)
         self.layers: dict[str, tuple[int, CpuPagedLayer]] = {}
         self.region_layouts: tuple[str, str] | None = None  # (K, V), measured on first use
-        self.counters: Counter[str] = Counter()
+        self.counters = Counters()
         self.stats_path = options.get("stats_path")
         self.reader = ChunkReader(self.engine, self.counters)
         # the scheduler mirrors the keys stored in our process-memory tier (it cannot see that tier)
@@ -147,14 +147,14 @@ class _WorkerSide:
                 self.invalid_blocks.update(bad)
                 self.failed_reqs.add(spec.req_id)
                 stats["failed_tokens"] = stats.get("failed_tokens", 0) + spec.end - end
-                self.counters["load_failed_tokens"] += spec.end - end
+                self.counters.add("load_failed_tokens", spec.end - end)
                 logger.warning("kvfabric: request %s: chunk at token %d missing or corrupt; %d tokens (blocks %s...) "
                                "will be recomputed", spec.req_id, end, spec.end - end, bad[:4])
             stats["loaded_tokens"] = stats.get("loaded_tokens", 0) + end - spec.start
             elapsed = time.perf_counter() - started
             stats["load_read_s"] = stats.get("load_read_s", 0.0) + elapsed
-            self.counters["load_read_ns"] += int(elapsed * 1e9)
-            self.counters["loaded_tokens"] += end - spec.start
+            self.counters.add("load_read_ns", int(elapsed * 1e9))
+            self.counters.add("loaded_tokens", end - spec.start)
             self.loads.append(_ActiveLoad(spec, end, sources))
 
     def layer_load(self, name: str) -> None:
@@ -176,7 +176,7 @@ class _WorkerSide:
                 if lo < hi:  # this chunk's part of [spec.start, load.end): [2, H, hi-lo, D] of layer `index`
                     scatter(layer, spec.block_ids, lo, hi, kv[index, :, :, lo - first:hi - first, :])
             load.layers_done.add(index)
-        self.counters["load_scatter_ns"] += time.perf_counter_ns() - started
+        self.counters.add("load_scatter_ns", time.perf_counter_ns() - started)
 
     def layer_save(self, name: str, kv_layer: torch.Tensor) -> None:
         if self.meta is None or not self.meta.saves:
@@ -197,7 +197,7 @@ class _WorkerSide:
             for first, kv, _ in save.chunks:
                 gather(layer, save.spec.block_ids, first, first + cs, kv[index])
             save.layers_done.add(index)
-        self.counters["save_gather_ns"] += time.perf_counter_ns() - started
+        self.counters.add("save_gather_ns", time.perf_counter_ns() - started)
 
     def end_step(self) -> None:
         num_layers = self.layout.num_layers
@@ -206,18 +206,18 @@ class _WorkerSide:
                 self.invalid_blocks.update(blocks_of(load.spec.block_ids, self.block_size, load.spec.start,
                                                      load.spec.end))
                 self.failed_reqs.add(load.spec.req_id)
-                self.counters["load_not_applied"] += 1
+                self.counters.add("load_not_applied")
         if self.meta is not None and self.meta.loads and not self.loads_read:
             for spec in self.meta.loads:  # start_load_kv / wait_for_layer_load never ran for them
                 self.invalid_blocks.update(blocks_of(spec.block_ids, self.block_size, spec.start, spec.end))
-                self.counters["load_not_applied"] += 1
+                self.counters.add("load_not_applied")
         for save in self.saves:
             spec = save.spec
             if spec.req_id in self.failed_reqs or len(save.layers_done) < num_layers:
-                self.counters["saves_dropped_incomplete"] += 1
+                self.counters.add("saves_dropped_incomplete")
                 continue
             if not self.saver.submit(save):
-                self.counters["saves_dropped_queue_full"] += 1
+                self.counters.add("saves_dropped_queue_full")
                 continue
             stats = self.step_stats.setdefault(spec.req_id, {})
             stats["saved_tokens"] = stats.get("saved_tokens", 0) + spec.end - spec.start
@@ -248,15 +248,8 @@ class _WorkerSide:
 
     # -- stats and shutdown
     def stats(self) -> dict[str, Any]:
-        for _ in range(3):  # the saver thread may bump a counter while we copy them
-            try:
-                engine = self.engine.stats()
-                break
-            except RuntimeError:
-                time.sleep(0.001)
-        else:
-            engine = {"counters": {}, "tiers": []}
-        return {"connector": dict(self.counters), "engine": engine["counters"],
+        engine = self.engine.stats()  # counters are snapshotted under their locks
+        return {"connector": self.counters.snapshot(), "engine": engine["counters"],
                 "tiers": [dataclasses.asdict(usage) for usage in engine["tiers"]]}
 
     def write_stats(self) -> None:
