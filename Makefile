@@ -5,10 +5,13 @@ demo:
 	bash scripts/setup.sh
 	.venv/bin/kvfabric demo
 
+# The fast suite first (the default `pytest` run deselects `slow`), then real-model, real-vLLM and multi-process
+# tests (`-m slow`), then the vLLM connector tests in their own venv (every marker).
 test:
 	bash scripts/setup.sh --test
 	.venv/bin/python -m pytest -q
-	.venv-vllm/bin/python -m pytest -q tests/test_vllm_connector.py
+	.venv/bin/python -m pytest -q -m slow
+	.venv-vllm/bin/python -m pytest -q -m "slow or not slow" tests/test_vllm_connector.py
 
 bench:
 	bash scripts/setup.sh
