@@ -22,6 +22,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -95,13 +96,13 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 # ---- codecs under test ------------------------------------------------------------------------------------------
 def codecs(quick: bool) -> list[tuple[str, int, Callable[[], object]]]:
-    from kvfabric.codec.cachegen import MAX_LEVEL, CacheGenCodec
-    from kvfabric.codec.int8 import Int8Codec
-    from kvfabric.codec.raw import RawCodec
-    out: list[tuple[str, int, Callable[[], object]]] = [("raw", 0, RawCodec), ("int8", 0, lambda: Int8Codec(0)),
-                                                         ("int8", 1, lambda: Int8Codec(1))]
-    levels = (0, 3, 5, 7, 9) if quick else range(MAX_LEVEL + 1)
-    out += [("cachegen", lvl, (lambda lvl=lvl: CacheGenCodec(lvl))) for lvl in levels]
+    """Every codec of the registry at every level (quick: its lowest, default and highest), then two cachegen
+    variants that show what the profile and the token groups are worth."""
+    from kvfabric.codec import registry
+    from kvfabric.codec.cachegen import CacheGenCodec
+    out: list[tuple[str, int, Callable[[], object]]] = [
+        (entry.name, lvl, partial(entry.make, lvl)) for entry in registry.CODECS for lvl in entry.levels
+        if not quick or lvl in (entry.min_level, entry.default_level, entry.max_level)]
     if not quick:
         out += [("cachegen-noprofile", 5, lambda: CacheGenCodec(5, use_profile=False)),
                 ("cachegen-G1", 5, lambda: CacheGenCodec(5, group_size=1, use_profile=False))]
