@@ -181,8 +181,8 @@ def test_fuzz_payload_bytes(name, codec, data):
 
 
 @settings(max_examples=60, deadline=None)
-@given(codec_id=st.sampled_from([entry.codec_id for entry in registry.CODECS]), level=st.integers(0, 255), tokens=st.integers(1, 1 << 20),
-       payload=st.binary(max_size=600))
+@given(codec_id=st.sampled_from([entry.codec_id for entry in registry.CODECS]), level=st.integers(0, 255),
+       tokens=st.integers(1, 1 << 20), payload=st.binary(max_size=600))
 def test_fuzz_headers_with_random_payloads(codec_id, level, tokens, payload):
     """Random header fields around random payloads: refused or harmless, and no allocation from the header
     (the output buffer is the caller's; a header whose shape does not match it is refused up front)."""
