@@ -130,8 +130,10 @@ def constriction_ceiling(num_symbols: int = 1 << 21) -> dict:
 def run(as_json: bool = False, plot: str | None = None, num_docs: int = 8, ctx_tokens: int = 2048,
         next_tokens: int = 64, quick: bool = False, repeats: int = 3, quality: bool = True) -> list[dict]:
     """quality=False: sizes and speeds only (one document's KV, no teacher-forced evaluation)."""
-    from kvfabric.codec.cachegen import DEFAULT_LEVEL, CacheGenCodec
+    from kvfabric.codec.cachegen import CacheGenCodec
     from kvfabric.codec.format import parse
+    from kvfabric.codec.registry import entry
+    default_level = entry("cachegen").default_level
     if quick:
         num_docs, ctx_tokens = min(num_docs, 2), min(ctx_tokens, 1024)
     if not quality:
@@ -177,10 +179,10 @@ def run(as_json: bool = False, plot: str | None = None, num_docs: int = 8, ctx_t
             row.update(top1=None, kl_mean=None, kl_p99=None)
         row.update(_speed(make(), layout, speed_chunks, repeats))
         rows.append(row)
-    naive = _speed(CacheGenCodec(DEFAULT_LEVEL, coder="constriction"), layout, speed_chunks[:2], 1)
+    naive = _speed(CacheGenCodec(default_level, coder="constriction"), layout, speed_chunks[:2], 1)
     lib = constriction_ceiling()
     for row in rows:
-        if row["codec"] == "cachegen" and row["level"] == DEFAULT_LEVEL:
+        if row["codec"] == "cachegen" and row["level"] == default_level:
             row["default"] = True
             row["naive_enc_mbps"], row["naive_dec_mbps"] = naive["enc_mbps"], naive["dec_mbps"]
             row["lib_enc_mbps"], row["lib_dec_mbps"] = lib["enc_mbps"], lib["dec_mbps"]

@@ -1,21 +1,15 @@
-"""ShmTier: the Tier protocol over a shared-memory pool, composed of an arena (the file, its mapping, the
-writers' lock, data copies), the mapping's index (entries under seqlocks) and an allocator (LRU eviction, pins,
-free extents).
+"""ShmTier: the Tier protocol over a shared-memory pool, composed of an Arena (arena.py), the Index of its
+current mapping (index.py) and an Allocator (allocator.py); they share nothing but the counters.
 
 Contract:
-- Readers never wait for writers and take no lock: they copy a blob out of one mapping and re-check the entry's
-  seq; if it moved, the extent may have been reused and the read is retried (READ_RETRIES times) or is a miss.
-  So a reader never returns a torn or half-written blob, even when a writer is killed mid-write.
-- `get` returns a private copy (`bytes`; from 16 MiB a memoryview over a private huge-page mapping, 3x faster
-  than faulting in a fresh heap object) and `get_into` copies into the caller's scratch buffer (the stack's fast
-  path: no allocation); nothing handed out points into the arena. `prefetch` has nothing to start early.
-- A writer (put, delete, clear) copies the blob into a free extent first, then publishes the entry. A put or
-  delete that cannot get the lock within `lock_timeout_s` is dropped and counted (`counters`), like a full write
-  queue; `clear` waits longer and raises rather than pretend it emptied the pool.
+- Reads take no lock: find the entry, copy its bytes out, and re-check the entry's seq; if it moved, the extent
+  may have been reused and the read is retried (READ_RETRIES times) or is a miss, never a torn blob. `get`
+  returns a private copy, `get_into` a view of the caller's scratch; `prefetch` has nothing to start early.
+- A put or delete that cannot get the writers' lock within `lock_timeout_s` is dropped and counted, like a full
+  write queue; `clear` waits longer and raises rather than pretend it emptied the pool.
 - A closed tier (or one whose pool cannot be reached) answers misses, False, [] and zero usage; clear is a no-op.
-- Capabilities: not trusted (the stack verifies each blob's checksums: a corrupted arena is a counted miss),
-  writable, persistent (the pool outlives processes), shared by every process on the host, keeps itself within
-  its byte budget, and never evicts a key this process pinned.
+- Capabilities: untrusted (the stack verifies checksums), writable, persistent, shared by the host's processes,
+  keeps itself within its byte budget, never evicts a key this process pinned.
 """
 from __future__ import annotations
 
