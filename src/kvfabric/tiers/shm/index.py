@@ -22,7 +22,7 @@ import mmap
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -35,9 +35,10 @@ from kvfabric.tiers.shm.layout import (ALIGN, ATIME_AT, EMPTY, ENTRY, ENTRY_BYTE
 SEQ_SPINS = 50
 
 
-@dataclass(frozen=True, slots=True)
-class EntryRef:
-    """A READY entry as a reader saw it: its blob is arena bytes [offset, offset + length) while seq holds."""
+class EntryRef(NamedTuple):
+    """A READY entry as a reader saw it: its blob is arena bytes [offset, offset + length) while seq holds.
+    A NamedTuple, not a frozen dataclass: made on every read and lookup, where a frozen dataclass's __init__
+    (object.__setattr__ per field) costs more than the rest of a lookup."""
     slot: int
     seq: int
     offset: int
@@ -81,7 +82,7 @@ class Index:
         start = xxhash.xxh3_64_intdigest(key) & geo.mask
         for i in range(geo.num_slots):
             slot = (start + i) & geo.mask
-            entry = self._read_entry(self._base(slot))
+            entry = self._read_entry(geo.index_offset + slot * ENTRY_BYTES)
             if entry is None:
                 continue  # busy (or left odd by a dead writer): not provably ours, keep probing
             seq, state, entry_key, offset, length, esum = entry
