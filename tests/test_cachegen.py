@@ -254,9 +254,9 @@ def test_engine_path_with_cachegen(tmp_path):
 
 @pytest.mark.slow
 def test_real_model_next_token_survives_default_level():
-    from kvfabric.bench.codec import compare, load, next_logprobs, prefill
-    from kvfabric.engines.hf import layout_for
-    model, tok = load()
+    from kvfabric.bench.codec import compare
+    from kvfabric.engines.runtime import layout_for, load_for_inference, next_logprobs, prefill
+    model, tok = load_for_inference()
     ids = tok("The lighthouse keeper climbed the stairs every night to light the lamp. " * 40)["input_ids"][:260]
     buf = prefill(model, ids[:256], 256)
     layout = layout_for(model.config)

@@ -1,4 +1,4 @@
-"""One contract suite, run against every codec: raw, int8 (both levels), cachegen at every level.
+"""One contract suite, run against every codec of the registry at every level (raw, int8, cachegen, ...).
 
 - round trip within the codec's stated error bound (exact for lossless codecs), into outputs of any float dtype
   and any strides, for every layout dtype and odd shapes;
@@ -6,26 +6,23 @@
 - a payload that passes the checksums but was crafted or damaged (the checksum rewritten) is either refused with
   ChunkFormatError or decodes to finite values: never another exception, a crash, a hang or a huge allocation;
 - hypothesis fuzzes payload bytes and structured fields.
+A hang fails through the suite's per-test timeout (pyproject: --timeout), not through a wall-clock assert.
 """
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvfabric.codec.base import codec_for_id, get_codec
-from kvfabric.codec.cachegen import MAX_LEVEL, CacheGenCodec
+from kvfabric.codec import registry
+from kvfabric.codec.cachegen import CacheGenCodec
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, parse, write_blob
-from kvfabric.codec.int8 import Int8Codec
-from kvfabric.codec.raw import RawCodec
+from kvfabric.codec.registry import codec_for_id
 from kvfabric.layout import KVLayout
 
 KEY = bytes(range(32))
-CODECS = [("raw", RawCodec()), ("int8-channel", Int8Codec(0)), ("int8-token", Int8Codec(1))] + \
-    [(f"cachegen-{lvl}", CacheGenCodec(lvl, threads=1)) for lvl in range(MAX_LEVEL + 1)] + \
+CODECS = [(f"{entry.name}-{lvl}", entry.make(lvl)) for entry in registry.CODECS for lvl in entry.levels] + \
     [("cachegen-5-g1", CacheGenCodec(5, group_size=1, threads=2))]
 IDS = [name for name, _ in CODECS]
 
@@ -129,19 +126,17 @@ def rewrap(blob: bytearray | bytes, payload: bytes | bytearray) -> tuple[ChunkHe
 
 
 def decode_hostile(codec, header: ChunkHeader, blob: bytearray, layout: KVLayout) -> None:
-    """Decode must refuse (ChunkFormatError) or return; any other exception fails the test, as does a slow one."""
+    """Decode must refuse (ChunkFormatError) or return; any other exception fails the test (a hang: the timeout)."""
     out = torch.zeros(header.shape) if header.shape == layout.shape(header.num_tokens) else None
     if out is None:
         return  # the engine checks the header's shape against the layout before any decode
-    start = time.perf_counter()
     try:
         codec_for_id(header.codec_id).decode(header, memoryview(blob), layout, out)
     except ChunkFormatError:
-        pass
-    assert time.perf_counter() - start < 10, "decode of a hostile payload took too long"
+        return
     # raw bytes (the raw codec, cachegen's lossless level and its raw segments) may legitimately hold NaN bits;
     # int8 has no way to express one
-    assert header.codec_id != 1 or not torch.isnan(out).any(), "int8 decoded a NaN"
+    assert codec.name != "int8" or not torch.isnan(out).any(), "int8 decoded a NaN"
 
 
 @pytest.mark.parametrize("name,codec", CODECS, ids=IDS)
@@ -186,8 +181,8 @@ def test_fuzz_payload_bytes(name, codec, data):
 
 
 @settings(max_examples=60, deadline=None)
-@given(codec_id=st.sampled_from([0, 1, 2]), level=st.integers(0, 255), tokens=st.integers(1, 1 << 20),
-       payload=st.binary(max_size=600))
+@given(codec_id=st.sampled_from([entry.codec_id for entry in registry.CODECS]), level=st.integers(0, 255),
+       tokens=st.integers(1, 1 << 20), payload=st.binary(max_size=600))
 def test_fuzz_headers_with_random_payloads(codec_id, level, tokens, payload):
     """Random header fields around random payloads: refused or harmless, and no allocation from the header
     (the output buffer is the caller's; a header whose shape does not match it is refused up front)."""
@@ -203,15 +198,3 @@ def test_fuzz_headers_with_random_payloads(codec_id, level, tokens, payload):
     except ChunkFormatError:
         return
     assert tokens <= 16
-
-
-def test_registry():
-    assert get_codec("raw").codec_id == 0 and get_codec("int8").codec_id == 1 and get_codec("cachegen").codec_id == 2
-    assert get_codec("cachegen", 0).is_lossless and not get_codec("cachegen").is_lossless
-    assert get_codec("int8", 1).level == 1
-    for bad in (lambda: get_codec("zstd"), lambda: get_codec("cachegen", 10), lambda: get_codec("int8", 2),
-                lambda: get_codec("raw", 3)):
-        with pytest.raises(ValueError):
-            bad()
-    with pytest.raises(ChunkFormatError):
-        codec_for_id(99)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfabric.config import Config, ConfigError, parse_bytes, parse_codec
+from kvfabric.config import Config, ConfigError, parse_bytes
 
 
 def test_defaults():
@@ -63,4 +63,3 @@ def test_harness_variables_are_not_config():
 def test_codec_specs_per_tier():
     config = Config.load(environ={"KVFABRIC_CODEC": "int8", "KVFABRIC_REDIS__CODEC": "cachegen:7"})
     assert (config.codec, config.redis.codec, config.disk.codec) == ("int8", "cachegen:7", "")
-    assert parse_codec("cachegen:7") == ("cachegen", 7) and parse_codec("raw") == ("raw", None)

@@ -18,8 +18,9 @@ import torch
 
 from kvfabric import Config
 from kvfabric.config import DiskTierConfig
-from kvfabric.engines.hf import BufferCache, HFEngine, layout_for
+from kvfabric.engines.hf import HFEngine
 from kvfabric.engines.model import ModelError, ensure_model, load_model
+from kvfabric.engines.runtime import BufferCache, layout_for
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,8 +18,10 @@ from hypothesis import strategies as st
 
 from kvfabric.codec.format import ChunkFormatError, parse
 from kvfabric.config import ShmTierConfig
-from kvfabric.tiers import shm as shm_mod
-from kvfabric.tiers.shm import ShmTier
+from kvfabric.tiers.base import Scratch
+from kvfabric.tiers.shm import ShmPoolError, ShmTier
+from kvfabric.tiers.shm.index import Index
+from kvfabric.tiers.shm.layout import ENTRY_BYTES, KEY_AT, READY, SEQ, STATS, STATS_AT, extent_bytes
 from kvfabric.tiers.stack import TierStack
 from tests.redis_fixtures import make_blob
 from tests.tier_contract import TierContract
@@ -48,6 +51,20 @@ def run_child(target, *args, timeout: float = 20.0) -> None:
     assert proc.exitcode == 0, f"child {target.__name__} failed with {proc.exitcode}"
 
 
+def returns_within(fn: Callable[[], object], deadline_s: float = 10.0) -> object:
+    """fn()'s result; fails the test if fn has not returned by a generous deadline (it must not block)."""
+    result: list[object] = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    assert not thread.is_alive(), f"still blocked after {deadline_s} s"
+    return result[0]
+
+
+def entry_base(index: Index, slot: int) -> int:
+    return index.geo.index_offset + slot * ENTRY_BYTES
+
+
 # ---- children (run in forked processes; assertions fail the exit code) --------------------------------------
 def _child_read_then_write(name: str, capacity: int) -> None:
     tier = ShmTier(name, capacity)
@@ -67,14 +84,14 @@ def _child_store_and_exit(name: str, capacity: int, count: int) -> None:
 def _child_hang_mid_data_write(name: str, capacity: int, key: bytes, size: int, ready) -> None:
     tier = ShmTier(name, capacity)
 
-    def half_then_hang(offset, blob):
-        start = tier._geo.data_offset + offset
+    def half_then_hang(index, offset, blob):
+        start = index.geo.data_offset + offset
         half = len(blob) // 2
-        tier._mm[start:start + half] = blob[:half]  # a partial copy, as if the process died in memcpy
+        index.mm[start:start + half] = blob[:half]  # a partial copy, as if the process died in memcpy
         ready.set()
         time.sleep(60)
 
-    tier._write_data = half_then_hang
+    tier.arena.write = half_then_hang
     tier.put(key, make_blob(key, size, seed=99))
     os._exit(3)  # not reached
 
@@ -82,15 +99,17 @@ def _child_hang_mid_data_write(name: str, capacity: int, key: bytes, size: int, 
 def _child_hang_mid_publish(name: str, capacity: int, key: bytes, ready) -> None:
     tier = ShmTier(name, capacity)
 
+    index = tier.arena.current
+
     def torn_publish(slot, key, offset, length, atime):
-        base = tier._base(slot)
-        seq = shm_mod._SEQ.unpack_from(tier._mm, base)[0] | 1
-        shm_mod._SEQ.pack_into(tier._mm, base, seq)  # seq odd: the entry is being written
-        tier._mm[base + shm_mod.KEY_AT:base + shm_mod.KEY_AT + len(key)] = key
+        base = entry_base(index, slot)
+        seq = SEQ.unpack_from(index.mm, base)[0] | 1
+        SEQ.pack_into(index.mm, base, seq)  # seq odd: the entry is being written
+        index.mm[base + KEY_AT:base + KEY_AT + len(key)] = key
         ready.set()
         time.sleep(60)
 
-    tier._publish = torn_publish
+    index.publish = torn_publish
     tier.put(key, make_blob(key, 1000, seed=5))
     os._exit(3)
 
@@ -113,16 +132,17 @@ def _child_hold_lock(lock_path: str, ready) -> None:
 
 def assert_stats_consistent(tier: ShmTier) -> None:
     """The writers' running totals in the header match a recount of the index, and no two extents overlap."""
-    dirty, *stats = shm_mod._STATS.unpack_from(tier._mm, shm_mod.STATS_AT)
-    assert dirty == 0 and tuple(stats) == tier._recount()
-    index = tier._index()
-    ready = index["state"] == shm_mod.READY
-    extents = sorted(zip(index["offset"][ready].tolist(), index["length"][ready].tolist()))
-    offsets, sizes = tier._extents()  # the writers' compact copy agrees with the entries
+    index = tier.arena.current
+    dirty, *stats = STATS.unpack_from(index.mm, STATS_AT)
+    assert dirty == 0 and tuple(stats) == index.recount()
+    entries = index.entries()
+    ready = entries["state"] == READY
+    extents = sorted(zip(entries["offset"][ready].tolist(), entries["length"][ready].tolist()))
+    offsets, sizes = index.extents()  # the writers' compact copy agrees with the entries
     assert (sizes > 0).tolist() == ready.tolist()
-    assert offsets[ready].tolist() == index["offset"][ready].tolist()
-    assert sizes[ready].tolist() == [shm_mod._extent(n) for n in index["length"][ready].tolist()]
-    del index, ready, offsets, sizes
+    assert offsets[ready].tolist() == entries["offset"][ready].tolist()
+    assert sizes[ready].tolist() == [extent_bytes(n) for n in entries["length"][ready].tolist()]
+    del index, entries, ready, offsets, sizes
     for (start, length), (next_start, _) in zip(extents, extents[1:]):
         assert start + max(length, 1) <= next_start, "overlapping extents"
 
@@ -130,7 +150,7 @@ def assert_stats_consistent(tier: ShmTier) -> None:
 # ---- tests ---------------------------------------------------------------------------------------------
 def test_round_trip_across_processes(pool_name: str) -> None:
     tier = ShmTier(pool_name, 4 << 20)
-    assert tier.path == shm_mod.Path("/dev/shm") / f"kvfabric-{pool_name}"
+    assert tier.arena.path == Path("/dev/shm") / f"kvfabric-{pool_name}"
     blob = make_blob(key_of(1), 100_000, seed=1)
     assert tier.put(key_of(1), blob)
     run_child(_child_read_then_write, pool_name, 4 << 20)
@@ -188,7 +208,7 @@ def test_many_small_entries_purge_tombstones(pool_name: str) -> None:
         if i % 3 == 2:
             tier.delete(key_of(i - 1))
     keys = tier.keys()
-    assert 0 < len(keys) <= tier._geo.max_used
+    assert 0 < len(keys) <= tier.arena.current.geo.max_used
     assert key_of(1999) in keys
     for key in keys:
         i = next(j for j in range(2000) if key_of(j) == key)
@@ -255,7 +275,7 @@ def test_sigkill_mid_data_write_leaves_no_torn_chunk(pool_name: str) -> None:
         got = tier.get(key)
         assert got is None or bytes(got) == bytes(old)  # never the half-written new blob
         assert tier.get(key_of(2)) is not None
-    lock = os.open(tier.lock_path, os.O_RDWR)
+    lock = os.open(tier.arena.lock_path, os.O_RDWR)
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the kernel released the dead writer's lock
     os.close(lock)
     blob = make_blob(key_of(3), 4_000_000, seed=3)
@@ -276,10 +296,8 @@ def test_sigkill_mid_publish_is_repaired(pool_name: str) -> None:
     proc.kill()
     proc.join()
     assert reached
-    start = time.monotonic()
-    assert tier.get(key_of(2)) is None  # the entry is stuck mid-update: a miss, quickly
-    assert tier.contains_many([key_of(1), key_of(2)]) == [True, False]
-    assert time.monotonic() - start < 1.0
+    assert returns_within(lambda: tier.get(key_of(2))) is None  # the entry is stuck mid-update: a miss
+    assert returns_within(lambda: tier.contains_many([key_of(1), key_of(2)])) == [True, False]
     assert tier.put(key_of(3), b"three")  # the next writer retires the stuck entry
     assert tier.counters["repaired_entries"] == 1 and tier.counters["recovered"] == 1
     assert_stats_consistent(tier)
@@ -330,13 +348,12 @@ def test_a_stuck_lock_holder_drops_writes_but_never_blocks_readers(pool_name: st
     tier = ShmTier(pool_name, 1 << 20, lock_timeout_s=0.3)
     assert tier.put(key_of(1), b"one")
     ready = FORK.Event()
-    proc = FORK.Process(target=_child_hold_lock, args=(str(tier.lock_path), ready), daemon=True)
+    proc = FORK.Process(target=_child_hold_lock, args=(str(tier.arena.lock_path), ready), daemon=True)
     proc.start()
     try:
         assert ready.wait(20)
-        start = time.monotonic()
-        assert not tier.put(key_of(2), b"two") and not tier.delete(key_of(1))
-        assert time.monotonic() - start < 1.5
+        assert not returns_within(lambda: tier.put(key_of(2), b"two"))  # gives up after lock_timeout_s
+        assert not returns_within(lambda: tier.delete(key_of(1)))
         assert tier.counters["put.lock_timeout"] == 1 and tier.counters["delete.lock_timeout"] == 1
         assert tier.get(key_of(1)) == b"one" and tier.contains_many([key_of(1)]) == [True]  # lock-free reads
     finally:
@@ -387,7 +404,7 @@ def test_pool_survives_restarts(pool_name: str) -> None:
 def test_bad_header_resets_the_pool(pool_name: str, damage: str, caplog) -> None:
     tier = ShmTier(pool_name, 1 << 20)
     assert tier.put(key_of(1), b"v")
-    path = tier.path
+    path = tier.arena.path
     if damage == "magic":
         with open(path, "r+b") as f:
             f.write(b"NOTAPOOL")
@@ -415,8 +432,8 @@ def test_damaged_entries_are_dropped_on_open(pool_name: str) -> None:
     tier = ShmTier(pool_name, 1 << 20)
     for i in range(5):
         assert tier.put(key_of(i), bytes([i]) * 100)
-    slot = tier._find(key_of(3))[0]
-    tier._mm[tier._base(slot) + 24] ^= 0xFF  # the entry's length: its checksum no longer matches
+    index = tier.arena.current
+    index.mm[entry_base(index, index.find(key_of(3)).slot) + 24] ^= 0xFF  # the length: its checksum fails
     assert tier.get(key_of(3)) is None  # readers check entry checksums too
     tier.close()
     reopened = ShmTier(pool_name, 1 << 20)
@@ -430,8 +447,8 @@ def test_corrupted_arena_bytes_are_caught_by_the_stack(pool_name: str) -> None:
     tier = ShmTier(pool_name, 1 << 20)
     blob = make_blob(key_of(1), 10_000, seed=1)
     assert tier.put(key_of(1), blob)
-    offset = tier._find(key_of(1))[2]
-    tier._mm[tier._geo.data_offset + offset + 5000] ^= 0x55
+    index = tier.arena.current
+    index.mm[index.geo.data_offset + index.find(key_of(1)).offset + 5000] ^= 0x55
     with pytest.raises(ChunkFormatError):
         parse(tier.get(key_of(1)), key_of(1))
     stack = TierStack([tier])
@@ -443,10 +460,10 @@ def test_corrupted_arena_bytes_are_caught_by_the_stack(pool_name: str) -> None:
 def test_pool_file_removed_under_a_running_process(pool_name: str) -> None:
     tier = ShmTier(pool_name, 1 << 20)
     assert tier.put(key_of(1), b"v")
-    os.unlink(tier.path)
+    os.unlink(tier.arena.path)
     assert tier.get(key_of(1)) is None  # a new, empty pool is created
     assert tier.put(key_of(2), b"w") and tier.get(key_of(2)) == b"w"
-    assert os.path.exists(tier.path)
+    assert os.path.exists(tier.arena.path)
     tier.close()
 
 
@@ -467,7 +484,7 @@ class TestShmContract(TierContract):
         return ShmTier(name, capacity_bytes)
 
     def reopen(self, tier):
-        return ShmTier(tier.pool_name, tier.capacity_bytes)
+        return ShmTier(tier.arena.name, tier.capacity_bytes)
 
 
 def test_engines_share_chunks_through_the_pool(pool_name: str) -> None:
@@ -505,10 +522,25 @@ def test_no_space_in_dev_shm_is_a_clear_error(pool_name: str, monkeypatch) -> No
     def enospc(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shm_mod.os, "posix_fallocate", enospc)
-    with pytest.raises(shm_mod.ShmPoolError, match="not enough space"):
+    monkeypatch.setattr(os, "posix_fallocate", enospc)
+    with pytest.raises(ShmPoolError, match="not enough space"):
         ShmTier(pool_name, 1 << 20)
     monkeypatch.undo()
     tier = ShmTier(pool_name, 1 << 20)  # the half-made file is formatted properly next time
     assert tier.put(b"k", b"v") and tier.get(b"k") == b"v"
     tier.close()
+
+
+def test_capabilities_get_into_and_prefetch(pool_name: str) -> None:
+    tier = ShmTier(pool_name, 1 << 20)
+    assert (tier.is_trusted, tier.is_read_only, tier.is_persistent, tier.is_shared, tier.honors_capacity,
+            tier.honors_pins) == (False, False, True, True, True, True)
+    blob = make_blob(key_of(1), 10_000, seed=1)
+    assert tier.put(key_of(1), blob)
+    tier.prefetch([key_of(1), key_of(2)])  # only a hint: nothing changes
+    scratch = Scratch()
+    got = tier.get_into(key_of(1), scratch)
+    assert isinstance(got, memoryview) and bytes(got) == bytes(blob) == tier.get(key_of(1))
+    assert tier.get_into(key_of(2), scratch) is None and tier.keys() == [key_of(1)]
+    tier.close()
+    assert tier.get_into(key_of(1), scratch) is None  # closed: a miss

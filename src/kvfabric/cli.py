@@ -133,6 +133,34 @@ def controller(ctx: click.Context) -> None:
 
 
 @main.group()
+def profile() -> None:
+    """Offline calibration of a model's codec tables (runs the model)."""
+
+
+@profile.command("cachegen")
+@click.option("--texts", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="MuSiQue-style JSON: questions with passages (e.g. ../shared/data/musique_s.json).")
+@click.option("--model", "model_name", default="smollm2-135m-instruct", show_default=True)
+@click.option("--first", default=0, show_default=True, help="First question.")
+@click.option("--count", default=24, show_default=True, help="Calibration contexts from the questions.")
+@click.option("--ctx-tokens", default=1536, show_default=True, help="Tokens per context.")
+@click.option("--extra-text", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="A plain-text file whose runs are added as contexts (repeatable).")
+@click.option("--shrink", default=1.0, show_default=True, help="Pull channel sensitivities toward their mean.")
+@click.option("--out", default=None, type=click.Path(dir_okay=False),
+              help="Write here (with the Fisher diagonal beside it) instead of over the shipped table.")
+def profile_cachegen(texts: str, model_name: str, first: int, count: int, ctx_tokens: int,
+                     extra_text: tuple[str, ...], shrink: float, out: str | None) -> None:
+    """Rebuild cachegen's per-model profile from the Fisher information of the KV channels (minutes on a CPU)."""
+    from pathlib import Path
+
+    from kvfabric.engines.calibrate import calibrate
+    path, prof = calibrate(Path(texts), model_name=model_name, first=first, count=count, ctx_tokens=ctx_tokens,
+                           extra_texts=tuple(map(Path, extra_text)), shrink=shrink, out=Path(out) if out else None)
+    click.echo(f"{path}: profile {prof.id:#018x}, delta channels {int(prof.dflag.sum())}/{prof.dflag.size}")
+
+
+@main.group()
 def bench() -> None:
     """Benchmarks: each speed is printed beside a baseline measured in the same run."""
 

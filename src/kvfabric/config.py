@@ -2,7 +2,8 @@
 
 Contract:
 - `Config()` is the embedded default: cpu + disk tiers, chunk_size 256, sha256 keys, raw codec.
-- Codecs are `name` or `name:level` (raw | int8 | cachegen:0-9); each tier section may set its own `codec`.
+- Codecs are `name` or `name:level`, checked against the codec registry (codec.registry: raw | int8 | cachegen:0-9);
+  each tier section may set its own `codec`.
 - `Config.load(path)` reads YAML (or $KVFABRIC_CONFIG), then applies environment variables, which win.
   Env names are `KVFABRIC_<FIELD>` and `KVFABRIC_<SECTION>__<FIELD>`, e.g. KVFABRIC_CHUNK_SIZE=128,
   KVFABRIC_DISK__CAPACITY=20GiB, KVFABRIC_TIERS=cpu,disk. KVFABRIC_HOME, KVFABRIC_CONFIG and the prefixes
@@ -22,11 +23,12 @@ from typing import Any, Literal
 
 import yaml
 
+from kvfabric.codec.registry import CodecSpecError, parse_codec
+
 ENV_PREFIX = "KVFABRIC_"
 RESERVED_ENV = {"KVFABRIC_HOME", "KVFABRIC_CONFIG"}
 RESERVED_ENV_PREFIXES = ("KVFABRIC_TEST_", "KVFABRIC_BENCH_")  # for test and benchmark harnesses, never config
 TIER_NAMES = ("cpu", "shm", "disk", "redis", "peer")
-CODEC_LEVELS = {"raw": (0, 0), "int8": (0, 1), "cachegen": (0, 9)}  # name -> (lowest, highest) level
 
 
 class ConfigError(ValueError):
@@ -58,22 +60,16 @@ def parse_bytes(value: Any, key: str) -> int:
 ByteSize = typing.Annotated[int, "bytes"]
 
 
-def parse_codec(spec: str, key: str = "codec") -> tuple[str, int | None]:
-    """"name" or "name:level" (raw | int8 | cachegen[:0-9]) -> (name, level or None for the codec's default)."""
-    name, _, level_text = str(spec).strip().partition(":")
-    if name not in CODEC_LEVELS:
-        raise ConfigError(f"{key}: unknown codec {name!r}; allowed: {', '.join(CODEC_LEVELS)} (with :level)")
-    if not level_text:
-        return name, None
-    low, high = CODEC_LEVELS[name]
-    if not level_text.isdigit() or not low <= int(level_text) <= high:
-        raise ConfigError(f"{key}: level of {name} must be an integer in {low}..{high}, got {level_text!r}")
-    return name, int(level_text)
+def _check_codec(spec: str, key: str) -> None:
+    try:
+        parse_codec(spec)
+    except CodecSpecError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
 
 
 def _check_tier_codec(spec: str, key: str) -> None:
     if spec:  # "" = the engine's codec
-        parse_codec(spec, key)
+        _check_codec(spec, key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +159,7 @@ class Config:
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
             raise ConfigError(f"chunk_size: must be positive, got {self.chunk_size}")
-        parse_codec(self.codec, "codec")
+        _check_codec(self.codec, "codec")
         if self.write_queue_chunks <= 0:
             raise ConfigError(f"write_queue_chunks: must be positive, got {self.write_queue_chunks}")
         if not self.tiers or len(set(self.tiers)) != len(self.tiers):

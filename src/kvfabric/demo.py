@@ -5,6 +5,7 @@ SmolLM2-135M-Instruct, and shows for each the tokens reused, the time to first t
 question pays the full prefill, the next two reuse the document's KV from the cpu tier. Then it starts a fresh
 process that asks again, so the KV comes from the disk tier (~/.cache/kvfabric/chunks) across processes.
 The document's chunks are removed from the cache first (unless --keep-cache), so the first request is a real miss.
+With --plot, it also draws TTFT against context length, cache miss vs hit (`ttft_vs_context`).
 """
 from __future__ import annotations
 
@@ -15,17 +16,20 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from importlib import resources
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from kvfabric.config import Config
+from kvfabric.data import demo_document
 
 QUESTIONS = (
     "How many steps does the lighthouse tower have?",
     "On what date did the Margaret Vale strike Gull Ledge?",
     "Who was the last keeper of the lighthouse?",
 )
+PLOT_LENGTHS = (256, 512, 1024, 2048, 3072)  # context tokens of the --plot figure
 SYSTEM = "You are a helpful assistant. Answer the question using only the document, in one short sentence."
 
 
@@ -39,16 +43,12 @@ class Answer:
     answer: str
 
 
-def document() -> str:
-    return resources.files("kvfabric").joinpath("data/demo_document.txt").read_text()
-
-
 def prompt_ids(tokenizer, question: str) -> list[int]:
     """Chat prompt as token ids: [system + document] then [question]. Tokenized in two parts so the document's
     tokens never merge with the question's: every question shares the document prefix token for token."""
-    text = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM},
-                                          {"role": "user", "content": "Document:\n" + document() + "\n\nQuestion: "
-                                           + question}], tokenize=False, add_generation_prompt=True)
+    user = "Document:\n" + demo_document() + "\n\nQuestion: " + question
+    text = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+                                         tokenize=False, add_generation_prompt=True)
     head, _, tail = text.partition("\n\nQuestion: ")
     encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     return encode(head) + encode("\n\nQuestion: " + tail)
@@ -117,7 +117,6 @@ def run(keep_cache: bool = False, plot: str | None = None) -> None:
     console.print(f"(fresh process, model load included: {time.perf_counter() - started:.1f} s)")
     _summary(console, answers, warm)
     if plot:
-        from kvfabric.bench.plot import ttft_vs_context
         ttft_vs_context(plot, console)
 
 
@@ -137,6 +136,47 @@ def _summary(console: Console, answers: list[Answer], warm: list[Answer]) -> Non
     if min(a.hit_tokens for a in answers[1:] + warm) == 0:
         raise SystemExit("no reuse happened: the warm requests found nothing in the cache")
 
+
+
+def ttft_vs_context(path: str, console: Console, lengths: tuple[int, ...] = PLOT_LENGTHS) -> list[dict]:
+    """TTFT vs context length, cache miss vs cache hit (`kvfabric demo --plot FILE.png`): for each length the
+    first tokens of the demo document are prefilled without the cache (miss), then stored, then asked again with
+    a short question after them (hit: only the question is computed). A cpu-only cache of its own: the user's
+    disk cache is left untouched."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvfabric.engines.hf import HFEngine
+    rows = []
+    with HFEngine(config=Config(tiers=("cpu",))) as engine:
+        doc = engine.tokenizer(demo_document(), add_special_tokens=False)["input_ids"]
+        question = engine.tokenizer("\nQuestion: what is this text about?\nAnswer:",
+                                    add_special_tokens=False)["input_ids"]
+        for length in lengths:
+            if length > len(doc):
+                break
+            ids = doc[:length] + question
+            miss = engine.generate(ids, max_new_tokens=1, use_cache=False)
+            engine.generate(doc[:length], max_new_tokens=1)  # stores the context's chunks
+            hit = engine.generate(ids, max_new_tokens=1)
+            rows.append({"context_tokens": length, "miss_s": miss.ttft_s, "hit_s": hit.ttft_s,
+                         "hit_tokens": hit.hit_tokens})
+            console.print(f"context {length:>5}: miss {miss.ttft_s:6.2f} s, hit {hit.ttft_s:5.2f} s "
+                          f"({hit.hit_tokens} tokens reused)")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["context_tokens"] for r in rows]
+    ax.plot(xs, [r["miss_s"] for r in rows], "o-", label="cache miss (full prefill)")
+    ax.plot(xs, [r["hit_s"] for r in rows], "o-", label="kvfabric hit (load + question)")
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_title("SmolLM2-135M on CPU: TTFT vs context")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    console.print(f"plot written to {path}")
+    return rows
 
 if __name__ == "__main__":
     if "--child" in sys.argv:

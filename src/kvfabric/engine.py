@@ -23,9 +23,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from kvfabric.codec.base import Codec, Decoders, get_codec
+from kvfabric.codec.base import Codec, Decoders
 from kvfabric.codec.format import ChunkFormatError
-from kvfabric.config import Config, parse_codec
+from kvfabric.codec.registry import CodecChoice, parse_codec
+from kvfabric.config import Config
 from kvfabric.counters import Counters, merged
 from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
@@ -66,7 +67,7 @@ class CacheEngine:
         self.layout = layout
         self.model_id = model_id
         self.chunk_size = self.config.chunk_size
-        self.codec = get_codec(*parse_codec(self.config.codec))
+        self.codec = parse_codec(self.config.codec).make()
         self.decoders = Decoders()
         self._root = root_key(model_id, layout, self.chunk_size, self.config.salt, self.config.hash)
         self.stack = TierStack(tiers if tiers is not None else build_tiers(self.config),
@@ -75,14 +76,14 @@ class CacheEngine:
         # Tiers whose config names another codec get their own encoding of each chunk (e.g. raw in process
         # memory, cachegen on the network tiers); blobs are self-describing, so reads never need to know.
         self._tier_codecs: dict[int, Codec] = {}  # stack level -> its codec, where not the engine's
-        codecs: dict[tuple[str, int | None], Codec] = {parse_codec(self.config.codec): self.codec}
+        codecs: dict[CodecChoice, Codec] = {parse_codec(self.config.codec): self.codec}
         for level, tier in enumerate(self.stack.tiers):
             spec = getattr(getattr(self.config, tier.name, None), "codec", "")
             if not spec:
                 continue
             parsed = parse_codec(spec)
             if parsed not in codecs:
-                codecs[parsed] = get_codec(*parsed)
+                codecs[parsed] = parsed.make()
             if codecs[parsed] is not self.codec:
                 self._tier_codecs[level] = codecs[parsed]
         for tier in self.stack.tiers:  # tiers that report to a cluster learn this engine's key namespace

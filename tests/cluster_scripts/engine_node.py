@@ -43,8 +43,9 @@ def main() -> None:
 
     from kvfabric import CacheEngine, Config
     from kvfabric.cluster.worker import ClusterNode
-    from kvfabric.engines.hf import HFEngine, layout_for
+    from kvfabric.engines.hf import HFEngine
     from kvfabric.engines.model import ensure_model, load_model
+    from kvfabric.engines.runtime import layout_for
     from kvfabric.tiers.cpu import CpuTier
     from kvfabric.tiers.disk import DiskTier
 

@@ -149,11 +149,11 @@ def run(as_json: bool = False, limit: int = 5, passages: int = 10, ratios: tuple
     from kvfabric.blend import BlendConfig, Blender, LoadController
     from kvfabric.config import Config, CpuTierConfig
     from kvfabric.engines.model import DEFAULT_MODEL, load_model
+    from kvfabric.engines.runtime import default_num_threads
 
     examples = json.loads(find_data(data).read_text())[start:start + limit * stride:stride]
     blend_config = BlendConfig(check_layers=check_layers) if check_layers else BlendConfig()  # validates
-    threads = os.environ.get("OMP_NUM_THREADS", "").strip()
-    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else len(os.sched_getaffinity(0)))
+    torch.set_num_threads(default_num_threads())
     name = model or DEFAULT_MODEL
     hf_model, tokenizer = load_model(name, dtype=torch.float32)
     console = Console(stderr=True)

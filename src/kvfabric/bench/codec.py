@@ -22,28 +22,20 @@ import json
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvfabric.bench.common import emit, threads_note
+from kvfabric.engines.runtime import layout_for, load_for_inference, next_logprobs, prefill
 
 MUSIQUE = Path(__file__).resolve().parents[4] / "shared" / "data" / "musique_s.json"
 CHUNK = 256
 
 
-# ---- model helpers (also used by bench.stream) ------------------------------------------------------------------
-def load(num_threads: int | None = None):  # noqa: ANN201
-    from kvfabric.engines.hf import default_num_threads, use_fast_attention
-    from kvfabric.engines.model import ensure_model, load_model
-    torch.set_num_threads(num_threads or default_num_threads())
-    model, tok = load_model(str(ensure_model()), dtype=torch.float32)
-    model.eval()
-    use_fast_attention(model)
-    return model, tok
-
-
+# ---- text and quality (also used by bench.stream) ----------------------------------------------------------
 def held_out_texts(tok, num_docs: int, num_tokens: int, first: int = 100) -> tuple[list[list[int]], bool]:  # noqa: ANN001
     """Token ids of `num_docs` documents of `num_tokens` tokens: MuSiQue questions first.. (held out), else the
     demo document (not held out)."""
@@ -60,31 +52,11 @@ def held_out_texts(tok, num_docs: int, num_tokens: int, first: int = 100) -> tup
                 j += 1
             docs.append(ids[:num_tokens])
         return docs, True
-    from kvfabric.demo import document
-    ids = tok(document())["input_ids"]
+    from kvfabric.data import demo_document
+    ids = tok(demo_document())["input_ids"]
     while len(ids) < num_tokens * num_docs:
         ids += ids
     return [ids[i * num_tokens:(i + 1) * num_tokens] for i in range(num_docs)], False
-
-
-@torch.inference_mode()
-def prefill(model, ids: list[int], capacity: int) -> torch.Tensor:  # noqa: ANN001
-    """fp32 KV buffer [L, 2, H, capacity, D] holding the KV of `ids` in [0, len(ids))."""
-    from kvfabric.engines.hf import BufferCache, layout_for
-    buf = torch.zeros(layout_for(model.config).shape(capacity))
-    model(input_ids=torch.tensor([ids]), cache=BufferCache(buf, 0), use_cache=True, logits_to_keep=1)
-    return buf
-
-
-@torch.inference_mode()
-def next_logprobs(model, kv: torch.Tensor, ids: list[int], start: int) -> torch.Tensor:  # noqa: ANN001
-    """Teacher-forced log-probs [len(ids) - start, vocab] of ids[start:] on top of kv[..., :start, :]."""
-    from kvfabric.engines.hf import BufferCache
-    buf = torch.zeros(kv.shape[:3] + (len(ids), kv.shape[4]))
-    buf[:, :, :, :start] = kv[:, :, :, :start]
-    out = model(input_ids=torch.tensor([ids[start:]]), position_ids=torch.arange(start, len(ids))[None],
-                cache=BufferCache(buf, start), use_cache=True)
-    return torch.log_softmax(out.logits[0].float(), -1)
 
 
 def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,13 +67,13 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 # ---- codecs under test ------------------------------------------------------------------------------------------
 def codecs(quick: bool) -> list[tuple[str, int, Callable[[], object]]]:
-    from kvfabric.codec.cachegen import MAX_LEVEL, CacheGenCodec
-    from kvfabric.codec.int8 import Int8Codec
-    from kvfabric.codec.raw import RawCodec
-    out: list[tuple[str, int, Callable[[], object]]] = [("raw", 0, RawCodec), ("int8", 0, lambda: Int8Codec(0)),
-                                                         ("int8", 1, lambda: Int8Codec(1))]
-    levels = (0, 3, 5, 7, 9) if quick else range(MAX_LEVEL + 1)
-    out += [("cachegen", lvl, (lambda lvl=lvl: CacheGenCodec(lvl))) for lvl in levels]
+    """Every codec of the registry at every level (quick: its lowest, default and highest), then two cachegen
+    variants that show what the profile and the token groups are worth."""
+    from kvfabric.codec import registry
+    from kvfabric.codec.cachegen import CacheGenCodec
+    out: list[tuple[str, int, Callable[[], object]]] = [
+        (entry.name, lvl, partial(entry.make, lvl)) for entry in registry.CODECS for lvl in entry.levels
+        if not quick or lvl in (entry.min_level, entry.default_level, entry.max_level)]
     if not quick:
         out += [("cachegen-noprofile", 5, lambda: CacheGenCodec(5, use_profile=False)),
                 ("cachegen-G1", 5, lambda: CacheGenCodec(5, group_size=1, use_profile=False))]
@@ -158,14 +130,15 @@ def constriction_ceiling(num_symbols: int = 1 << 21) -> dict:
 def run(as_json: bool = False, plot: str | None = None, num_docs: int = 8, ctx_tokens: int = 2048,
         next_tokens: int = 64, quick: bool = False, repeats: int = 3, quality: bool = True) -> list[dict]:
     """quality=False: sizes and speeds only (one document's KV, no teacher-forced evaluation)."""
-    from kvfabric.codec.cachegen import DEFAULT_LEVEL, CacheGenCodec
+    from kvfabric.codec.cachegen import CacheGenCodec
     from kvfabric.codec.format import parse
-    from kvfabric.engines.hf import layout_for
+    from kvfabric.codec.registry import entry
+    default_level = entry("cachegen").default_level
     if quick:
         num_docs, ctx_tokens = min(num_docs, 2), min(ctx_tokens, 1024)
     if not quality:
         num_docs = 1
-    model, tok = load()
+    model, tok = load_for_inference()
     layout = layout_for(model.config, "float16")
     docs, held_out = held_out_texts(tok, num_docs, ctx_tokens + next_tokens)
     cands = codecs(quick)
@@ -206,10 +179,10 @@ def run(as_json: bool = False, plot: str | None = None, num_docs: int = 8, ctx_t
             row.update(top1=None, kl_mean=None, kl_p99=None)
         row.update(_speed(make(), layout, speed_chunks, repeats))
         rows.append(row)
-    naive = _speed(CacheGenCodec(DEFAULT_LEVEL, coder="constriction"), layout, speed_chunks[:2], 1)
+    naive = _speed(CacheGenCodec(default_level, coder="constriction"), layout, speed_chunks[:2], 1)
     lib = constriction_ceiling()
     for row in rows:
-        if row["codec"] == "cachegen" and row["level"] == DEFAULT_LEVEL:
+        if row["codec"] == "cachegen" and row["level"] == default_level:
             row["default"] = True
             row["naive_enc_mbps"], row["naive_dec_mbps"] = naive["enc_mbps"], naive["dec_mbps"]
             row["lib_enc_mbps"], row["lib_dec_mbps"] = lib["enc_mbps"], lib["dec_mbps"]

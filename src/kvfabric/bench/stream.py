@@ -22,8 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from kvfabric.bench.codec import held_out_texts, load, prefill
+from kvfabric.bench.codec import held_out_texts
 from kvfabric.bench.common import emit, threads_note
+from kvfabric.engines.runtime import BufferCache, layout_for, load_for_inference, prefill
 
 RATES = (("100Mbit", 100e6 / 8), ("1Gbit", 1e9 / 8), ("unthrottled", None))
 CHUNK = 256
@@ -38,13 +39,12 @@ def timed_once(fn: Callable[[], object]) -> float:
 
 def run(as_json: bool = False, plot: str | None = None, prompt_tokens: int = 2048, ttft_target_s: float = 1.0,
         levels: tuple[int, ...] = (1, 3, 5, 7, 9), repeats: int = 1, quick: bool = False) -> list[dict]:
-    from kvfabric.engines.hf import BufferCache, layout_for
     from kvfabric.stream import (AdaptivePolicy, FixedPolicy, Receiver, ThrottledSocket, TokenBucket,
                                  loopback_pair, prepare, send_prompt)
     from kvfabric.stream.policy import RAW, RECOMPUTE
     if quick:
         prompt_tokens = min(prompt_tokens, 1024)
-    model, tok = load()
+    model, tok = load_for_inference()
     layout = layout_for(model.config, "float16")
     (ids,), held_out = held_out_texts(tok, 1, prompt_tokens, first=120)
     n = len(ids)

@@ -6,6 +6,7 @@ Contract for every codec (tests/test_codec_contract.py runs the same suite on ea
 - `decode(header, blob, layout, out)` writes the chunk into `out` (a [L, 2, H, T, D] view of any float dtype) and
   never reads outside the blob; a payload that does not decode raises ChunkFormatError (a miss for the caller).
 - Lossless codecs return exactly the stored values (in the layout dtype); lossy ones say so in `is_lossless`.
+Codecs are made from the registry (codec.registry): by name and level, or by a header's codec id.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Protocol
 import torch
 
 from kvfabric.codec.format import ChunkHeader
+from kvfabric.codec.registry import codec_for_id
 from kvfabric.layout import KVLayout
 
 
@@ -25,38 +27,6 @@ class Codec(Protocol):
     def encode(self, kv: torch.Tensor, key: bytes, layout: KVLayout) -> bytearray: ...
 
     def decode(self, header: ChunkHeader, blob: memoryview, layout: KVLayout, out: torch.Tensor) -> None: ...
-
-
-def get_codec(name: str, level: int | None = None) -> Codec:
-    """The codec called `name` ("raw", "int8", "cachegen"), at `level` (None: the codec's default). cachegen is
-    imported only when asked for (it loads numba)."""
-    if name == "raw":
-        from kvfabric.codec.raw import RawCodec
-        if level not in (None, 0):
-            raise ValueError(f"the raw codec has no levels, got level={level}")
-        return RawCodec()
-    if name == "int8":
-        from kvfabric.codec.int8 import Int8Codec
-        return Int8Codec() if level is None else Int8Codec(level)
-    if name == "cachegen":
-        from kvfabric.codec.cachegen import CacheGenCodec
-        return CacheGenCodec() if level is None else CacheGenCodec(level)
-    raise ValueError(f"unknown codec {name!r}; choose one of ['cachegen', 'int8', 'raw']")
-
-
-def codec_for_id(codec_id: int) -> Codec:
-    """A new decoder for a chunk header's codec id (the level is read from the header by `decode`)."""
-    from kvfabric.codec.format import ChunkFormatError
-    from kvfabric.codec.int8 import Int8Codec
-    from kvfabric.codec.raw import RawCodec
-    if codec_id == RawCodec.codec_id:
-        return RawCodec()
-    if codec_id == Int8Codec.codec_id:
-        return Int8Codec()
-    if codec_id == 2:
-        from kvfabric.codec.cachegen import CacheGenCodec
-        return CacheGenCodec()
-    raise ChunkFormatError(f"unknown codec id {codec_id}")
 
 
 class Decoders:

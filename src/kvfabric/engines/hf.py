@@ -19,7 +19,6 @@ An ``HFEngine`` is not thread-safe (it owns one reusable buffer).
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,100 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvfabric import CacheEngine, Config, KVLayout
+from kvfabric import CacheEngine, Config
 from kvfabric.engines.model import DEFAULT_MODEL, MARKER, ModelError, load_model
-
+from kvfabric.engines.runtime import BufferCache, default_num_threads, layout_for, use_fast_attention
 
 PREFILL_PIECE = 512  # tokens per forward when the caller wants prefill progress
-
-
-class BufferLayer(CacheLayerMixin):
-    """One layer's K/V: views ``[1, H, T, D]`` of the shared buffer plus a fill pointer."""
-
-    is_croppable = True
-    is_sliding = False
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int = 0) -> None:
-        super().__init__()
-        self.keys, self.values = keys, values  # [1, H, T, D] views, written in place
-        self.length = length  # tokens held: positions [0, length)
-        self.device = keys.device
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Nothing to do: the storage exists from the start."""
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states / value_states: [1, H, q, D] for positions [length, length + q)
-        end = self.length + key_states.shape[-2]
-        if end > self.keys.shape[-2]:
-            raise RuntimeError(f"KV buffer full: {end} tokens > capacity {self.keys.shape[-2]}")
-        self.keys[:, :, self.length : end].copy_(key_states)
-        self.values[:, :, self.length : end].copy_(value_states)
-        self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0  # (kv_length, kv_offset), like a dynamic layer
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return int(self.keys.shape[-2])
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self.length = max(0, self.length - abs(tokens_to_remove))
-
-
-class BufferCache(Cache):
-    """A transformers ``Cache`` whose layers are views of ``buf [L, 2, H, T, D]``."""
-
-    def __init__(self, buf: torch.Tensor, length: int = 0) -> None:
-        layers = [BufferLayer(buf[i, 0].unsqueeze(0), buf[i, 1].unsqueeze(0), length) for i in range(buf.shape[0])]
-        super().__init__(layers=layers)
-
-
-FAST_ATTENTION = "kvfabric_sdpa_gqa"  # name registered in transformers' attention registries
-
-
-def sdpa_gqa_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                       is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Stock sdpa, but with native GQA also under a mask (CPU kernels support it): stock sdpa copies
-    the whole past per layer (repeat_kv) for every masked suffix prefill. q [B,Hq,q,D], k/v [B,Hkv,kv,D]."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    q_len = query.shape[2]
-    if (query.device.type != "cpu" or q_len == 1 or key.shape[1] == query.shape[1]
-            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
-    causal = attention_mask is None and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    if causal and key.shape[2] > q_len:  # same slicing as stock sdpa (upper-left causal alignment)
-        key, value = key[:, :, :q_len], value[:, :, :q_len]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                         scale=scaling, is_causal=bool(causal), enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None  # [B, q, Hq, D]
-
-
-def use_fast_attention(model: Any) -> bool:
-    """Switch an sdpa model to :func:`sdpa_gqa_attention` (same math). Returns whether it did."""
-    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", FAST_ATTENTION):
-        return False
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    AttentionInterface.register(FAST_ATTENTION, sdpa_gqa_attention)  # idempotent
-    AttentionMaskInterface.register(FAST_ATTENTION, sdpa_mask)
-    model.set_attn_implementation(FAST_ATTENTION)
-    return True
 
 
 @dataclass(frozen=True)
@@ -136,20 +47,6 @@ class GenerationResult:
     store_s: float
     decode_s: float
     logits: torch.Tensor  # [vocab] fp32 next-token logits after the prompt
-
-
-def layout_for(model_config: Any, kv_dtype: str = "float16") -> KVLayout:
-    """KVLayout of a HF decoder config (one KV head set per layer)."""
-    heads = int(getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads)
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    return KVLayout(num_layers=int(model_config.num_hidden_layers), num_kv_heads=heads,
-                    head_dim=int(head_dim), dtype=kv_dtype)
-
-
-def default_num_threads() -> int:
-    """$OMP_NUM_THREADS if set, else every core this process may run on."""
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return int(env) if env.isdigit() and int(env) > 0 else len(os.sched_getaffinity(0)) or os.cpu_count() or 1
 
 
 def _default_model_id(name_or_path: str | Path) -> str:

@@ -16,13 +16,13 @@ every chunk. A profile holds, for each (layer, K/V, channel) group:
 A chunk coded with a profile stores only its per-channel means; the stream names the profile by `profile_id`
 (a checksum of its arrays), and a decoder without that profile refuses the chunk (a miss, never garbage).
 Profiles ship as `tables/profile_<layout fingerprint hex>.npz` (plain arrays, loaded with allow_pickle=False).
-`python -m kvfabric.codec.cachegen.profile --help` rebuilds one (needs the model; minutes on a CPU).
+`build` makes one from a Fisher diagonal and calibration KV; `kvfabric profile cachegen` (kvfabric.engines.
+calibrate) measures those on the model and rebuilds the shipped file (minutes on a CPU).
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -136,69 +136,7 @@ def by_id(pid: int) -> Profile | None:
     return None
 
 
-# ---- calibration (offline; needs torch + transformers and the model) ----------------------------------------
-def fisher_diagonal(model, contexts: list[list[int]], num_next: int = 64, draws: int = 2, seed: int = 0):  # noqa: ANN001, ANN201
-    """Mean over contexts of the squared gradient of log p(y) (y drawn from the model itself, summed over the
-    `num_next` positions after each context) with respect to every KV entry: [L, 2, H, T, D] per context,
-    reduced here to [L, 2, H, D] (mean over tokens 1.., the sink token 0 excluded). Also returns each context's
-    KV (fp16-rounded, float32 numpy [L, 2, H, T, D]) for the rest of the calibration."""
-    import torch
-    from transformers.cache_utils import Cache, CacheLayerMixin
-
-    class _Layer(CacheLayerMixin):
-        is_compileable = False
-        is_sliding = False
-
-        def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-            super().__init__()
-            self.keys, self.values, self.is_initialized, self.device = k, v, True, k.device
-
-        def lazy_initialization(self, *args: object) -> None:
-            return None
-
-        def update(self, k: torch.Tensor, v: torch.Tensor, *args: object, **kwargs: object):  # noqa: ANN202
-            self.keys = torch.cat([self.keys, k], 2)
-            self.values = torch.cat([self.values, v], 2)
-            return self.keys, self.values
-
-        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-            return self.keys.shape[2] + query_length, 0
-
-        def get_seq_length(self) -> int:
-            return self.keys.shape[2]
-
-        def get_max_length(self) -> int:
-            return -1
-
-    class _Cache(Cache):
-        def __init__(self, kv: torch.Tensor) -> None:
-            super().__init__(layers=[_Layer(kv[i, 0][None], kv[i, 1][None]) for i in range(kv.shape[0])])
-
-    from kvfabric.engines.hf import BufferCache, layout_for
-
-    gen = torch.Generator().manual_seed(seed)
-    total = None
-    kvs = []
-    layout = layout_for(model.config)
-    for ids in contexts:
-        ctx, nxt = ids[:-num_next], ids[-num_next:]
-        with torch.no_grad():
-            buf = torch.zeros(layout.shape(len(ctx)))
-            model(input_ids=torch.tensor([ctx]), cache=BufferCache(buf, 0), use_cache=True, logits_to_keep=1)
-        kvs.append(buf.half().float().numpy())
-        kv = buf.clone().requires_grad_(True)
-        t = kv.shape[3]
-        out = model(input_ids=torch.tensor([nxt]), position_ids=torch.arange(t, t + len(nxt))[None],
-                    cache=_Cache(kv), use_cache=True)
-        logp = torch.log_softmax(out.logits[0].float(), -1)
-        for r in range(draws):
-            y = torch.multinomial(logp.detach().exp(), 1, generator=gen)[:, 0]
-            (grad,) = torch.autograd.grad(logp.gather(1, y[:, None]).sum(), kv, retain_graph=r + 1 < draws)
-            g2 = grad[:, :, :, 1:].pow(2).mean(3)  # [L, 2, H, D], sink excluded
-            total = g2 if total is None else total + g2
-    return (total / (len(contexts) * draws)).double().numpy(), kvs
-
-
+# ---- building a profile (offline; the model's side, Fisher information, is kvfabric.engines.calibrate) -----
 def build(layout: KVLayout, fisher: np.ndarray, kv_chunks: list[np.ndarray], *, alpha1: float = 2.5e-5,
           group_size: int = 10, anchor_bits: int = 1, shrink: float = 1.0, meta: dict | None = None) -> Profile:
     """Profile from a Fisher diagonal [L, 2, H, D] and calibration KV chunks ([L, 2, H, T, D] float32 each):
@@ -245,55 +183,3 @@ def build(layout: KVLayout, fisher: np.ndarray, kv_chunks: list[np.ndarray], *, 
     return Profile(fingerprint=layout.fingerprint, group_size=group_size, anchor_bits=anchor_bits,
                    e_base=e_base.astype(np.int16), ia4=np.clip(ia4, -4096, 4096).astype(np.int16),
                    id4=np.clip(id4, -4096, 4096).astype(np.int16), dflag=dflag, meta=dict(meta or {}))
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Rebuild a model's profile from calibration text (MuSiQue-style JSON: [{"ctxs": [{"title", "text"}]}])."""
-    import argparse
-
-    import torch
-
-    from kvfabric.engines.hf import layout_for, use_fast_attention
-    from kvfabric.engines.model import DEFAULT_MODEL, ensure_model, load_model
-
-    ap = argparse.ArgumentParser(prog="python -m kvfabric.codec.cachegen.profile")
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--texts", required=True, help="JSON file of questions with ctxs (e.g. musique_s.json)")
-    ap.add_argument("--first", type=int, default=0)
-    ap.add_argument("--count", type=int, default=24)
-    ap.add_argument("--ctx-tokens", type=int, default=1536)
-    ap.add_argument("--extra-text", action="append", default=[], help="plain-text files added as contexts")
-    ap.add_argument("--shrink", type=float, default=1.0)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    model, tok = load_model(str(ensure_model(args.model)), dtype=torch.float32)
-    model.eval()
-    use_fast_attention(model)
-    data = json.loads(Path(args.texts).read_text())
-    n = args.ctx_tokens + 64
-    contexts = []
-    for i in range(args.first, args.first + args.count):
-        ids: list[int] = []
-        j = i
-        while len(ids) < n:
-            ids += tok("\n\n".join(c["title"] + "\n" + c["text"] for c in data[j % len(data)]["ctxs"]))["input_ids"]
-            j += 1
-        contexts.append(ids[:n])
-    for path in args.extra_text:
-        ids = tok(Path(path).read_text())["input_ids"]
-        contexts += [ids[i:i + n] for i in range(0, len(ids) - n + 1, n)]
-    layout = layout_for(model.config, "float16")
-    fisher, kvs = fisher_diagonal(model, contexts)
-    chunks = [kv[:, :, :, s:s + 256] for kv in kvs for s in range(0, kv.shape[3] - 255, 256)]
-    meta = {"model": args.model, "texts": Path(args.texts).name, "first": args.first, "count": len(contexts),
-            "ctx_tokens": args.ctx_tokens, "shrink": args.shrink, "alpha1": 2.5e-5}
-    prof = build(layout, fisher, chunks, shrink=args.shrink, meta=meta)
-    out = Path(args.out) if args.out else TABLES / f"profile_{layout.fingerprint.hex()}.npz"
-    save(prof, out)
-    np.save(out.with_suffix(".fisher.npy"), fisher) if args.out else None
-    print(f"{out}: profile {prof.id:#018x}, delta channels {int(prof.dflag.sum())}/{prof.dflag.size}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,210 +1,277 @@
-"""The pool's index: a seqlocked open-addressing hash table of entries, with the writers' extent table and totals.
+"""The index of one mapping of the pool: a seqlocked open-addressing hash table of entries, the writers' extent
+table and running totals (layout.py has the bytes).
 
 Contract:
-- Readers (`_find`, `_read_entry`, `_index(snapshot)`) take no lock and work on one `(mmap, _Geometry)` snapshot
-  for a whole operation: they return an entry only between two equal even seqs, so never a half-updated one.
-  An entry left odd (busy, or by a dead writer) is skipped, not trusted.
-- Every other method is a writer's: the writers' lock is held (pool.py), and entry changes happen inside
-  `_writing`, which keeps the totals in `_stats` and the header's dirty flag. Each entry update is a seqlock:
-  seq becomes odd, the fields change, seq becomes even again. `_publish` is called only once the blob is in
-  the arena; `_retire` zeroes the entry's extent in the extent table, so the extent can be reused.
-- A set dirty flag found by `_writing` means a writer died mid-change: odd entries are retired (`_repair`),
+- An `Index` wraps one mapping (`mm`, `geo`) and is replaced with it (arena.py): a reader takes the current
+  index once and uses it for a whole operation, so it never mixes two mappings.
+- Readers (`find`, `is_current`, `touch`, `entries`, `ready_keys`) take no lock: they return an entry only
+  between two equal even seqs, so never a half-updated one. An entry left odd (busy, or by a dead writer) is
+  skipped, not trusted.
+- Every other method is a writer's: the writers' lock is held (arena.py), and entry changes happen inside
+  `writing()`, which keeps the totals in `stats` and the header's dirty flag. Each entry update is a seqlock:
+  seq becomes odd, the fields change, seq becomes even again. `publish` is called only once the blob is in the
+  arena; `retire` zeroes the entry's extent in the extent table, so the extent can be reused.
+- A set dirty flag found by `writing()` means a writer died mid-change: odd entries are retired (`repair`),
   the extent table rebuilt and the totals recounted before anything else changes.
-- A mixin: the object provides `_map`, `_stats` and `counters` (set up by `_ShmPool.__init__`).
+- `validate()` (on open, lock held) retires damaged entries and says what makes the whole index unusable.
 """
 from __future__ import annotations
 
 import contextlib
 import mmap
 import os
-from collections import Counter
+import time
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
 
-from kvfabric.tiers.shm.layout import (_ENTRY, _FIELDS, _SEQ, _STATE, _STATS, _U64, ALIGN, EMPTY, ENTRY_BYTES,
-                                       ENTRY_DTYPE, KEY_AT, MAX_KEY_BYTES, READY, STATS_AT, TOMBSTONE, _Geometry,
-                                       _entry_sum, _extent)
+from kvfabric.counters import Counters
+from kvfabric.tiers.shm.layout import (ALIGN, ATIME_AT, EMPTY, ENTRY, ENTRY_BYTES, ENTRY_DTYPE, FIELDS, KEY_AT,
+                                       MAX_KEY_BYTES, READY, SEQ, STATE, STATS, STATS_AT, TOMBSTONE, U64, Geometry,
+                                       entry_sum, extent_bytes)
 
 SEQ_SPINS = 50
 
 
-class _PoolIndex:
-    """Reads and updates of the index and the extent table in the current mapping."""
+class EntryRef(NamedTuple):
+    """A READY entry as a reader saw it: its blob is arena bytes [offset, offset + length) while seq holds.
+    A NamedTuple, not a frozen dataclass: made on every read and lookup, where a frozen dataclass's __init__
+    (object.__setattr__ per field) costs more than the rest of a lookup."""
+    slot: int
+    seq: int
+    offset: int
+    length: int
 
-    _map: tuple[mmap.mmap, _Geometry] | None  # replaced as one object: readers snapshot it
-    _stats: list[int]  # live_bytes, live_count, used_slots: valid while writing (see _writing)
-    counters: Counter[str]
 
-    @property
-    def _mm(self) -> mmap.mmap:
-        """The current mapping (writers, lock held; readers use one `_map` snapshot for a whole operation)."""
-        return self._map[0]  # type: ignore[index]
+class Index:
+    def __init__(self, mm: mmap.mmap, geo: Geometry, counters: Counters) -> None:
+        self.mm = mm
+        self.geo = geo
+        self.counters = counters
+        self.stats = [0, 0, 0]  # live_bytes, live_count, used_slots: valid while writing (see writing())
 
-    @property
-    def _geo(self) -> _Geometry:
-        return self._map[1]  # type: ignore[index]
-
-    # ---- index access --------------------------------------------------------------------------------------
-    def _index(self, snapshot: tuple[mmap.mmap, _Geometry] | None = None) -> np.ndarray:
-        mm, geo = snapshot or self._map  # type: ignore[misc]
-        return np.frombuffer(mm, dtype=ENTRY_DTYPE, count=geo.num_slots, offset=geo.index_offset)
+    # ---- readers (no lock) ---------------------------------------------------------------------------------
+    def entries(self) -> np.ndarray:
+        """A structured view [num_slots] of the entries (a snapshot only under the lock)."""
+        return np.frombuffer(self.mm, dtype=ENTRY_DTYPE, count=self.geo.num_slots, offset=self.geo.index_offset)
 
     def _base(self, slot: int) -> int:
-        return self._geo.index_offset + slot * ENTRY_BYTES
+        return self.geo.index_offset + slot * ENTRY_BYTES
 
-    def _read_entry(self, mm: mmap.mmap, base: int) -> tuple[int, int, bytes, int, int, int] | None:
+    def _read_entry(self, base: int) -> tuple[int, int, bytes, int, int, int] | None:
         """A consistent (seq, state, key, offset, length, esum) snapshot, or None while a writer holds it."""
+        mm = self.mm
         for _ in range(SEQ_SPINS):
-            seq, state, key_len, offset, length, _, esum = _ENTRY.unpack_from(mm, base)
+            seq, state, key_len, offset, length, _, esum = ENTRY.unpack_from(mm, base)
             if not seq & 1:
                 key = mm[base + KEY_AT:base + KEY_AT + min(key_len, MAX_KEY_BYTES)]
-                if _SEQ.unpack_from(mm, base)[0] == seq:
+                if SEQ.unpack_from(mm, base)[0] == seq:
                     if key_len > MAX_KEY_BYTES:
                         key = b""
                     return seq, state, key, offset, length, esum
             os.sched_yield()
         return None
 
-    def _find(self, key: bytes, snapshot: tuple[mmap.mmap, _Geometry] | None = None
-              ) -> tuple[int, int, int, int] | None:
-        """(slot, seq, offset, length) of the READY entry for `key` in one mapping, without locking."""
-        snapshot = snapshot or self._map
-        if snapshot is None or len(key) > MAX_KEY_BYTES:
+    def find(self, key: bytes) -> EntryRef | None:
+        """The READY entry for `key`, without locking."""
+        if len(key) > MAX_KEY_BYTES:
             return None
-        mm, geo = snapshot
+        geo = self.geo
         start = xxhash.xxh3_64_intdigest(key) & geo.mask
         for i in range(geo.num_slots):
             slot = (start + i) & geo.mask
-            base = geo.index_offset + slot * ENTRY_BYTES
-            entry = self._read_entry(mm, base)
+            entry = self._read_entry(geo.index_offset + slot * ENTRY_BYTES)
             if entry is None:
                 continue  # busy (or left odd by a dead writer): not provably ours, keep probing
             seq, state, entry_key, offset, length, esum = entry
             if state == EMPTY:
                 return None
             if state == READY and entry_key == key:
-                if offset + length > geo.data_bytes or esum != _entry_sum(seq, state, len(key), offset, length, key):
-                    self.counters["bad_entries"] += 1
+                if offset + length > geo.data_bytes or esum != entry_sum(seq, state, len(key), offset, length, key):
+                    self.counters.add("bad_entries")
                     return None
-                return slot, seq, offset, length
+                return EntryRef(slot, seq, offset, length)
         return None
 
-    def _key_at(self, slot: int) -> bytes:
+    def is_current(self, ref: EntryRef) -> bool:
+        """Whether the entry is still the one `find` saw (not retired or reused since)."""
+        return SEQ.unpack_from(self.mm, self._base(ref.slot))[0] == ref.seq
+
+    def touch(self, slot: int) -> None:
+        """LRU touch: atime = now (CLOCK_MONOTONIC, shared by all processes); a lost race only reorders."""
+        SEQ.pack_into(self.mm, self._base(slot) + ATIME_AT, time.monotonic_ns())
+
+    def ready_keys(self) -> list[bytes]:
+        ready = np.flatnonzero(self.entries()["state"] == READY).tolist()
+        out = []
+        for slot in ready:
+            entry = self._read_entry(self._base(slot))
+            if entry is not None and entry[1] == READY:
+                out.append(entry[2])
+        return out
+
+    # ---- writers (the writers' lock held) ------------------------------------------------------------------
+    def key_at(self, slot: int) -> bytes:
         base = self._base(slot)
-        key_len = min(_ENTRY.unpack_from(self._mm, base)[2], MAX_KEY_BYTES)
-        return self._mm[base + KEY_AT:base + KEY_AT + key_len]
+        key_len = min(ENTRY.unpack_from(self.mm, base)[2], MAX_KEY_BYTES)
+        return self.mm[base + KEY_AT:base + KEY_AT + key_len]
 
-    # ---- index changes (lock held) -------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _writing(self) -> Iterator[None]:
-        """Bracket index changes (lock held). The header's dirty flag stays set if this process dies (or raises)
-        mid-change; the next writer then retires entries left mid-update and recounts the stats."""
-        mm = self._mm
-        dirty, live_bytes, live_count, used = _STATS.unpack_from(mm, STATS_AT)
+    def writing(self) -> Iterator[None]:
+        """Bracket index changes. The header's dirty flag stays set if this process dies (or raises) mid-change;
+        the next writer then retires entries left mid-update and recounts the stats."""
+        dirty, live_bytes, live_count, used = STATS.unpack_from(self.mm, STATS_AT)
         if dirty:
-            self._repair()
-            self._rebuild_extents()
-            live_bytes, live_count, used = self._recount()
-            self.counters["recovered"] += 1
-        self._stats = [live_bytes, live_count, used]
-        _STATS.pack_into(mm, STATS_AT, 1, live_bytes, live_count, used)
+            self.repair()
+            self.rebuild_extents()
+            live_bytes, live_count, used = self.recount()
+            self.counters.add("recovered")
+        self.stats = [live_bytes, live_count, used]
+        STATS.pack_into(self.mm, STATS_AT, 1, live_bytes, live_count, used)
         yield
-        _STATS.pack_into(mm, STATS_AT, 0, *self._stats)
+        STATS.pack_into(self.mm, STATS_AT, 0, *self.stats)
 
-    def _extents(self) -> tuple[np.ndarray, np.ndarray]:
-        """The writers' extent table: offsets and extent sizes by slot (0: not READY). Lock held."""
-        mm, geo = self._map  # type: ignore[misc]
-        return (np.frombuffer(mm, dtype="<u8", count=geo.num_slots, offset=geo.ext_offset),
-                np.frombuffer(mm, dtype="<u8", count=geo.num_slots, offset=geo.ext_len_offset))
+    def extents(self) -> tuple[np.ndarray, np.ndarray]:
+        """The writers' extent table: offsets and extent sizes by slot (0: not READY)."""
+        geo = self.geo
+        return (np.frombuffer(self.mm, dtype="<u8", count=geo.num_slots, offset=geo.ext_offset),
+                np.frombuffer(self.mm, dtype="<u8", count=geo.num_slots, offset=geo.ext_len_offset))
 
-    def _rebuild_extents(self) -> None:
-        index = self._index()
+    def rebuild_extents(self) -> None:
+        index = self.entries()
         ready = np.flatnonzero(index["state"] == READY)
-        offsets, sizes = self._extents()
+        offsets, sizes = self.extents()
         sizes[:] = 0
         offsets[ready] = index["offset"][ready]
         sizes[ready] = (np.maximum(index["length"][ready], 1) + (ALIGN - 1)) // ALIGN * ALIGN
         del index, offsets, sizes
 
-    def _recount(self) -> tuple[int, int, int]:
-        index = self._index()
+    def recount(self) -> tuple[int, int, int]:
+        """(live bytes, live entries, used slots), counted from the entries."""
+        index = self.entries()
         ready = index["state"] == READY
         counts = int(index["length"][ready].sum()), int(np.count_nonzero(ready)), \
             int(np.count_nonzero(index["state"] != EMPTY))
         del index, ready
         return counts
 
-    def _retire(self, slot: int, state: int = TOMBSTONE) -> None:
-        """Mark an entry EMPTY/TOMBSTONE under the seqlock (lock held)."""
-        mm, base = self._mm, self._base(slot)
-        seq, prev, _, _, length = _FIELDS.unpack_from(mm, base)
+    def retire(self, slot: int, state: int = TOMBSTONE) -> None:
+        """Mark an entry EMPTY/TOMBSTONE under the seqlock."""
+        mm, base = self.mm, self._base(slot)
+        seq, prev, _, _, length = FIELDS.unpack_from(mm, base)
         seq |= 1  # odd while it changes; also fixes an entry left odd by a dead writer
-        _SEQ.pack_into(mm, base, seq)
-        _STATE.pack_into(mm, base + 8, state)
-        _SEQ.pack_into(mm, base, seq + 1)
-        stats = self._stats
+        SEQ.pack_into(mm, base, seq)
+        STATE.pack_into(mm, base + 8, state)
+        SEQ.pack_into(mm, base, seq + 1)
+        stats = self.stats
         if prev == READY:
             stats[0] -= length
             stats[1] -= 1
-            _U64.pack_into(mm, self._geo.ext_len_offset + slot * 8, 0)
+            U64.pack_into(mm, self.geo.ext_len_offset + slot * 8, 0)
         if (state == EMPTY) != (prev == EMPTY):
             stats[2] += 1 if prev == EMPTY else -1
 
-    def _delete_slot(self, slot: int) -> None:
-        """Retire a READY entry: EMPTY when it ends its probe chain, else TOMBSTONE (lock held)."""
-        nxt = (slot + 1) & self._geo.mask
-        nxt_state = _STATE.unpack_from(self._mm, self._base(nxt) + 8)[0]
-        self._retire(slot, EMPTY if nxt_state == EMPTY else TOMBSTONE)
+    def delete_slot(self, slot: int) -> None:
+        """Retire a READY entry: EMPTY when it ends its probe chain, else TOMBSTONE."""
+        nxt = (slot + 1) & self.geo.mask
+        nxt_state = STATE.unpack_from(self.mm, self._base(nxt) + 8)[0]
+        self.retire(slot, EMPTY if nxt_state == EMPTY else TOMBSTONE)
 
-    def _publish(self, slot: int, key: bytes, offset: int, length: int, atime: int) -> None:
-        """Make a (non-READY) slot the READY entry for key (lock held, data already in place)."""
-        mm, base = self._mm, self._base(slot)
-        seq, prev = _SEQ.unpack_from(mm, base)[0] | 1, _STATE.unpack_from(mm, base + 8)[0]
-        stats = self._stats
+    def publish(self, slot: int, key: bytes, offset: int, length: int, atime: int) -> None:
+        """Make a (non-READY) slot the READY entry for key (data already in place)."""
+        mm, base = self.mm, self._base(slot)
+        seq, prev = SEQ.unpack_from(mm, base)[0] | 1, STATE.unpack_from(mm, base + 8)[0]
+        stats = self.stats
         stats[0] += length
         stats[1] += 1
         stats[2] += prev == EMPTY
-        _SEQ.pack_into(mm, base, seq)
+        SEQ.pack_into(mm, base, seq)
         final = seq + 1
-        esum = _entry_sum(final, READY, len(key), offset, length, key)
+        esum = entry_sum(final, READY, len(key), offset, length, key)
         mm[base + KEY_AT:base + KEY_AT + len(key)] = key
-        _ENTRY.pack_into(mm, base, seq, READY, len(key), offset, length, atime, esum)
-        _SEQ.pack_into(mm, base, final)
-        geo = self._geo
-        _U64.pack_into(mm, geo.ext_offset + slot * 8, offset)
-        _U64.pack_into(mm, geo.ext_len_offset + slot * 8, _extent(length))
+        ENTRY.pack_into(mm, base, seq, READY, len(key), offset, length, atime, esum)
+        SEQ.pack_into(mm, base, final)
+        U64.pack_into(mm, self.geo.ext_offset + slot * 8, offset)
+        U64.pack_into(mm, self.geo.ext_len_offset + slot * 8, extent_bytes(length))
 
-    def _repair(self) -> None:
-        """Retire entries a dead writer left mid-update (odd seq). Lock held, so no live writer is mid-update."""
-        index = self._index()
-        odd = np.flatnonzero(index["seq"] & 1).tolist()
-        del index
+    def repair(self) -> None:
+        """Retire entries a dead writer left mid-update (odd seq): with the lock held no live writer is."""
+        odd = np.flatnonzero(self.entries()["seq"] & 1).tolist()
         for slot in odd:
-            self._retire(slot, TOMBSTONE)
-            self.counters["repaired_entries"] += 1
+            self.retire(slot, TOMBSTONE)
+            self.counters.add("repaired_entries")
 
-    def _remove_key(self, key: bytes) -> bool:
-        """Retire every READY entry for `key`, damaged ones included (lock held: no entry is mid-update)."""
-        geo, mm, removed = self._geo, self._mm, False
+    def remove_key(self, key: bytes) -> bool:
+        """Retire every READY entry for `key`, damaged ones included (no entry is mid-update)."""
+        geo, removed = self.geo, False
         start = xxhash.xxh3_64_intdigest(key) & geo.mask
         for i in range(geo.num_slots):
             slot = (start + i) & geo.mask
-            base = self._base(slot)
-            state = _STATE.unpack_from(mm, base + 8)[0]
+            state = STATE.unpack_from(self.mm, self._base(slot) + 8)[0]
             if state == EMPTY:
                 break
-            if state == READY and self._key_at(slot) == key:
-                self._delete_slot(slot)
+            if state == READY and self.key_at(slot) == key:
+                self.delete_slot(slot)
                 removed = True
         return removed
 
-    def _insert_slot(self, key: bytes) -> int | None:
-        geo = self._geo
+    def insert_slot(self, key: bytes) -> int | None:
+        geo = self.geo
         start = xxhash.xxh3_64_intdigest(key) & geo.mask
         for i in range(geo.num_slots):
             slot = (start + i) & geo.mask
-            if _STATE.unpack_from(self._mm, self._base(slot) + 8)[0] != READY:
+            if STATE.unpack_from(self.mm, self._base(slot) + 8)[0] != READY:
                 return slot
+        return None
+
+    def purge_tombstones(self) -> None:
+        """Rebuild the table without tombstones. Readers racing with this see misses, never bad data."""
+        index = self.entries()
+        ready = np.flatnonzero(index["state"] == READY).tolist()
+        occupied = np.flatnonzero(index["state"] != EMPTY).tolist()
+        del index
+        live = []
+        for slot in ready:
+            _, _, _, offset, length, atime, _ = ENTRY.unpack_from(self.mm, self._base(slot))
+            live.append((self.key_at(slot), offset, length, atime))
+        for slot in occupied:
+            self.retire(slot, EMPTY)
+        for key, offset, length, atime in live:
+            slot = self.insert_slot(key)
+            if slot is not None:
+                self.publish(slot, key, offset, length, atime)
+        self.counters.add("purges")
+
+    def clear(self) -> None:
+        for slot in np.flatnonzero(self.entries()["state"] != EMPTY).tolist():
+            self.retire(slot, EMPTY)
+
+    def validate(self) -> str | None:
+        """Retire bad entries, rebuild the extent table and the totals; report what makes the index unusable."""
+        self.repair()
+        index = self.entries()
+        ready = np.flatnonzero(index["state"] == READY)
+        for slot in np.flatnonzero(index["state"] > TOMBSTONE).tolist():
+            self.retire(slot, TOMBSTONE)
+        offsets, lengths = index["offset"][ready], index["length"][ready]
+        del index
+        good = []
+        for slot, off, length in zip(ready.tolist(), offsets.tolist(), lengths.tolist()):
+            base = self._base(slot)
+            seq, state, key_len, _, _, _, esum = ENTRY.unpack_from(self.mm, base)
+            key = self.mm[base + KEY_AT:base + KEY_AT + min(key_len, MAX_KEY_BYTES)]
+            if (key_len > MAX_KEY_BYTES or off % ALIGN or off + length > self.geo.data_bytes
+                    or esum != entry_sum(seq, state, key_len, off, length, key)):
+                self.retire(slot, TOMBSTONE)
+                self.counters.add("bad_entries")
+            else:
+                good.append((off, off + length))
+        good.sort()
+        for (_, end), (start, _) in zip(good, good[1:]):
+            if start < end:
+                return "overlapping extents"
+        self.rebuild_extents()
+        STATS.pack_into(self.mm, STATS_AT, 0, *self.recount())
         return None

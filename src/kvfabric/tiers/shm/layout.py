@@ -16,9 +16,9 @@ An index entry: seq u64 | state u32 | key_len u32 | offset u64 | length u64 | at
 Contract:
 - Only bytes and arithmetic: no file, mapping, lock or process state here. Every process sharing a pool must
   agree on this layout; the header's magic and VERSION say which layout a file has.
-- `_Geometry(num_slots, capacity)` places every region; `_Geometry.parse` returns the geometry a header
+- `Geometry(num_slots, capacity)` places every region; `Geometry.parse` returns the geometry a header
   describes, or a string saying why the header is unusable (it never raises on bad bytes).
-- `_entry_sum` is the checksum stored in (and checked against) an entry's `esum`.
+- `entry_sum` is the checksum stored in (and checked against) an entry's `esum`.
 """
 from __future__ import annotations
 
@@ -39,30 +39,30 @@ MAX_LOAD = 0.75  # used (READY + TOMBSTONE) slots before tombstones are purged o
 
 EMPTY, READY, TOMBSTONE = 0, 1, 2
 
-_HEADER = struct.Struct("<8sIIQIIQQQ")  # magic, version, header_bytes, num_slots, entry_bytes, align,
-#                                         data_offset, data_bytes, capacity; then xxh3 of these
-_SUM = struct.Struct("<Q")
-_ENTRY = struct.Struct("<QIIQQQQ")  # seq, state, key_len, offset, length, atime, esum
-_FIELDS = struct.Struct("<QIIQQ")  # the checksummed fields: seq, state, key_len, offset, length
-_SEQ = struct.Struct("<Q")
-_STATS = struct.Struct("<QQQQ")  # writer state in the header: dirty, live_bytes, live_count, used_slots
+HEADER = struct.Struct("<8sIIQIIQQQ")  # magic, version, header_bytes, num_slots, entry_bytes, align,
+#                                        data_offset, data_bytes, capacity; then xxh3 of these
+SUM = struct.Struct("<Q")
+ENTRY = struct.Struct("<QIIQQQQ")  # seq, state, key_len, offset, length, atime, esum
+FIELDS = struct.Struct("<QIIQQ")  # the checksummed fields: seq, state, key_len, offset, length
+SEQ = struct.Struct("<Q")
+STATS = struct.Struct("<QQQQ")  # writer state in the header: dirty, live_bytes, live_count, used_slots
 STATS_AT = 512
-_STATE = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-KEY_AT = _ENTRY.size  # 48
+STATE = struct.Struct("<I")
+U64 = struct.Struct("<Q")
+KEY_AT = ENTRY.size  # 48
 ATIME_AT = 32
 ENTRY_DTYPE = np.dtype({"names": ["seq", "state", "key_len", "offset", "length", "atime", "esum"],
                         "formats": ["<u8", "<u4", "<u4", "<u8", "<u8", "<u8", "<u8"],
                         "offsets": [0, 8, 12, 16, 24, 32, 40], "itemsize": ENTRY_BYTES})
 
 
-def _align(n: int, to: int = ALIGN) -> int:
+def align(n: int, to: int = ALIGN) -> int:
     return (n + to - 1) // to * to
 
 
-def _extent(length: int) -> int:
+def extent_bytes(length: int) -> int:
     """Arena bytes an entry owns: at least one aligned unit, so that no two extents start at the same offset."""
-    return _align(max(length, 1))
+    return align(max(length, 1))
 
 
 def default_num_slots(capacity_bytes: int) -> int:
@@ -71,11 +71,11 @@ def default_num_slots(capacity_bytes: int) -> int:
     return 1 << (want - 1).bit_length()
 
 
-def _entry_sum(seq: int, state: int, key_len: int, offset: int, length: int, key: bytes) -> int:
-    return xxhash.xxh3_64_intdigest(_FIELDS.pack(seq, state, key_len, offset, length) + key)
+def entry_sum(seq: int, state: int, key_len: int, offset: int, length: int, key: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(FIELDS.pack(seq, state, key_len, offset, length) + key)
 
 
-class _Geometry:
+class Geometry:
     def __init__(self, num_slots: int, capacity: int) -> None:
         self.num_slots = num_slots
         self.mask = num_slots - 1
@@ -83,25 +83,25 @@ class _Geometry:
         self.index_offset = HEADER_BYTES
         self.ext_offset = HEADER_BYTES + num_slots * ENTRY_BYTES
         self.ext_len_offset = self.ext_offset + num_slots * 8
-        self.data_offset = _align(self.ext_len_offset + num_slots * 8, PAGE)
-        self.data_bytes = _align(capacity + capacity // 4 + num_slots * ALIGN, PAGE)
+        self.data_offset = align(self.ext_len_offset + num_slots * 8, PAGE)
+        self.data_bytes = align(capacity + capacity // 4 + num_slots * ALIGN, PAGE)
         self.file_bytes = self.data_offset + self.data_bytes
         self.max_used = max(1, int(num_slots * MAX_LOAD))
 
     def header(self) -> bytes:
-        head = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, self.num_slots, ENTRY_BYTES, ALIGN, self.data_offset,
+        head = HEADER.pack(MAGIC, VERSION, HEADER_BYTES, self.num_slots, ENTRY_BYTES, ALIGN, self.data_offset,
                             self.data_bytes, self.capacity)
-        return head + _SUM.pack(xxhash.xxh3_64_intdigest(head))
+        return head + SUM.pack(xxhash.xxh3_64_intdigest(head))
 
     @classmethod
-    def parse(cls, buf: bytes | mmap.mmap, file_bytes: int) -> _Geometry | str:
+    def parse(cls, buf: bytes | mmap.mmap, file_bytes: int) -> Geometry | str:
         """The pool's geometry, or why its header is unusable."""
         if file_bytes < HEADER_BYTES:
             return f"file is {file_bytes} bytes, shorter than the header"
-        head = bytes(buf[:_HEADER.size])
-        (stored_sum,) = _SUM.unpack_from(buf, _HEADER.size)
+        head = bytes(buf[:HEADER.size])
+        (stored_sum,) = SUM.unpack_from(buf, HEADER.size)
         magic, version, header_bytes, num_slots, entry_bytes, align, data_offset, data_bytes, capacity = \
-            _HEADER.unpack(head)
+            HEADER.unpack(head)
         if magic != MAGIC:
             return f"bad magic {magic!r}"
         if version != VERSION:

@@ -1,0 +1,76 @@
+"""The codec registry: every name, id and level round-trips through a real chunk; bad specs and ids are refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfabric.codec import registry
+from kvfabric.codec.cachegen import wire
+from kvfabric.codec.format import ChunkFormatError, parse
+from kvfabric.codec.registry import CodecChoice, CodecSpecError, codec_for_id, parse_codec
+from kvfabric.config import Config, ConfigError, RedisTierConfig
+from kvfabric.layout import KVLayout
+
+KEY = bytes(range(32))
+LAYOUT = KVLayout(2, 1, 8, "float16")
+
+
+@pytest.mark.parametrize("entry", registry.CODECS, ids=[e.name for e in registry.CODECS])
+def test_every_name_id_and_level_round_trips(entry):
+    kv = torch.randn(LAYOUT.shape(12), generator=torch.Generator().manual_seed(0)).half()
+    assert parse_codec(entry.name) == CodecChoice(entry.name, entry.default_level)
+    for level in entry.levels:
+        choice = parse_codec(f"{entry.name}:{level}")
+        assert choice == CodecChoice(entry.name, level)
+        codec = choice.make()
+        assert (codec.name, codec.codec_id) == (entry.name, entry.codec_id)
+        blob = codec.encode(kv, KEY, LAYOUT)
+        header = parse(blob, KEY)
+        assert (header.codec_id, header.level) == (entry.codec_id, level)
+        out = torch.empty(LAYOUT.shape(12))
+        codec_for_id(header.codec_id).decode(header, memoryview(blob), LAYOUT, out)
+        assert torch.isfinite(out).all()
+        if codec.is_lossless:
+            assert torch.equal(out, kv.float())
+
+
+def test_ids_are_unique_and_reserved_ones_stay_free():
+    ids = [e.codec_id for e in registry.CODECS]
+    names = [e.name for e in registry.CODECS]
+    assert len(set(ids)) == len(ids) and len(set(names)) == len(names)
+    for codec_id, name in registry.RESERVED_IDS.items():
+        assert all(e.codec_id != codec_id or e.name == name for e in registry.CODECS)
+    assert all(e.default_level in e.levels for e in registry.CODECS)
+
+
+def test_cachegen_stream_constants_agree_with_the_table():
+    entry = registry.entry("cachegen")
+    assert (wire.CODEC_ID, wire.MAX_LEVEL, wire.DEFAULT_LEVEL) == (entry.codec_id, entry.max_level,
+                                                                   entry.default_level)
+
+
+@pytest.mark.parametrize("codec_id", [3, 99, 255])
+def test_unknown_id_is_a_chunk_format_error(codec_id):
+    with pytest.raises(ChunkFormatError, match=f"codec id {codec_id}") as info:
+        codec_for_id(codec_id)
+    assert ("video" in str(info.value)) == (codec_id in registry.RESERVED_IDS)
+
+
+@pytest.mark.parametrize("spec,allowed", [("zstd", "raw, int8, cachegen"), ("cachegen:10", "0..9"),
+                                          ("int8:2", "0..1"), ("raw:1", "0..0"), ("cachegen:x", "0..9"),
+                                          ("cachegen:-1", "0..9")])
+def test_unknown_name_or_level_names_the_allowed_values(spec, allowed):
+    with pytest.raises(CodecSpecError, match=allowed):
+        parse_codec(spec)
+    with pytest.raises(ConfigError, match=f"codec: .*{allowed}"):
+        Config(codec=spec)
+    with pytest.raises(ConfigError, match=f"redis.codec: .*{allowed}"):
+        Config.from_dict({"redis": {"codec": spec}})
+    assert RedisTierConfig(codec="").codec == ""  # "" = the engine's codec
+
+
+def test_make_checks_the_level():
+    entry = registry.entry("int8")
+    assert entry.make().level == entry.default_level and entry.make(1).level == 1
+    with pytest.raises(CodecSpecError, match="0..1"):
+        entry.make(2)
