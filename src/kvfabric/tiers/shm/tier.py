@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from kvfabric.config import ShmTierConfig
-from kvfabric.tiers.base import Blob, Scratch, TierUsage
+from kvfabric.tiers.base import Blob, Scratch, TierBase, TierUsage
 from kvfabric.tiers.shm.layout import _SEQ, ATIME_AT, EMPTY, ENTRY_BYTES, MAX_KEY_BYTES, READY, _Geometry
 from kvfabric.tiers.shm.pool import DEFAULT_ROOT, ShmLockTimeout, _ShmPool
 from kvfabric.tiers.shm.space import _PoolSpace
@@ -46,11 +46,16 @@ def _private_copy(mm: mmap.mmap, start: int, length: int) -> memoryview:
     return memoryview(buf)  # keeps the mapping alive; unmapped when the last view is released
 
 
-class ShmTier(_ShmPool, _PoolSpace):
+class ShmTier(_ShmPool, _PoolSpace, TierBase):
     """A KV tier in a /dev/shm pool shared by every engine process on the host (see the package docstring)."""
 
     name = "shm"
     is_trusted = False
+    is_read_only = False
+    is_persistent = True
+    is_shared = True
+    honors_capacity = True
+    honors_pins = True
 
     def __init__(self, name: str = "kvfabric", capacity_bytes: int = 2**30, *, root: str | os.PathLike = DEFAULT_ROOT,
                  num_slots: int | None = None, lock_timeout_s: float = 2.0) -> None:

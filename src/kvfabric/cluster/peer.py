@@ -13,8 +13,10 @@ Contract:
   (kvfabric.cluster.protocol). `prefetch(keys)` (called by the stack before a retrieve) streams all of them in
   one request per peer in the background; `get` then waits at most `fetch_timeout_s` of peer silence for each.
   A dead, slow or lying peer is a miss, never an exception, and is avoided for `suspect_s`.
-- `put` stores nothing (returns True): the fleet learns of this instance's chunks from its own reports.
-  `delete` only forgets where a chunk was; pin/unpin are no-ops; `keys()` is empty.
+- Read-only (`is_read_only`): `put` stores nothing (returns False; the fleet learns of this instance's chunks
+  from its own reports); `delete` only forgets where a chunk was; pin/unpin are no-ops; `keys()` is empty.
+- It owns its controller client and peer connections (closed by `close`), nothing else: the cluster node that
+  made it owns the node's lifetime.
 - Thread safe.
 """
 from __future__ import annotations
@@ -23,16 +25,15 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
+from kvfabric.breaker import CircuitBreaker
 from kvfabric.cluster.client import ControllerClient, ControllerError
-from kvfabric.cluster.p2p import PeerClient, PeerError
+from kvfabric.cluster.p2p_client import PeerError, PeerPool
 from kvfabric.cluster.protocol import MAX_KEYS
-from kvfabric.tiers.base import Blob, TierUsage
-from kvfabric.tiers.redis import CircuitBreaker
+from kvfabric.tiers.base import Blob, TierBase, TierUsage
 
 log = logging.getLogger(__name__)
 
@@ -59,21 +60,22 @@ class _Slot:
     blob: memoryview | None = None
 
 
-class PeerTier:
+class PeerTier(TierBase):
     name = "peer"
-    is_trusted = False
-    is_read_only = True  # stores nothing: a stack may skip it on writes (proposed TierStack hook)
     capacity_bytes = 0
+    is_trusted = False
+    is_read_only = True  # the stack never writes it
+    is_persistent = False  # it holds nothing of its own
+    is_shared = False
+    honors_capacity = False
+    honors_pins = False
 
-    def __init__(self, controller: str | ControllerClient, *, instance_id: str | None = None,
-                 token: str | None = None, lookup_timeout_s: float = 0.5, lookup_ttl_s: float = 2.0,
-                 miss_ttl_s: float = 0.5, connect_timeout_s: float = 0.5, fetch_timeout_s: float = 5.0,
-                 suspect_s: float = 10.0, max_cached_keys: int = 65536, fetch_threads: int = 4,
-                 on_close: Callable[[], None] | None = None, on_bind: Callable[[Any], None] | None = None) -> None:
-        self.controller = controller if isinstance(controller, ControllerClient) else \
-            ControllerClient(controller, token, lookup_timeout_s)
+    def __init__(self, controller_url: str, *, instance_id: str | None = None, token: str | None = None,
+                 lookup_timeout_s: float = 0.5, lookup_ttl_s: float = 2.0, miss_ttl_s: float = 0.5,
+                 connect_timeout_s: float = 0.5, fetch_timeout_s: float = 5.0, suspect_s: float = 10.0,
+                 max_cached_keys: int = 65536, fetch_threads: int = 4) -> None:
+        self.controller = ControllerClient(controller_url, token, lookup_timeout_s)
         self.instance_id = instance_id
-        self.token = token
         self.lookup_timeout_s = lookup_timeout_s
         self.lookup_ttl_s = lookup_ttl_s
         self.miss_ttl_s = miss_ttl_s
@@ -86,12 +88,10 @@ class PeerTier:
         self._located: OrderedDict[bytes, tuple[float, list[Holder]]] = OrderedDict()
         self._suspects: dict[str, float] = {}
         self._slots: dict[bytes, _Slot] = {}
-        self._clients: dict[tuple[str, int], PeerClient] = {}
+        self.peers = PeerPool(token, connect_timeout_s=connect_timeout_s, io_timeout_s=fetch_timeout_s)
         self._fetched: OrderedDict[bytes, float] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="kvfabric-peer-fetch")
-        self._on_close = on_close
-        self._on_bind = on_bind
         self._closed = False
 
     # ---- where chunks are --------------------------------------------------------------------------------------
@@ -159,15 +159,6 @@ class PeerTier:
             return [bool(self._holders(k, now)) for k in keys]
 
     # ---- fetching ----------------------------------------------------------------------------------------------
-    def client(self, host: str, port: int) -> PeerClient:
-        with self._lock:
-            client = self._clients.get((host, port))
-            if client is None:
-                client = PeerClient(host, port, self.token, connect_timeout_s=self.connect_timeout_s,
-                                    io_timeout_s=self.fetch_timeout_s)
-                self._clients[(host, port)] = client
-            return client
-
     def prefetch(self, keys: Sequence[bytes]) -> None:
         """Start streaming these chunks from their peers (one request per peer); `get` picks them up."""
         if self._closed:
@@ -194,7 +185,7 @@ class PeerTier:
 
     def _stream(self, holder: Holder, slots: dict[bytes, _Slot]) -> None:
         try:
-            for key, blob in self.client(holder.host, holder.port).fetch(list(slots)):
+            for key, blob in self.peers.client(holder.host, holder.port).fetch(list(slots)):
                 self._arrived(key, blob, holder)
                 slot = slots[key]
                 slot.blob = blob
@@ -245,7 +236,7 @@ class PeerTier:
                 holders = self._holders(key, time.monotonic())
         for holder in [h for h in holders if h.instance_id not in tried][:2]:
             try:
-                blob = self.client(holder.host, holder.port).fetch_all([key], timeout_s=self.fetch_timeout_s)[key]
+                blob = self.peers.client(holder.host, holder.port).fetch_all([key], timeout_s=self.fetch_timeout_s)[key]
             except PeerError as exc:
                 log.info("fetch from %s failed: %s", holder.instance_id, exc)
                 self.counters["fetch_errors"] += 1
@@ -265,7 +256,7 @@ class PeerTier:
 
     # ---- the rest of the Tier protocol --------------------------------------------------------------------------
     def put(self, key: bytes, blob: Blob) -> bool:
-        return True  # nothing to store: peers learn of local chunks from this instance's reports
+        return False  # read-only: peers learn of local chunks from this instance's reports
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
@@ -291,23 +282,14 @@ class PeerTier:
             self._slots.clear()
             self._suspects.clear()
 
-    def bind_engine(self, engine: Any) -> None:
-        """Called with the CacheEngine using this tier: lets the cluster node register its key namespace."""
-        if self._on_bind is not None:
-            self._on_bind(engine)
-
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
-            clients, self._clients = list(self._clients.values()), {}
             for slot in self._slots.values():
                 slot.event.set()
             self._slots.clear()
-        for client in clients:
-            client.close()
+        self.peers.close()
         self.controller.close()
-        if self._on_close is not None:
-            self._on_close()
