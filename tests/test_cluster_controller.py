@@ -215,7 +215,7 @@ def test_commands_on_unknown_or_unreachable_instances(client):
     register(client, "a", port=1)  # nothing listens on port 1
     register(client, "b", port=2)
     admit(client, "a", "cpu", keys_of(tokens))
-    client.controller.peers.connect_timeout_s = 0.3
+    client.controller.peers.client_kw["connect_timeout_s"] = 0.3
     r = client.post("/v1/clear", json={"instance": "a"}, headers=AUTH)
     assert r.status_code == 200
     result = r.json()["instances"]["a"]

@@ -312,7 +312,7 @@ class TestPeerContract(TierContract):
         self.source.close()
 
     def make_tier(self, capacity_bytes):
-        return PeerTier(self.url, instance_id="reader", token=TOKEN, lookup_ttl_s=0.0, miss_ttl_s=0.0)
+        return PeerTier(ClusterConfig(controller_url=self.url, token=TOKEN, lookup_ttl_s=0.0), "reader", miss_ttl_s=0.0)
 
     def reopen(self, tier):
         return self.make_tier(tier.capacity_bytes)

@@ -173,11 +173,9 @@ class PeerClient:
 class PeerPool:
     """One PeerClient per peer address, thread safe."""
 
-    def __init__(self, token: str | None, *, connect_timeout_s: float, io_timeout_s: float, pool_size: int = 4) -> None:
+    def __init__(self, token: str | None, **client_kw: float) -> None:
         self.token = token
-        self.connect_timeout_s = connect_timeout_s
-        self.io_timeout_s = io_timeout_s
-        self.pool_size = pool_size
+        self.client_kw = client_kw  # PeerClient's keywords (timeouts, pool_size), for clients made from now on
         self._clients: dict[tuple[str, int], PeerClient] = {}
         self._lock = threading.Lock()
 
@@ -185,9 +183,7 @@ class PeerPool:
         with self._lock:
             client = self._clients.get((host, port))
             if client is None:
-                client = self._clients[(host, port)] = PeerClient(
-                    host, port, self.token, connect_timeout_s=self.connect_timeout_s,
-                    io_timeout_s=self.io_timeout_s, pool_size=self.pool_size)
+                client = self._clients[(host, port)] = PeerClient(host, port, self.token, **self.client_kw)
             return client
 
     def close(self) -> None:

@@ -74,10 +74,6 @@ class PeerServer:
         self.host, self.port = self._sock.getsockname()[:2]
         self._thread = threading.Thread(target=self._accept_loop, name="kvfabric-p2p-accept", daemon=True)
 
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.host, self.port
-
     def start(self) -> PeerServer:
         self._thread.start()
         return self

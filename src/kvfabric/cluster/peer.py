@@ -12,6 +12,7 @@ Contract:
 - `get(key)`: the blob from the peer holding it (the one with the longest prefix first), over the P2P protocol
   (kvfabric.cluster.protocol). `prefetch(keys)` (called by the stack before a retrieve) streams all of them in
   one request per peer in the background; `get` then waits at most `fetch_timeout_s` of peer silence for each.
+  (Timeouts and cache lifetimes come from the `ClusterConfig` given at construction.)
   A dead, slow or lying peer is a miss, never an exception, and is avoided for `suspect_s`.
 - Read-only (`is_read_only`): `put` stores nothing (returns False; the fleet learns of this instance's chunks
   from its own reports); `delete` only forgets where a chunk was; pin/unpin are no-ops; `keys()` is empty.
@@ -33,6 +34,7 @@ from kvfabric.breaker import CircuitBreaker
 from kvfabric.cluster.client import ControllerClient, ControllerError
 from kvfabric.cluster.p2p_client import PeerError, PeerPool
 from kvfabric.cluster.protocol import MAX_KEYS
+from kvfabric.config import ClusterConfig
 from kvfabric.tiers.base import Blob, TierBase, TierUsage
 
 log = logging.getLogger(__name__)
@@ -70,17 +72,13 @@ class PeerTier(TierBase):
     honors_capacity = False
     honors_pins = False
 
-    def __init__(self, controller_url: str, *, instance_id: str | None = None, token: str | None = None,
-                 lookup_timeout_s: float = 0.5, lookup_ttl_s: float = 2.0, miss_ttl_s: float = 0.5,
-                 connect_timeout_s: float = 0.5, fetch_timeout_s: float = 5.0, suspect_s: float = 10.0,
-                 max_cached_keys: int = 65536, fetch_threads: int = 4) -> None:
-        self.controller = ControllerClient(controller_url, token, lookup_timeout_s)
+    def __init__(self, settings: ClusterConfig, instance_id: str | None = None, *, miss_ttl_s: float = 0.5,
+                 suspect_s: float = 10.0, max_cached_keys: int = 65536, fetch_threads: int = 4) -> None:
+        """`settings`: the controller's URL, the token, and the lookup and fetch timeouts (ClusterConfig)."""
+        self.settings = settings
+        self.controller = ControllerClient(settings.controller_url, settings.token or None, settings.lookup_timeout_s)
         self.instance_id = instance_id
-        self.lookup_timeout_s = lookup_timeout_s
-        self.lookup_ttl_s = lookup_ttl_s
         self.miss_ttl_s = miss_ttl_s
-        self.connect_timeout_s = connect_timeout_s
-        self.fetch_timeout_s = fetch_timeout_s
         self.suspect_s = suspect_s
         self.max_cached_keys = max_cached_keys
         self.counters: Counter[str] = Counter()
@@ -88,7 +86,8 @@ class PeerTier(TierBase):
         self._located: OrderedDict[bytes, tuple[float, list[Holder]]] = OrderedDict()
         self._suspects: dict[str, float] = {}
         self._slots: dict[bytes, _Slot] = {}
-        self.peers = PeerPool(token, connect_timeout_s=connect_timeout_s, io_timeout_s=fetch_timeout_s)
+        self.peers = PeerPool(settings.token or None, connect_timeout_s=settings.connect_timeout_s,
+                              io_timeout_s=settings.fetch_timeout_s)
         self._fetched: OrderedDict[bytes, float] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="kvfabric-peer-fetch")
@@ -124,7 +123,7 @@ class PeerTier(TierBase):
             for start in range(0, len(keys), LOOKUP_BATCH):
                 batch = keys[start:start + LOOKUP_BATCH]
                 reply = self.controller.lookup(keys=batch, detail=True, exclude=exclude[:64],
-                                               timeout_s=self.lookup_timeout_s)
+                                               timeout_s=self.settings.lookup_timeout_s)
                 for hit in reply.get("instances", []):
                     tiers = hit.get("chunk_tiers") or []
                     for key, held in zip(batch, tiers):
@@ -142,7 +141,7 @@ class PeerTier(TierBase):
         with self._lock:
             for key in keys:
                 holders = sorted(found.get(key, []), key=lambda h: (-h.prefix_chunks, h.tier != "cpu", h.instance_id))
-                self._located[key] = (now + (self.lookup_ttl_s if holders else self.miss_ttl_s), holders)
+                self._located[key] = (now + (self.settings.lookup_ttl_s if holders else self.miss_ttl_s), holders)
                 self._located.move_to_end(key)
             while len(self._located) > self.max_cached_keys:
                 self._located.popitem(last=False)
@@ -223,7 +222,7 @@ class PeerTier(TierBase):
             slot = self._slots.pop(key, None)
         tried: set[str] = set()
         if slot is not None:
-            if slot.event.wait(self.fetch_timeout_s + self.connect_timeout_s) and slot.blob is not None:
+            if slot.event.wait(self.settings.fetch_timeout_s + self.settings.connect_timeout_s) and slot.blob is not None:
                 self.counters["hits"] += 1
                 return slot.blob
             tried.add(slot.holder.instance_id)
@@ -236,7 +235,8 @@ class PeerTier(TierBase):
                 holders = self._holders(key, time.monotonic())
         for holder in [h for h in holders if h.instance_id not in tried][:2]:
             try:
-                blob = self.peers.client(holder.host, holder.port).fetch_all([key], timeout_s=self.fetch_timeout_s)[key]
+                client = self.peers.client(holder.host, holder.port)
+                blob = client.fetch_all([key], timeout_s=self.settings.fetch_timeout_s)[key]
             except PeerError as exc:
                 log.info("fetch from %s failed: %s", holder.instance_id, exc)
                 self.counters["fetch_errors"] += 1

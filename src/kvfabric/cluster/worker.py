@@ -19,6 +19,7 @@ import re
 import secrets
 import socket
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from kvfabric.cluster.client import ControllerClient
@@ -39,8 +40,8 @@ def default_instance_id() -> str:
 
 
 class ClusterNode:
-    def __init__(self, local_tiers: Sequence[Tier], settings: ClusterConfig, namespaces: Sequence[Namespace] = (),
-                 *, start: bool = True) -> None:
+    def __init__(self, local_tiers: Sequence[Tier], settings: ClusterConfig,
+                 namespaces: Sequence[Namespace] = ()) -> None:
         if not settings.controller_url:
             raise ValueError("a cluster node needs the controller's URL (cluster.controller_url)")
         self.settings = settings
@@ -57,37 +58,20 @@ class ClusterNode:
         self.advertise_host = settings.advertise_host or _advertised(settings.p2p_host)
         self.peers = PeerPool(self.token, connect_timeout_s=settings.connect_timeout_s,
                               io_timeout_s=max(settings.fetch_timeout_s, 10.0))
-        self.peer = PeerTier(settings.controller_url, instance_id=self.instance_id, token=self.token,
-                             lookup_timeout_s=settings.lookup_timeout_s, lookup_ttl_s=settings.lookup_ttl_s,
-                             connect_timeout_s=settings.connect_timeout_s, fetch_timeout_s=settings.fetch_timeout_s)
+        self.peer = PeerTier(settings, self.instance_id)
         self.reporter = Reporter(ControllerClient(settings.controller_url, self.token,
                                                   max(2.0, settings.lookup_timeout_s)),
                                  self.instance_id, self.info, self.served, interval_s=settings.report_interval_s,
                                  heartbeat_interval_s=settings.heartbeat_interval_s,
                                  reconcile_interval_s=settings.reconcile_interval_s)
         self.tiers: list[Tier] = [*self.local, self.peer]
-        if start:
-            self.start()
-
-    def start(self) -> ClusterNode:
         self.server.start()
         self.reporter.start()
-        return self
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.advertise_host, self.server.port
 
     def info(self) -> dict:
-        tiers = []
-        for tier in self.served.values():
-            usage = tier.usage()
-            tiers.append({"name": tier.name, "capacity_bytes": int(usage.capacity_bytes),
-                          "num_chunks": int(usage.num_chunks), "num_bytes": int(usage.num_bytes)})
+        tiers = [asdict(tier.usage()) for tier in self.served.values()]  # name, num_chunks, num_bytes, capacity_bytes
         return {"instance_id": self.instance_id, "host": self.advertise_host, "port": self.server.port,
-                "tiers": tiers, "namespaces": [
-                    {"model_id": n.model_id, "root": n.root, "chunk_size": n.chunk_size, "hash": n.hash,
-                     "partial": n.partial} for n in self.namespaces]}
+                "tiers": tiers, "namespaces": [asdict(n) for n in self.namespaces]}
 
     def flush_reports(self, timeout_s: float = 10.0) -> bool:
         """Report now (blocking); True once the controller knows everything the served tiers hold."""

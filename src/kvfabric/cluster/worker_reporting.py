@@ -35,14 +35,9 @@ class ObservedTier:
         self.inner = inner
         self._on_change = on_change
         self.refuse = refuse
-        self.name = inner.name
-        self.capacity_bytes = inner.capacity_bytes
-        self.is_trusted = inner.is_trusted
-        self.is_read_only = inner.is_read_only
-        self.is_persistent = inner.is_persistent
-        self.is_shared = inner.is_shared
-        self.honors_capacity = inner.honors_capacity
-        self.honors_pins = inner.honors_pins
+        self.name, self.capacity_bytes = inner.name, inner.capacity_bytes
+        self.is_trusted, self.is_read_only, self.is_persistent = inner.is_trusted, inner.is_read_only, inner.is_persistent
+        self.is_shared, self.honors_capacity, self.honors_pins = inner.is_shared, inner.honors_capacity, inner.honors_pins
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         return self.inner.contains_many(keys)

@@ -11,46 +11,40 @@ Heavy dependencies (redis-py, the shm pool) are imported only when such a tier i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.config import Config, ConfigError
 from kvfabric.tiers.base import Tier
 
 
-def _cpu(section: Any) -> Tier:
+def _cpu(config: Config) -> Tier:
     from kvfabric.tiers.cpu import CpuTier
-    return CpuTier(section.capacity)
+    return CpuTier(config.cpu.capacity)
 
 
-def _disk(section: Any) -> Tier:
+def _disk(config: Config) -> Tier:
     from kvfabric.tiers.disk import DiskTier
-    return DiskTier(section.resolved_path(), section.capacity, fsync=section.fsync)
+    return DiskTier(config.disk.resolved_path(), config.disk.capacity, fsync=config.disk.fsync)
 
 
-def _shm(section: Any) -> Tier:
+def _shm(config: Config) -> Tier:
     from kvfabric.tiers.shm import ShmTier
-    return ShmTier.from_config(section)
+    return ShmTier.from_config(config.shm)
 
 
-def _redis(section: Any) -> Tier:
+def _redis(config: Config) -> Tier:
     from kvfabric.tiers.redis import RedisTier
-    return RedisTier(section.url, is_cluster=section.is_cluster, ttl_s=section.ttl_s, timeout_s=section.timeout_s,
-                     capacity_bytes=section.capacity, breaker_failures=section.breaker_failures,
-                     backoff_max_s=section.backoff_max_s)
+    c = config.redis
+    return RedisTier(c.url, is_cluster=c.is_cluster, ttl_s=c.ttl_s, timeout_s=c.timeout_s, capacity_bytes=c.capacity,
+                     breaker_failures=c.breaker_failures, backoff_max_s=c.backoff_max_s)
 
 
-@dataclass(frozen=True, slots=True)
-class TierBuilder:
-    section: Callable[[Config], Any]  # the tier's config section (it has a `codec` field)
-    build: Callable[[Any], Tier]  # section -> tier
-
-
-BUILDERS: dict[str, TierBuilder] = {
-    "cpu": TierBuilder(lambda config: config.cpu, _cpu),
-    "disk": TierBuilder(lambda config: config.disk, _disk),
-    "shm": TierBuilder(lambda config: config.shm, _shm),
-    "redis": TierBuilder(lambda config: config.redis, _redis),
+# name -> (the tier's config section, which has a `codec` field; the tier built from the config)
+BUILDERS: dict[str, tuple[Callable[[Config], Any], Callable[[Config], Tier]]] = {
+    "cpu": (lambda config: config.cpu, _cpu),
+    "disk": (lambda config: config.disk, _disk),
+    "shm": (lambda config: config.shm, _shm),
+    "redis": (lambda config: config.redis, _redis),
 }
 
 
@@ -58,10 +52,9 @@ def build_tiers(config: Config, names: Sequence[str] | None = None) -> list[Tier
     tiers: list[Tier] = []
     try:
         for name in config.tiers if names is None else names:
-            builder = BUILDERS.get(name)
-            if builder is None:
+            if name not in BUILDERS:
                 raise ConfigError(f"tiers: {name!r} is not a local tier; local tiers: {', '.join(BUILDERS)}")
-            tiers.append(builder.build(builder.section(config)))
+            tiers.append(BUILDERS[name][1](config))
     except BaseException:
         for tier in tiers:  # a later tier failed (e.g. no room in /dev/shm): release what was built
             tier.close()
@@ -70,5 +63,4 @@ def build_tiers(config: Config, names: Sequence[str] | None = None) -> list[Tier
 
 
 def codec_spec(config: Config, name: str) -> str:
-    builder = BUILDERS.get(name)
-    return builder.section(config).codec if builder is not None else ""
+    return BUILDERS[name][0](config).codec if name in BUILDERS else ""
