@@ -161,7 +161,7 @@ def test_b_fetches_a_chunks_and_equals_a_full_prefill(cluster):
     res = b.call({"cmd": "generate", "ids": ids, "max_new": 4})
     assert res["hit_tokens"] == full  # every whole chunk came from A
     assert res["peer"]["chunks_fetched"] == len(ids) // CHUNK
-    assert res["stack"].get("corrupt.peer", 0) == 0
+    assert res["counters"].get("corrupt.peer", 0) == 0 and res["counters"]["hit.peer"] == len(ids) // CHUNK
     assert res["max_diff"] < 1e-4 and res["max_diff_plain"] < 1e-4  # fp32 KV: same logits as a full prefill
     assert res["tokens"] == res["ref_tokens"] == first["tokens"]
     assert b.call({"cmd": "flush"})["ok"]  # B kept a copy, and says so

@@ -192,7 +192,7 @@ def bench_cluster(num_tokens: int, repeats: int, root: Path) -> list[dict]:
         raw_server = RawServer([node_a.served["cpu"].get(k) for k in a.keys(tokens)])
         raw = RawClient(raw_server.port, [len(node_a.served["cpu"].get(k)) for k in a.keys(tokens)])
 
-        # the miss path: B's stack = [cpu, peer]; each round starts with B's cpu empty
+        # the miss path: B's tiers are cpu, disk, peer; each round starts with its cpu and disk empty
         out = torch.empty_like(kv)
 
         def reset_b() -> None:
