@@ -6,7 +6,9 @@ import time
 
 import pytest
 
-from kvfabric.cluster.index import InstanceInfo, MemoryIndex, Namespace, RedisIndex, TierInfo, open_index
+from kvfabric.cluster.index import InstanceInfo, Namespace, TierInfo, open_index
+from kvfabric.cluster.index_memory import MemoryIndex
+from kvfabric.cluster.index_redis import RedisIndex
 from tests.cluster_scripts.helpers import key
 from tests.redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401  (fixtures)
 

@@ -4,17 +4,19 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvfabric.config import RedisTierConfig
+from kvfabric.breaker import CircuitBreaker
+from kvfabric.config import Config, RedisTierConfig
 from kvfabric.tiers.disk import DiskTier
-from kvfabric.tiers.redis import CircuitBreaker, RedisTier, redis_key
+from kvfabric.tiers.factory import build_tiers
+from kvfabric.tiers.redis import RedisTier, redis_key
 from kvfabric.tiers.stack import TierStack
+from tests.cluster_scripts.helpers import FakeClock, finishes, wait_for
 from tests.redis_fixtures import (  # noqa: F401 - fixtures are used by name
     RedisServer,
     make_blob,
@@ -100,89 +102,106 @@ def test_ttl(redis_server: RedisServer) -> None:
     pttl = redis_server.client().pttl(redis_key(key_of(1)))
     assert 0 < pttl <= 1000
     assert tier.get(key_of(1)) == b"short-lived"
-    time.sleep(1.1)
-    assert tier.get(key_of(1)) is None
+    wait_for(lambda: tier.get(key_of(1)) is None, 30)  # the server expires it
     assert tier.contains_many([key_of(1)]) == [False]
     no_ttl = RedisTier(redis_server.url)
     assert no_ttl.put(key_of(2), b"v") and redis_server.client().pttl(redis_key(key_of(2))) == -1
 
 
-def test_dead_server_is_fast_misses_then_reconnects(tier: RedisTier, redis_server: RedisServer) -> None:
+def network_calls(tier: RedisTier) -> int:
+    """Calls that went to the server and failed (the breaker counts the others as skipped)."""
+    return sum(n for name, n in tier.counters.items() if name.endswith(".errors"))
+
+
+def test_dead_server_is_misses_then_reconnects(tier: RedisTier, redis_server: RedisServer) -> None:
+    clock = FakeClock()
+    tier.breaker = CircuitBreaker(failures=3, backoff_max_s=0.4, clock=clock)
     keys = [key_of(i) for i in range(100)]
     for key in keys[:10]:
         assert tier.put(key, b"value")
     assert tier.contains_many(keys[:10]) == [True] * 10
     redis_server.stop()
 
-    start = time.monotonic()
-    assert tier.contains_many(keys) == [False] * 100
-    assert tier.get(keys[0]) is None
-    assert tier.put(keys[0], b"lost") is False
-    assert tier.delete(keys[0]) is False
-    assert tier.keys() == []
-    assert tier.usage().num_chunks == 0
-    tier.clear()
-    assert time.monotonic() - start < 2.0
-    assert tier.breaker.is_open
-    assert tier.counters["put.dropped"] == 1
-    assert tier.counters["breaker.opened"] >= 1
+    def calls() -> None:
+        assert tier.contains_many(keys) == [False] * 100
+        assert tier.get(keys[0]) is None
+        assert tier.put(keys[0], b"lost") is False
+        assert tier.delete(keys[0]) is False
+        assert tier.keys() == []
+        assert tier.usage().num_chunks == 0
+        tier.clear()
 
-    # While open, calls do not touch the network: many calls cost next to nothing.
-    start = time.monotonic()
+    finishes(calls)  # a refused connection is a miss at once; every call is bounded by timeout_s anyway
+    assert tier.breaker.is_open and network_calls(tier) == 3  # three failures opened the breaker
+    assert tier.counters["put.dropped"] == 1 and tier.counters["breaker.opened"] == 1
+    assert tier.counters["delete.skipped"] == tier.counters["keys.skipped"] == tier.counters["clear.skipped"] == 1
+
+    # While open, calls do not touch the network.
     for _ in range(200):
         assert tier.get(keys[0]) is None
         assert not tier.put(keys[1], b"x")
-    assert time.monotonic() - start < 0.5
-    assert tier.counters["put.dropped"] == 201 and tier.counters["get.skipped"] > 0
+    assert network_calls(tier) == 3
+    assert tier.counters["put.dropped"] == 201 and tier.counters["get.skipped"] == 200
 
     redis_server.start()  # same port, empty (no persistence)
-    deadline = time.monotonic() + 5
-    while not tier.put(keys[0], b"back"):
-        assert time.monotonic() < deadline, "the tier did not reconnect"
-        time.sleep(0.05)
-    assert not tier.breaker.is_open
+
+    def probe() -> bool:
+        clock.advance(1.0)  # past the backoff: the next call is the half-open probe
+        return tier.put(keys[0], b"back")
+
+    wait_for(probe, 30)
+    assert not tier.breaker.is_open and tier.counters["breaker.closed"] == 1
     assert tier.get(keys[0]) == b"back"
     assert tier.contains_many(keys[:2]) == [True, False]
 
 
 def test_hung_server_never_hangs_the_caller(redis_server: RedisServer) -> None:
     tier = RedisTier(redis_server.url, timeout_s=0.2, breaker_failures=2, backoff_max_s=0.3)
+    clock = FakeClock()
+    tier.breaker = CircuitBreaker(failures=2, backoff_max_s=0.3, clock=clock)
     assert tier.put(key_of(1), b"v")
     os.kill(redis_server.proc.pid, signal.SIGSTOP)  # alive but silent: only timeouts can help
-    try:
-        start = time.monotonic()
+
+    def calls() -> None:
         for _ in range(20):
             assert tier.get(key_of(1)) is None
             assert tier.contains_many([key_of(1), key_of(2)]) == [False, False]
         assert not tier.put(key_of(3), b"v")
-        # two timed-out calls open the breaker, probes after backoff cost one timeout each
-        assert time.monotonic() - start < 2.0
+
+    try:
+        finishes(calls)
+        # two timed-out calls (each bounded by timeout_s) opened the breaker; the other 39 never waited
+        assert network_calls(tier) == 2 and tier.breaker.is_open
+        assert tier.counters["get.skipped"] + tier.counters["contains.skipped"] == 38
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 5
-    while tier.get(key_of(1)) != b"v":
-        assert time.monotonic() < deadline, "the tier did not recover"
-        time.sleep(0.05)
+
+    def recovered() -> bool:
+        clock.advance(1.0)
+        return tier.get(key_of(1)) == b"v"
+
+    wait_for(recovered, 30)
 
 
 def test_breaker_backoff_doubles_and_caps() -> None:
-    breaker = CircuitBreaker(failures=2, backoff_max_s=0.25)
+    clock = FakeClock()
+    breaker = CircuitBreaker(failures=2, backoff_max_s=0.25, clock=clock)
     assert breaker.allow()
     assert not breaker.failure() and breaker.allow()
     assert breaker.failure() and breaker.is_open
     assert not breaker.allow()  # within the first 0.1 s backoff
-    time.sleep(0.11)
+    clock.advance(0.1)
     assert breaker.allow()  # the half-open probe
     assert not breaker.allow()  # only one probe per window
     assert breaker.failure()  # probe failed: backoff 0.2 s
-    time.sleep(0.11)
+    clock.advance(0.19)
     assert not breaker.allow()
-    time.sleep(0.1)
+    clock.advance(0.01)
     assert breaker.allow()
     breaker.failure()  # backoff capped at 0.25 s
-    assert breaker._backoff == 0.25
-    breaker.success()
-    assert not breaker.is_open and breaker.allow()
+    assert breaker.backoff_s == 0.25
+    assert breaker.success()  # closes it
+    assert not breaker.is_open and breaker.allow() and breaker.backoff_s == 0.1
 
 
 def test_maxmemory_eviction_is_clean_misses(redis_server_factory) -> None:
@@ -250,10 +269,11 @@ def test_unix_socket_url(redis_server_factory, tmp_path: Path) -> None:
     assert tier.get(key_of(1)) == b"over a unix socket"
 
 
-def test_from_config(redis_url: str) -> None:
+def test_built_from_config(redis_url: str) -> None:
     cfg = RedisTierConfig(url=redis_url, ttl_s=5, timeout_s=0.3, capacity=10**6, breaker_failures=4,
                           backoff_max_s=2.0)
-    tier = RedisTier.from_config(cfg)
+    (tier,) = build_tiers(Config(tiers=("redis",), redis=cfg))
+    assert isinstance(tier, RedisTier) and tier.url == redis_url
     assert (tier.ttl_s, tier.timeout_s, tier.capacity_bytes, tier.breaker.threshold) == (5, 0.3, 10**6, 4)
     assert tier.put(key_of(1), b"v") and tier.get(key_of(1)) == b"v"
     assert not tier.put(key_of(2), b"x" * (10**6 + 1))  # larger than the whole configured capacity
@@ -307,32 +327,45 @@ def test_cluster_round_trip_across_slots(redis_cluster) -> None:
 def test_cluster_unreachable_is_misses(tmp_path: Path) -> None:
     from tests.redis_fixtures import free_port
     tier = RedisTier(f"redis://127.0.0.1:{free_port()}", is_cluster=True, timeout_s=0.2)
-    start = time.monotonic()
-    assert tier.contains_many([key_of(1)]) == [False]
-    assert tier.get(key_of(1)) is None and not tier.put(key_of(1), b"v")
-    assert time.monotonic() - start < 2.0
+
+    def calls() -> None:
+        assert tier.contains_many([key_of(1)]) == [False]
+        assert tier.get(key_of(1)) is None and not tier.put(key_of(1), b"v")
+
+    finishes(calls)
+    assert network_calls(tier) == 3 and tier.breaker.is_open  # every failure counted; the third opened it
 
 
 # ---- the shared tier contract (tests/tier_contract.py) -----------------------------------------------------
 class TestRedisContract(TierContract):
-    is_persistent = True  # the data lives on the server, beyond any client
+    """Redis evicts under its own maxmemory policy (see test_maxmemory_eviction_is_clean_misses) and a client
+    cannot pin a key there: declared, and checked in that form."""
+    declared = dict(is_trusted=False, is_read_only=False, is_persistent=True, is_shared=True, honors_capacity=False,
+                    honors_pins=False)
+    is_cluster = False
 
     @pytest.fixture(autouse=True)
     def _server(self, redis_server: RedisServer) -> None:
         self.url = redis_server.url
 
     def make_tier(self, capacity_bytes):
-        return RedisTier(self.url, capacity_bytes=capacity_bytes)
+        return RedisTier(self.url, is_cluster=self.is_cluster, capacity_bytes=capacity_bytes)
 
     def reopen(self, tier):
-        return RedisTier(self.url, capacity_bytes=tier.capacity_bytes)
+        return RedisTier(self.url, is_cluster=self.is_cluster, capacity_bytes=tier.capacity_bytes)
 
-    def test_capacity_in_bytes_and_lru_order(self):
-        pytest.skip("the server evicts under its maxmemory policy (sampled LRU), not the client by capacity_bytes; "
-                    "see test_maxmemory_eviction_is_clean_misses")
 
-    def test_pinned_keys_survive_eviction(self):
-        pytest.skip("pins are no-ops: the server owns eviction")
+class TestRedisClusterContract(TestRedisContract):
+    is_cluster = True
+
+    @pytest.fixture(autouse=True)
+    def _server(self, redis_cluster) -> None:
+        self.url = redis_cluster.url
+
+    def make_tier(self, capacity_bytes):
+        tier = super().make_tier(capacity_bytes)
+        tier.clear()  # one cluster serves the whole module
+        return tier
 
 
 def test_engines_share_chunks_through_redis(redis_url: str) -> None:

@@ -469,7 +469,8 @@ def test_pool_file_removed_under_a_running_process(pool_name: str) -> None:
 
 # ---- the shared tier contract (tests/tier_contract.py) -----------------------------------------------------
 class TestShmContract(TierContract):
-    is_persistent = True
+    declared = dict(is_trusted=False, is_read_only=False, is_persistent=True, is_shared=True, honors_capacity=True,
+                    honors_pins=True)
 
     @pytest.fixture(autouse=True)
     def _pools(self) -> Iterator[None]:

@@ -1,23 +1,33 @@
-"""The tier contract on the cpu and disk tiers, plus disk-specific behaviour."""
+"""The tier contract on the cpu and disk tiers, disk-specific behaviour, the tier factory and the stack."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
+from kvfabric.config import Config, ConfigError, DiskTierConfig
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
+from kvfabric.tiers.factory import build_tiers, codec_spec
 from kvfabric.tiers.stack import TierStack
 from tests.tier_contract import BLOB_BYTES, TierContract, key, make_blob
 
 
 class TestCpuTier(TierContract):
+    declared = dict(is_trusted=True, is_read_only=False, is_persistent=False, is_shared=False, honors_capacity=True,
+                    honors_pins=True)
+
     def make_tier(self, capacity_bytes):
         return CpuTier(capacity_bytes)
 
+    def reopen(self, tier):
+        return CpuTier(tier.capacity_bytes)
+
 
 class TestDiskTier(TierContract):
-    is_persistent = True
+    declared = dict(is_trusted=False, is_read_only=False, is_persistent=True, is_shared=True, honors_capacity=True,
+                    honors_pins=True)
 
     @pytest.fixture(autouse=True)
     def _dir(self, tmp_path):
@@ -102,16 +112,28 @@ def test_stack_falls_back_to_next_tier_when_one_copy_is_damaged(tmp_path):
 
 
 def test_full_write_queue_drops_and_counts(tmp_path):
-    class SlowTier(DiskTier):
+    release = threading.Event()
+
+    class BlockedTier(DiskTier):
         def put(self, k, blob):
-            import time
-            time.sleep(0.05)
+            release.wait(30)  # the writer thread is stuck until the test lets it go
             return super().put(k, blob)
 
-    stack = TierStack([CpuTier(BLOB_BYTES * 100), SlowTier(tmp_path, BLOB_BYTES * 100)], write_queue_size=2)
-    for i in range(10):
+    stack = TierStack([CpuTier(BLOB_BYTES * 100), BlockedTier(tmp_path, BLOB_BYTES * 100)], write_queue_size=2)
+    for i in range(10):  # at most 1 write in progress + 2 queued: the other 7 are dropped
         stack.put(key(i), make_blob(key(i)))
+    release.set()
     stack.flush()
-    assert stack.counters["dropped_writes"] > 0
+    assert stack.counters["dropped_writes"] >= 7
     assert stack.prefix_length([key(i) for i in range(10)]) == 10  # the cpu tier still has everything
     stack.close()
+
+
+def test_factory_builds_local_tiers_in_order_with_their_codecs(tmp_path):
+    config = Config(tiers=("disk", "cpu"), disk=DiskTierConfig(path=str(tmp_path), codec="int8"))
+    tiers = build_tiers(config)
+    assert [type(t) for t in tiers] == [DiskTier, CpuTier] and tiers[0].root == tmp_path
+    assert [t.name for t in build_tiers(config, ["cpu"])] == ["cpu"]
+    assert codec_spec(config, "disk") == "int8" and codec_spec(config, "cpu") == "" and codec_spec(config, "peer") == ""
+    with pytest.raises(ConfigError, match="not a local tier"):
+        build_tiers(config, ["cpu", "peer"])  # the engine composes the peer tier with a cluster node

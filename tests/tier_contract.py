@@ -1,21 +1,31 @@
-"""The contract every Tier implementation passes (tiers/base.py). Subclass and provide `make_tier`.
+"""The contract every Tier implementation passes (tiers/base.py). Subclass it once per tier and provide:
 
-`make_tier(capacity_bytes)` returns a fresh, empty tier; `reopen(tier)` (optional) returns a new instance over
-the same storage, for tiers that persist.
+- `declared`: the tier's declarations as its documentation states them (is_trusted, is_read_only, ...); the
+  suite checks the class says the same, then checks each clause the way the declarations say it holds. A clause
+  a tier cannot honour (Redis evicts on its own, a peer tier stores nothing) is checked in its declared form,
+  never skipped;
+- `make_tier(capacity_bytes)`: a fresh, empty tier; `reopen(tier)`: another instance made the same way over the
+  same storage (for a persistent or shared tier it sees what the first stored);
+- for read-only tiers, `seed(tier, items)`: put (key, blob) pairs where the tier reads them from.
 """
 from __future__ import annotations
 
-import os
 import threading
+from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
 from kvfabric.codec.format import parse
 from kvfabric.codec.raw import RawCodec
 from kvfabric.layout import KVLayout
+from kvfabric.tiers.base import Scratch
 from kvfabric.tiers.stack import TierStack
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
+DECLARATIONS = ("is_trusted", "is_read_only", "is_persistent", "is_shared", "honors_capacity", "honors_pins")
+METHODS = ("contains_many", "get", "get_into", "prefetch", "file_of", "put", "delete", "keys", "usage", "pin",
+           "unpin", "clear", "close")
 
 
 def make_blob(key: bytes, num_tokens: int = 16, seed: int = 0) -> bytes:
@@ -33,13 +43,17 @@ BLOB_BYTES = len(make_blob(key(0)))
 
 
 class TierContract:
-    is_persistent = False
+    declared: dict[str, bool]
 
     def make_tier(self, capacity_bytes: int):  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def reopen(self, tier):  # pragma: no cover - overridden by persistent tiers
+    def reopen(self, tier):  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def seed(self, tier, items: Sequence[tuple[bytes, bytes]]) -> None:
+        for k, blob in items:
+            assert tier.put(k, blob)
 
     @pytest.fixture
     def tier(self):
@@ -47,25 +61,47 @@ class TierContract:
         yield tier
         tier.close()
 
+    def test_declarations(self, tier):
+        assert {name: getattr(tier, name) for name in DECLARATIONS} == self.declared
+        assert all(callable(getattr(tier, name)) for name in METHODS)
+        assert tier.usage().name == tier.name and tier.capacity_bytes >= 0
+
     def test_round_trip(self, tier):
         blob = make_blob(key(1), seed=1)
-        assert tier.put(key(1), blob)
+        self.seed(tier, [(key(1), blob)])
+        assert tier.contains_many([key(1), key(2)]) == [True, False]
+        tier.prefetch([key(1)])
         got = tier.get(key(1))
         assert got is not None and bytes(got) == blob
-        assert tier.contains_many([key(1), key(2)]) == [True, False]
+        into = tier.get_into(key(1), Scratch())
+        assert into is not None and bytes(into) == blob
+        path = tier.file_of(key(1))
+        assert path is None or Path(path).read_bytes() == blob
+        assert (key(1) in tier.keys()) != tier.is_read_only
 
     def test_missing_key_is_none(self, tier):
         assert tier.get(key(99)) is None
+        assert tier.get_into(key(99), Scratch()) is None
+        assert tier.contains_many([key(99)]) == [False]
         assert tier.delete(key(99)) is False
 
     def test_delete(self, tier):
-        tier.put(key(1), make_blob(key(1)))
+        blob = make_blob(key(1))
+        self.seed(tier, [(key(1), blob)])
+        if tier.is_read_only:  # forgets nothing it does not own: the source still serves the chunk
+            assert tier.delete(key(1)) is False
+            assert bytes(tier.get(key(1))) == blob
+            return
         assert tier.delete(key(1))
         assert tier.get(key(1)) is None
         assert tier.contains_many([key(1)]) == [False]
 
     def test_overwrite_keeps_one_entry(self, tier):
-        tier.put(key(1), make_blob(key(1), seed=1))
+        self.seed(tier, [(key(1), make_blob(key(1), seed=1))])
+        if tier.is_read_only:  # put stores nothing
+            assert tier.put(key(1), make_blob(key(1), seed=2)) is False
+            assert bytes(tier.get(key(1))) == make_blob(key(1), seed=1)
+            return
         tier.put(key(1), make_blob(key(1), seed=2))
         assert bytes(tier.get(key(1))) == make_blob(key(1), seed=2)
         assert tier.usage().num_chunks == 1
@@ -73,27 +109,39 @@ class TierContract:
     def test_capacity_in_bytes_and_lru_order(self):
         tier = self.make_tier(BLOB_BYTES * 3)
         try:
-            for i in range(3):
-                assert tier.put(key(i), make_blob(key(i), seed=i))
-            assert tier.get(key(0)) is not None  # 0 becomes most recent; 1 is now the oldest
-            tier.put(key(3), make_blob(key(3), seed=3))
-            assert tier.contains_many([key(0), key(1), key(2), key(3)]) == [True, False, True, True]
-            assert tier.usage().num_bytes <= BLOB_BYTES * 3
+            if tier.is_read_only:
+                assert tier.put(key(0), make_blob(key(0))) is False
+            elif tier.honors_capacity:
+                for i in range(3):
+                    assert tier.put(key(i), make_blob(key(i), seed=i))
+                assert tier.get(key(0)) is not None  # 0 becomes most recent; 1 is now the oldest
+                tier.put(key(3), make_blob(key(3), seed=3))
+                assert tier.contains_many([key(0), key(1), key(2), key(3)]) == [True, False, True, True]
+                assert tier.usage().num_bytes <= BLOB_BYTES * 3
+            else:  # someone else bounds it (a server's maxmemory): this client evicts nothing
+                for i in range(5):
+                    assert tier.put(key(i), make_blob(key(i), seed=i))
+                assert tier.contains_many([key(i) for i in range(5)]) == [True] * 5
         finally:
             tier.close()
 
     def test_pinned_keys_survive_eviction(self):
         tier = self.make_tier(BLOB_BYTES * 2)
         try:
-            tier.put(key(0), make_blob(key(0)))
+            self.seed(tier, [(key(0), make_blob(key(0)))])
             tier.pin([key(0)])
-            for i in range(1, 5):
-                tier.put(key(i), make_blob(key(i)))
-            assert tier.get(key(0)) is not None
-            tier.unpin([key(0)])
-            for i in range(5, 8):
-                tier.put(key(i), make_blob(key(i)))
-            assert tier.get(key(0)) is None
+            if tier.honors_pins and tier.honors_capacity:
+                for i in range(1, 5):
+                    tier.put(key(i), make_blob(key(i)))
+                assert tier.get(key(0)) is not None
+                tier.unpin([key(0)])
+                for i in range(5, 8):
+                    tier.put(key(i), make_blob(key(i)))
+                assert tier.get(key(0)) is None
+            else:  # pin and unpin are accepted and change nothing
+                assert bytes(tier.get(key(0))) == make_blob(key(0))
+                tier.unpin([key(0)])
+                assert bytes(tier.get(key(0))) == make_blob(key(0))
         finally:
             tier.close()
 
@@ -106,19 +154,25 @@ class TierContract:
             tier.close()
 
     def test_clear(self, tier):
-        for i in range(3):
-            tier.put(key(i), make_blob(key(i)))
+        blobs = [(key(i), make_blob(key(i))) for i in range(3)]
+        self.seed(tier, blobs)
         tier.clear()
+        if tier.is_read_only:  # forgets what it cached; the source is untouched
+            assert bytes(tier.get(key(0))) == blobs[0][1]
+            return
         assert tier.contains_many([key(i) for i in range(3)]) == [False] * 3
         assert tier.usage().num_chunks == 0
 
     def test_concurrent_readers_and_writers(self, tier):
         errors: list[str] = []
+        if tier.is_read_only:
+            self.seed(tier, [(key(i), make_blob(key(i), seed=i)) for i in range(80)])
 
         def worker(offset: int) -> None:
             for i in range(offset, offset + 20):
                 blob = make_blob(key(i), seed=i)
-                tier.put(key(i), blob)
+                if not tier.is_read_only:
+                    tier.put(key(i), blob)
                 got = tier.get(key(i))
                 if got is not None and bytes(got) != blob:
                     errors.append(f"wrong bytes for {i}")
@@ -135,27 +189,31 @@ class TierContract:
 
     def test_stack_serves_and_verifies(self, tier):
         stack = TierStack([tier])
-        try:
-            stack.put(key(5), make_blob(key(5), seed=5))
-            stack.flush()
-            found = stack.get(key(5))
-            assert found is not None and bytes(found.blob) == make_blob(key(5), seed=5)
-        finally:
-            stack.flush()
+        blob = make_blob(key(5), seed=5)
+        if tier.is_read_only:
+            self.seed(tier, [(key(5), blob)])
+        stack.put(key(5), blob)  # never reaches a read-only tier
+        stack.flush()
+        found = stack.get(key(5))
+        assert found is not None and bytes(found.blob) == blob and found.tier == tier.name
 
     def test_restart_persistence(self, tier):
-        if not self.is_persistent:
-            pytest.skip("tier does not persist")
         blob = make_blob(key(1), seed=1)
-        tier.put(key(1), blob)
+        stored = tier.put(key(1), blob)
+        assert stored != tier.is_read_only
         tier.close()
         again = self.reopen(tier)
         try:
-            assert again.contains_many([key(1)]) == [True]
-            assert bytes(again.get(key(1))) == blob
+            assert again.contains_many([key(1)]) == [tier.is_persistent]
+            if tier.is_persistent:
+                assert bytes(again.get(key(1))) == blob
         finally:
             again.close()
 
-
-def pid_suffix() -> str:
-    return f"{os.getpid()}"
+    def test_sharing(self, tier):
+        other = self.reopen(tier)  # a second instance while the first is open (another process, as far as it knows)
+        try:
+            tier.put(key(1), make_blob(key(1)))
+            assert other.contains_many([key(1)]) == [tier.is_shared]
+        finally:
+            other.close()

@@ -43,11 +43,11 @@ def main() -> None:
 @config_option
 def info(config_path: str | None) -> None:
     """Show the configuration in effect and each tier's usage."""
-    from kvfabric.tiers.disk import DiskTier
+    from kvfabric.tiers.factory import build_tiers
     config = _load(config_path)
     click.echo(json.dumps({"version": __version__, "config": dataclasses.asdict(config)}, indent=2))
     if "disk" in config.tiers:
-        disk = DiskTier(config.disk.resolved_path(), config.disk.capacity)
+        (disk,) = build_tiers(config, ["disk"])
         usage = disk.usage()
         click.echo(f"disk tier at {disk.root}: {usage.num_chunks} chunks, {usage.num_bytes / 1e6:.1f} MB "
                    f"of {usage.capacity_bytes / 1e9:.1f} GB")
@@ -59,9 +59,9 @@ def cache() -> None:
 
 
 def _disk(config_path: str | None):
-    from kvfabric.tiers.disk import DiskTier
-    config = _load(config_path)
-    return DiskTier(config.disk.resolved_path(), config.disk.capacity)
+    from kvfabric.tiers.factory import build_tiers
+    (disk,) = build_tiers(_load(config_path), ["disk"])
+    return disk
 
 
 @cache.command("stats")

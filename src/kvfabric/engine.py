@@ -31,33 +31,10 @@ from kvfabric.counters import Counters, merged
 from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
 from kvfabric.tiers.base import Blob, Scratch, Tier
+from kvfabric.tiers.factory import build_tiers, codec_spec
 from kvfabric.tiers.stack import StackHit, TierStack
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
-
-
-def build_tiers(config: Config) -> list[Tier]:
-    from kvfabric.tiers.cpu import CpuTier
-    from kvfabric.tiers.disk import DiskTier
-    def shm() -> Tier:
-        from kvfabric.tiers.shm import ShmTier
-        return ShmTier.from_config(config.shm)
-
-    def redis() -> Tier:
-        from kvfabric.tiers.redis import RedisTier
-        return RedisTier.from_config(config.redis)
-
-    makers = {
-        "cpu": lambda: CpuTier(config.cpu.capacity),
-        "disk": lambda: DiskTier(config.disk.resolved_path(), config.disk.capacity, fsync=config.disk.fsync),
-        "shm": shm,
-        "redis": redis,
-    }
-    local = [makers[name]() for name in config.tiers if name != "peer"]
-    if "peer" not in config.tiers:
-        return local
-    from kvfabric.cluster.worker import ClusterNode
-    return list(ClusterNode.from_config(config.cluster, local).tiers)
 
 
 class CacheEngine:
@@ -70,15 +47,15 @@ class CacheEngine:
         self.codec = parse_codec(self.config.codec).make()
         self.decoders = Decoders()
         self._root = root_key(model_id, layout, self.chunk_size, self.config.salt, self.config.hash)
-        self.stack = TierStack(tiers if tiers is not None else build_tiers(self.config),
-                               self.config.write_queue_chunks)
+        self.node = None  # the cluster node this engine made for tier "peer"; closed with the engine
+        self.stack = TierStack(tiers if tiers is not None else self._build_tiers(), self.config.write_queue_chunks)
         self.counters = Counters()
         # Tiers whose config names another codec get their own encoding of each chunk (e.g. raw in process
         # memory, cachegen on the network tiers); blobs are self-describing, so reads never need to know.
         self._tier_codecs: dict[int, Codec] = {}  # stack level -> its codec, where not the engine's
         codecs: dict[CodecChoice, Codec] = {parse_codec(self.config.codec): self.codec}
         for level, tier in enumerate(self.stack.tiers):
-            spec = getattr(getattr(self.config, tier.name, None), "codec", "")
+            spec = codec_spec(self.config, tier.name)
             if not spec:
                 continue
             parsed = parse_codec(spec)
@@ -86,14 +63,23 @@ class CacheEngine:
                 codecs[parsed] = parsed.make()
             if codecs[parsed] is not self.codec:
                 self._tier_codecs[level] = codecs[parsed]
-        for tier in self.stack.tiers:  # tiers that report to a cluster learn this engine's key namespace
-            bind = getattr(tier, "bind_engine", None)
-            if bind is not None:
-                bind(self)
         # One reader thread fetches chunk i+1 (file or network I/O, checksum) while chunk i is decoded:
         # both release the GIL, so a load costs about max(I/O, copy) rather than their sum.
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfabric-reader")
         self._scratch = threading.local()
+
+    def _build_tiers(self) -> list[Tier]:
+        """The configured local tiers; with tier "peer", composed with a cluster node that serves them, reports
+        them under this engine's key namespace and adds the peer tier last."""
+        config = self.config
+        local = build_tiers(config, [name for name in config.tiers if name != "peer"])
+        if "peer" not in config.tiers:
+            return local
+        from kvfabric.cluster.index import Namespace
+        from kvfabric.cluster.worker import ClusterNode
+        namespace = Namespace(self.model_id, self._root.hex(), self.chunk_size, config.hash, config.save_partial_chunk)
+        self.node = ClusterNode(local, config.cluster, [namespace])
+        return self.node.tiers
 
     # ---- keys --------------------------------------------------------------------------------------------
     def keys(self, tokens: Tokens) -> list[ChunkKey]:
@@ -215,6 +201,8 @@ class CacheEngine:
 
     def close(self) -> None:
         self._reader.shutdown(wait=True)
+        if self.node is not None:
+            self.node.close()  # stop serving and reporting first: the stack then closes the tiers
         self.stack.close()
 
     def __enter__(self) -> CacheEngine:

@@ -1,5 +1,6 @@
 """One kvfabric engine instance in the cluster, for tests/test_cluster_e2e.py: the reference engine (real model)
-over cpu + disk tiers + the peer tier, driven by JSON commands on stdin, one JSON reply per line on stdout.
+over cpu + disk tiers + the peer tier (built from config: the CacheEngine makes its ClusterNode), driven by JSON
+commands on stdin, one JSON reply per line on stdout.
 
     python engine_node.py --controller URL --token-file F --id NAME --cache DIR [--chunk 16]
 
@@ -8,8 +9,8 @@ Replies start with {"ready": true, "port": P2P_PORT} once the model is loaded. C
                                                     the cache; reply: hit_tokens, tokens, ref_tokens,
                                                     max_diff (logits vs the full prefill), peer counters
   {"cmd": "flush"}                                  writes landed and the controller up to date
-  {"cmd": "slow", "seconds": S, "marker": PATH}     serve peers slowly: each served chunk read sleeps S s, and
-                                                    PATH is created at the first one (a transfer is under way)
+  {"cmd": "stall", "after": N, "marker": PATH}      serve N more chunk reads to peers, then create PATH and block
+                                                    every further read (a peer stuck mid-transfer)
   {"cmd": "exit"}
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,23 +44,21 @@ def main() -> None:
     import torch
 
     from kvfabric import CacheEngine, Config
-    from kvfabric.cluster.worker import ClusterNode
+    from kvfabric.config import ClusterConfig, CpuTierConfig, DiskTierConfig
     from kvfabric.engines.hf import HFEngine
-    from kvfabric.engines.model import ensure_model, load_model
     from kvfabric.engines.runtime import layout_for
-    from kvfabric.tiers.cpu import CpuTier
-    from kvfabric.tiers.disk import DiskTier
+    from kvfabric.engines.model import ensure_model, load_model
 
     torch.set_num_threads(1)  # two engines share two cores
     token = Path(args.token_file).read_text().strip()
     path = ensure_model()
     model, tokenizer = load_model(str(path), dtype=torch.float32)
-    config = Config(chunk_size=args.chunk, tiers=("cpu", "disk"))
-    node = ClusterNode([CpuTier(1 << 28), DiskTier(args.cache, 1 << 29)], args.controller, token=token,
-                       instance_id=args.id, report_interval_s=0.1, heartbeat_interval_s=0.5,
-                       lookup_timeout_s=2.0, fetch_timeout_s=5.0)
-    cache = CacheEngine(config, layout_for(model.config, "float32"), "smollm2-135m-instruct", tiers=node.tiers)
-    node.peer.bind_engine(cache)
+    cluster = ClusterConfig(controller_url=args.controller, token=token, instance_id=args.id, report_interval_s=0.1,
+                            heartbeat_interval_s=0.5, lookup_timeout_s=2.0, fetch_timeout_s=5.0)
+    config = Config(chunk_size=args.chunk, tiers=("cpu", "disk", "peer"), cpu=CpuTierConfig(capacity=1 << 28),
+                    disk=DiskTierConfig(path=args.cache, capacity=1 << 29), cluster=cluster)
+    cache = CacheEngine(config, layout_for(model.config, "float32"), "smollm2-135m-instruct")
+    node = cache.node
     engine = HFEngine(path, model=model, tokenizer=tokenizer, cache=cache, kv_dtype="float32", num_threads=1)
     node.flush_reports(30)
     reply({"ready": True, "port": node.server.port})
@@ -78,21 +78,24 @@ def main() -> None:
                    "ref_tokens": ref.token_ids, "stored_chunks": res.stored_chunks, "seconds": seconds,
                    "max_diff": float((res.logits - ref.logits).abs().max()),
                    "max_diff_plain": float((res.logits - plain).abs().max()),
-                   "peer": dict(node.peer.counters), "stack": cache.stack.counters.snapshot()})
+                   "peer": dict(node.peer.counters), "counters": cache.stats()["counters"]})
         elif cmd == "flush":
             cache.flush()
             reply({"ok": node.flush_reports(30)})
-        elif cmd == "slow":
-            seconds, marker = float(msg["seconds"]), msg["marker"]
+        elif cmd == "stall":
+            budget = [int(msg["after"])]
+            lock, never = threading.Lock(), threading.Event()
             for tier in node.served.values():
-                inner_get = tier.inner.get
-
-                def slow_get(key, _get=inner_get, _marker=marker, _seconds=seconds):
-                    Path(_marker).touch()
-                    time.sleep(_seconds)
+                def stalled_get(key, _get=tier.inner.get, _marker=msg["marker"]):
+                    with lock:
+                        budget[0] -= 1
+                        stall = budget[0] < 0
+                    if stall:
+                        Path(_marker).touch()
+                        never.wait()  # until the test kills this process
                     return _get(key)
 
-                tier.inner.get = slow_get  # the peer server reads through the observed tiers
+                tier.inner.get = stalled_get  # the peer server reads through the observed tiers
             reply({"ok": True})
         elif cmd == "exit":
             reply({"ok": True})

@@ -1,4 +1,5 @@
-"""Shared helpers of the cluster tests: a controller served by uvicorn in a thread, chunk blobs, waiting."""
+"""Shared helpers of the cluster and remote-tier tests: a controller served by uvicorn in a thread, chunk blobs,
+waiting on a condition or a call with a generous deadline, and a clock that only moves when told to."""
 from __future__ import annotations
 
 import socket
@@ -29,7 +30,7 @@ def make_blob(k: bytes, num_tokens: int = 16, seed: int = 0, layout: KVLayout = 
     return bytes(RawCodec().encode(torch.randn(layout.shape(num_tokens), generator=gen), k, layout))
 
 
-def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.02) -> object:
+def wait_for(predicate: Callable[[], object], timeout_s: float = 30.0, interval_s: float = 0.02) -> object:
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
@@ -38,6 +39,41 @@ def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0, interval_
         if time.monotonic() > deadline:
             raise TimeoutError("condition not met in time")
         time.sleep(interval_s)
+
+
+def finishes(fn: Callable[[], object], timeout_s: float = 60.0) -> object:
+    """fn() run in a thread; its result, or its exception re-raised. Fails if it is still running after the
+    (generous) deadline: for calls whose contract is "never hangs"."""
+    out: list[object] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"still running after {timeout_s} s")
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
+class FakeClock:
+    """A monotonic clock for circuit breakers that moves only by `advance` (no sleeping in tests)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 class ControllerThread:

@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 
 from kvfabric.bench.common import emit, paired, threads_note
-from kvfabric.cluster.p2p import PeerClient, PeerServer, new_buffer
+from kvfabric.cluster.p2p_client import PeerClient, new_buffer
+from kvfabric.cluster.p2p_server import PeerServer
 from kvfabric.codec.raw import RawCodec
-from kvfabric.config import Config
+from kvfabric.config import ClusterConfig, Config, CpuTierConfig, DiskTierConfig
 from kvfabric.engine import CacheEngine
 from kvfabric.layout import KVLayout
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
-from kvfabric.tiers.stack import TierStack
 
 LAYOUT = KVLayout(30, 3, 64, "float16")  # SmolLM2-135M
 CHUNK = 256
@@ -143,8 +143,8 @@ def bench_fetch(num_chunks: int, repeats: int, root: Path) -> list[dict]:
 def _controller():
     import uvicorn
 
-    from kvfabric.cluster.controller import create_app
-    from kvfabric.cluster.index import MemoryIndex
+    from kvfabric.cluster.controller_app import create_app
+    from kvfabric.cluster.index_memory import MemoryIndex
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -167,38 +167,36 @@ def bench_cluster(num_tokens: int, repeats: int, root: Path) -> list[dict]:
     from kvfabric.cluster.worker import ClusterNode
 
     server, thread, url = _controller()
-    config = Config(chunk_size=CHUNK, tiers=("cpu",))
-    nodes: list[ClusterNode] = []
     engines: list[CacheEngine] = []
 
-    def instance(name: str, tiers: list) -> tuple[ClusterNode, CacheEngine]:
-        node = ClusterNode(tiers, url, token=TOKEN, instance_id=name, report_interval_s=0.05, fetch_timeout_s=30.0,
-                           lookup_timeout_s=5.0)
-        engine = CacheEngine(config, LAYOUT, "bench", tiers=node.tiers)
-        node.bind_engine(engine)
-        nodes.append(node)
+    def instance(name: str, tiers: tuple[str, ...], capacity: int) -> tuple[ClusterNode, CacheEngine]:
+        cluster = ClusterConfig(controller_url=url, token=TOKEN, instance_id=name, report_interval_s=0.05,
+                                fetch_timeout_s=30.0, lookup_timeout_s=5.0)
+        config = Config(chunk_size=CHUNK, tiers=(*tiers, "peer"), cpu=CpuTierConfig(capacity=capacity),
+                        disk=DiskTierConfig(path=str(root / f"{name}-disk"), capacity=capacity), cluster=cluster)
+        engine = CacheEngine(config, LAYOUT, "bench")
         engines.append(engine)
-        return node, engine
+        assert engine.node is not None
+        return engine.node, engine
 
     rows: list[dict] = []
     api = ControllerClient(url, TOKEN, timeout_s=120.0)
     try:
         tokens = list(range(num_tokens))
         kv = torch.randn(LAYOUT.shape(num_tokens), generator=torch.Generator().manual_seed(1)).half()
-        node_a, a = instance("a", [CpuTier(kv.numel() * 4)])
-        node_b, b = instance("b", [CpuTier(kv.numel() * 4), DiskTier(root / "b-disk", kv.numel() * 4)])
+        node_a, a = instance("a", ("cpu",), kv.numel() * 4)
+        node_b, b = instance("b", ("cpu", "disk"), kv.numel() * 4)
         a.store(tokens, kv)
         num_bytes = sum(len(node_a.served["cpu"].get(k)) for k in a.keys(tokens))
         assert node_a.flush_reports() and node_b.flush_reports()
         raw_server = RawServer([node_a.served["cpu"].get(k) for k in a.keys(tokens)])
         raw = RawClient(raw_server.port, [len(node_a.served["cpu"].get(k)) for k in a.keys(tokens)])
 
-        # the miss path: B's stack = [cpu, peer]; each round starts with B's cpu empty
+        # the miss path: B's tiers are cpu, disk, peer; each round starts with its cpu and disk empty
         out = torch.empty_like(kv)
-        stack_b: TierStack = b.stack
 
         def reset_b() -> None:
-            stack_b.flush()
+            b.flush()
             node_b.served["cpu"].inner.clear()
             node_b.served["disk"].inner.clear()
             node_b.peer.clear()

@@ -1,13 +1,15 @@
 """kvfabric cluster: a controller with a global chunk index, peer-to-peer chunk transfer, the management API.
 
-- `controller`: the HTTP service (FastAPI) and `run_controller` / `main` (`kvfabric controller`); built from
+- `controller`: serves the HTTP controller (`run_controller` / `main`, `kvfabric controller`); built from
   `controller_models` (API schema), `controller_guard` (body bound, metrics), `controller_service` (the logic)
-  and `controller_app` (routes).
-- `index`: the chunk index (in memory, or in Redis / Redis Cluster shared by several controllers); built from
-  `index_types`, `index_memory` and `index_redis`.
-- `protocol`, `p2p`: the framed binary protocol, `PeerServer` and `PeerClient`.
-- `worker`: `ClusterNode` (observed local tiers + reporter from `worker_reporting` + peer server +
-  `tiers.peer.PeerTier`).
+  and `controller_app` (`create_app`, the routes).
+- `index`: the chunk index's data model, protocol and `open_index`; backends `index_memory` and `index_redis`
+  (Redis / Redis Cluster shared by several controllers).
+- `protocol`: the framed binary P2P protocol; `p2p_server` (`PeerServer`), `p2p_client` (`PeerClient`,
+  `PeerPool`).
+- `peer`: `PeerTier`, the read-only tier over the other instances' chunks.
+- `worker`: `ClusterNode` (observed local tiers + reporter from `worker_reporting` + peer server + peer tier).
 - `client`: `ControllerClient`, a small synchronous HTTP client of the controller.
-Heavy imports (FastAPI, uvicorn) happen only in `controller` and its `controller_*` modules.
+The cluster imports tiers (it serves and wraps them); tiers never import the cluster. Heavy imports (FastAPI,
+uvicorn) happen only in `controller` and its `controller_*` modules.
 """

@@ -24,8 +24,8 @@ behalf of a client). Commands that need a worker (pin, clear, move) reach it ove
 same token; an unreachable worker gives 502 for that call, never a hang past `control_timeout_s`.
 
 Modules: `controller_models` (the API schema and limits), `controller_guard` (`Guard`, `Metrics`),
-`controller_service` (`Controller`), `controller_app` (`create_app`); this one serves it (`run_controller`,
-`main`, `check_bind`) and re-exports the names of the others.
+`controller_service` (`Controller`), `controller_app` (`create_app`, the ASGI app to embed); this one serves it
+(`run_controller`, `main`, `check_bind`).
 """
 from __future__ import annotations
 
@@ -35,56 +35,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvfabric.cluster.controller_app import backend_errors, create_app
-from kvfabric.cluster.controller_guard import Guard, Metrics
-from kvfabric.cluster.controller_models import (
-    MAX_BODY_BYTES,
-    MAX_KEYS,
-    MAX_TOKENS,
-    ClearRequest,
-    CommandResponse,
-    Count,
-    ErrorResponse,
-    EventsRequest,
-    Flag,
-    HealthResponse,
-    HeartbeatRequest,
-    Host,
-    InstanceHit,
-    InstanceId,
-    InstanceResult,
-    InstancesResponse,
-    InstanceView,
-    KeyHex,
-    KnownResponse,
-    LookupRequest,
-    LookupResponse,
-    MoveRequest,
-    MoveResponse,
-    NamespaceModel,
-    PinRequest,
-    Port,
-    RegisterRequest,
-    RegisterResponse,
-    Selection,
-    Strict,
-    TierKeys,
-    TierModel,
-    TierName,
-    TokenId,
-)
-from kvfabric.cluster.controller_service import CONTROL_BATCH, Controller, vars_of
+from kvfabric.cluster.controller_app import create_app
+from kvfabric.cluster.controller_models import MAX_BODY_BYTES
 from kvfabric.cluster.index import open_index
-from kvfabric.cluster.p2p import is_loopback
-
-__all__ = [
-    "CONTROL_BATCH", "DEFAULT_PORT", "MAX_BODY_BYTES", "MAX_KEYS", "MAX_TOKENS", "ClearRequest", "CommandResponse",
-    "Controller", "Count", "ErrorResponse", "EventsRequest", "Flag", "Guard", "HealthResponse", "HeartbeatRequest",
-    "Host", "InstanceHit", "InstanceId", "InstanceResult", "InstanceView", "InstancesResponse", "KeyHex",
-    "KnownResponse", "LookupRequest", "LookupResponse", "Metrics", "MoveRequest", "MoveResponse", "NamespaceModel",
-    "PinRequest", "Port", "RegisterRequest", "RegisterResponse", "Selection", "Strict", "TierKeys", "TierModel",
-    "TierName", "TokenId", "backend_errors", "check_bind", "create_app", "main", "run_controller", "vars_of",
-]
+from kvfabric.cluster.p2p_server import is_loopback
 
 DEFAULT_PORT = 8470
 

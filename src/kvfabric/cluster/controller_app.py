@@ -45,7 +45,7 @@ from kvfabric.cluster.controller_models import (
 from kvfabric.cluster.controller_service import Controller
 from kvfabric.cluster.index import ChunkIndex, open_index
 
-log = logging.getLogger("kvfabric.cluster.controller")  # the controller's logger, as before the split into modules
+log = logging.getLogger(__name__)
 
 
 def create_app(index: ChunkIndex | None = None, *, token: str | None = None, instance_ttl_s: float = 10.0,

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -41,10 +40,10 @@ from kvfabric.cluster.controller_models import (
     TierModel,
 )
 from kvfabric.cluster.index import ChunkIndex, InstanceInfo, Namespace, TierInfo
-from kvfabric.cluster.p2p import PeerClient, PeerError
+from kvfabric.cluster.p2p_client import PeerError, PeerPool
 from kvfabric.hashing import chunk_keys
 
-log = logging.getLogger("kvfabric.cluster.controller")  # the controller's logger, as before the split into modules
+log = logging.getLogger(__name__)
 
 CONTROL_BATCH = 4096  # keys per control message to a worker (stays under the P2P request bound)
 
@@ -58,10 +57,9 @@ class Controller:
         self.token = token or None
         self.instance_ttl_s = instance_ttl_s
         self.control_timeout_s = control_timeout_s
-        self.connect_timeout_s = connect_timeout_s
         self.metrics = Metrics()
-        self._clients: dict[tuple[str, int], PeerClient] = {}
-        self._lock = threading.Lock()
+        self.peers = PeerPool(self.token, connect_timeout_s=connect_timeout_s, io_timeout_s=control_timeout_s,
+                              pool_size=2)
 
     # ---- helpers ---------------------------------------------------------------------------------------------
     def alive(self, exclude: Sequence[str] = ()) -> list[InstanceInfo]:
@@ -74,18 +72,9 @@ class Controller:
             raise HTTPException(404, f"no live instance {instance_id!r}")
         return info
 
-    def client(self, info: InstanceInfo) -> PeerClient:
-        with self._lock:
-            client = self._clients.get((info.host, info.port))
-            if client is None:
-                client = PeerClient(info.host, info.port, self.token, connect_timeout_s=self.connect_timeout_s,
-                                    io_timeout_s=self.control_timeout_s, pool_size=2)
-                self._clients[(info.host, info.port)] = client
-            return client
-
     def command(self, info: InstanceInfo, message: dict) -> dict:
         try:
-            reply = self.client(info).control(message, timeout_s=self.control_timeout_s)
+            reply = self.peers.client(info.host, info.port).control(message, timeout_s=self.control_timeout_s)
         except PeerError as exc:
             return {"ok": False, "error": str(exc), "code": 502}
         return reply
@@ -277,10 +266,7 @@ class Controller:
         return gone
 
     def close(self) -> None:
-        with self._lock:
-            clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            client.close()
+        self.peers.close()
         self.index.close()
 
 

@@ -12,22 +12,90 @@ Contract (one suite in tests/test_cluster_index.py runs on every backend):
 - Safe under concurrent callers (threads; for RedisIndex also several controller processes: every operation is
   a set of single-key commands, so it works on Redis Cluster too, and a restarted controller loses nothing).
 
-Modules: `index_types` (Namespace, TierInfo, InstanceInfo, the ChunkIndex protocol, group_keys), `index_memory`
-(MemoryIndex), `index_redis` (RedisIndex); this module re-exports them all and picks one with `open_index`.
+Here: the data model (`Namespace`, `TierInfo`, `InstanceInfo`, which round-trips through JSON for the Redis
+backend), the `ChunkIndex` protocol, and `open_index`, which picks a backend: `index_memory.MemoryIndex` or
+`index_redis.RedisIndex` (each imported only when chosen).
 """
 from __future__ import annotations
 
-from kvfabric.cluster.index_memory import MemoryIndex
-from kvfabric.cluster.index_redis import RedisIndex
-from kvfabric.cluster.index_types import ChunkIndex, InstanceInfo, Namespace, TierInfo, group_keys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
-__all__ = ["ChunkIndex", "InstanceInfo", "MemoryIndex", "Namespace", "RedisIndex", "TierInfo", "group_keys",
-           "open_index"]
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """How an instance turns tokens into chunk keys (hashing.chunk_keys): the root key and its parameters."""
+    model_id: str
+    root: str  # hex of hashing.root_key(...)
+    chunk_size: int
+    hash: str = "sha256"
+    partial: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TierInfo:
+    name: str
+    capacity_bytes: int = 0
+    num_chunks: int = 0
+    num_bytes: int = 0
+
+
+@dataclass(slots=True)
+class InstanceInfo:
+    instance_id: str
+    host: str
+    port: int
+    tiers: list[TierInfo] = field(default_factory=list)  # fastest first
+    namespaces: list[Namespace] = field(default_factory=list)
+    registered_at: float = 0.0
+    last_seen: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> InstanceInfo:
+        return cls(instance_id=data["instance_id"], host=data["host"], port=int(data["port"]),
+                   tiers=[TierInfo(**t) for t in data.get("tiers", [])],
+                   namespaces=[Namespace(**n) for n in data.get("namespaces", [])],
+                   registered_at=float(data.get("registered_at", 0.0)), last_seen=float(data.get("last_seen", 0.0)))
+
+
+class ChunkIndex(Protocol):
+    backend: str
+
+    def register(self, info: InstanceInfo, reset: bool = True) -> None: ...
+
+    def heartbeat(self, instance_id: str, tiers: Sequence[TierInfo] | None, now: float) -> bool: ...
+
+    def unregister(self, instance_id: str) -> bool: ...
+
+    def instances(self) -> list[InstanceInfo]: ...
+
+    def get_instance(self, instance_id: str) -> InstanceInfo | None: ...
+
+    def apply(self, instance_id: str, admit: Mapping[str, Sequence[bytes]],
+              evict: Mapping[str, Sequence[bytes]]) -> bool: ...
+
+    def drop(self, instance_id: str, tier: str | None = None) -> int: ...
+
+    def locate(self, keys: Sequence[bytes]) -> list[dict[str, list[str]]]: ...
+
+    def counts(self, instance_id: str) -> dict[str, int]: ...
+
+    def expire(self, cutoff: float) -> list[str]: ...
+
+    def ping(self) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 def open_index(url: str | None, *, is_cluster: bool = False, prefix: str = "kvfc:") -> ChunkIndex:
     """'memory' (or empty) -> MemoryIndex; redis://, rediss://, unix:// -> RedisIndex (is_cluster for a
     Redis Cluster; the scheme redis+cluster:// is accepted as shorthand)."""
+    from kvfabric.cluster.index_memory import MemoryIndex
+    from kvfabric.cluster.index_redis import RedisIndex
     if not url or url == "memory":
         return MemoryIndex()
     if url.startswith("redis+cluster://"):

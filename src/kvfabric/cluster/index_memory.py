@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from kvfabric.cluster.index_types import InstanceInfo, TierInfo
+from kvfabric.cluster.index import InstanceInfo, TierInfo
 
 
 class MemoryIndex:

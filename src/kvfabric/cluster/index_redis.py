@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from kvfabric.cluster.index_types import InstanceInfo, TierInfo
+from kvfabric.cluster.index import InstanceInfo, TierInfo
 
 
 class RedisIndex:

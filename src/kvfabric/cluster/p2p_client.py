@@ -1,10 +1,11 @@
-"""Peer-to-peer chunk transfer, client side: `PeerClient`, its `PeerError`, and the receive buffer allocator.
+"""Peer-to-peer chunk transfer, client side: `PeerClient`, `PeerPool`, `PeerError`, the receive buffer allocator.
 
 Client (`PeerClient`): one per peer address, thread safe, keeps up to `pool_size` idle connections.
 `fetch(keys)` streams (key, blob | None) in request order, each blob a memoryview of its own new buffer; any
 failure raises `PeerError` (after yielding what did arrive), never hangs past the timeouts.
+`PeerPool`: one `PeerClient` per (host, port), made on first use with the pool's settings; `close` closes them all.
 
-The server side is `p2p_server`; `kvfabric.cluster.p2p` re-exports both.
+The server side is `p2p_server`.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from kvfabric.cluster import protocol as p
+from kvfabric.framing import no_delay, recv_into
 
 
 def new_buffer(size: int) -> memoryview:
@@ -26,7 +28,6 @@ def new_buffer(size: int) -> memoryview:
 
 class PeerError(Exception):
     """A fetch or control call to a peer failed (unreachable, timed out, refused, or spoke nonsense)."""
-
 
 
 class PeerClient:
@@ -56,7 +57,7 @@ class PeerClient:
             sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
         except OSError as exc:
             raise PeerError(f"cannot connect to {self.host}:{self.port}: {exc}") from None
-        p.tune(sock)
+        no_delay(sock)
         return sock, False
 
     def _release(self, sock: socket.socket) -> None:
@@ -90,7 +91,7 @@ class PeerClient:
                     if kind != p.FrameType.CHUNK or length < p.KEY_BYTES or length - p.KEY_BYTES > self.max_frame_bytes:
                         raise p.ProtocolError(f"unexpected {kind.name} frame of {length} bytes")
                     got_key = bytearray(p.KEY_BYTES)
-                    p.recv_exact(sock, memoryview(got_key), self.io_timeout_s, deadline)
+                    recv_into(sock, memoryview(got_key), self.io_timeout_s, deadline)
                     if got_key != key:
                         raise p.ProtocolError("chunk frames out of order")
                     if flags == p.Status.MISSING and length == p.KEY_BYTES:
@@ -99,12 +100,12 @@ class PeerClient:
                     if flags != p.Status.OK:
                         raise p.ProtocolError(f"bad chunk status {flags}")
                     blob = new_buffer(length - p.KEY_BYTES)
-                    p.recv_exact(sock, blob, self.io_timeout_s, deadline)
+                    recv_into(sock, blob, self.io_timeout_s, deadline)
                     yield key, blob
                 kind, _, length = p.recv_header(sock, self.io_timeout_s, deadline)
                 if kind != p.FrameType.END or length != 4:
                     raise p.ProtocolError(f"expected END, got {kind.name}")
-                p.recv_exact(sock, memoryview(bytearray(4)), self.io_timeout_s, deadline)
+                recv_into(sock, memoryview(bytearray(4)), self.io_timeout_s, deadline)
                 ok = True
                 self._release(sock)
                 return
@@ -139,7 +140,7 @@ class PeerClient:
                 if kind != p.FrameType.REPLY or length > p.MAX_REQUEST_BYTES * 16:
                     raise p.ProtocolError(f"unexpected {kind.name} frame of {length} bytes")
                 body = bytearray(length)
-                p.recv_exact(sock, memoryview(body), timeout, deadline)
+                recv_into(sock, memoryview(body), timeout, deadline)
                 reply = p.decode_json(body)
                 ok = True
                 self._release(sock)
@@ -156,7 +157,7 @@ class PeerClient:
     def _error(self, sock: socket.socket, length: int, deadline: float | None) -> p.RemoteError:
         body = bytearray(min(length, 4096))
         try:
-            p.recv_exact(sock, memoryview(body), self.io_timeout_s, deadline)
+            recv_into(sock, memoryview(body), self.io_timeout_s, deadline)
         except OSError:
             return p.RemoteError(0, "truncated error frame")
         return p.decode_error(body)
@@ -167,3 +168,26 @@ class PeerClient:
             idle, self._idle = self._idle, []
         for sock in idle:
             sock.close()
+
+
+class PeerPool:
+    """One PeerClient per peer address, thread safe."""
+
+    def __init__(self, token: str | None, **client_kw: float) -> None:
+        self.token = token
+        self.client_kw = client_kw  # PeerClient's keywords (timeouts, pool_size), for clients made from now on
+        self._clients: dict[tuple[str, int], PeerClient] = {}
+        self._lock = threading.Lock()
+
+    def client(self, host: str, port: int) -> PeerClient:
+        with self._lock:
+            client = self._clients.get((host, port))
+            if client is None:
+                client = self._clients[(host, port)] = PeerClient(host, port, self.token, **self.client_kw)
+            return client
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()

@@ -7,7 +7,7 @@
   any protocol violation (bad magic, oversize or truncated body, bad token) gets an ERROR frame and the
   connection is closed. Nothing a client sends can raise out of the server or stop it.
 - GET: each key is read from the served tiers (or the one named); blobs go out as they are stored, with
-  scatter-gather writes (no copy in user space); chunks kept as files (disk tier) go out with sendfile. A key
+  scatter-gather writes (no copy in user space); chunks kept as files (`Tier.file_of`) go out with sendfile. A key
   no tier holds (or a tier that raises) gives Status.MISSING and `on_missing(key)` is called (the worker then
   corrects what the controller believes).
 - CONTROL: the JSON message goes to the `control` callback; its dict (or {"ok": false, "error": ...}) is the
@@ -15,7 +15,7 @@
 Threads rather than asyncio: tier reads block (files), and a blocking `sendmsg` of the stored blob sends it
 without first copying it into a transport buffer.
 
-The client side is `p2p_client`; `kvfabric.cluster.p2p` re-exports both.
+The client side is `p2p_client`.
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvfabric.cluster import protocol as p
+from kvfabric.framing import no_delay, recv_into, send_all
 from kvfabric.tiers.base import Blob, Tier
 
-# The logger name predates the split into p2p_server/p2p_client: keep it so log configuration still applies.
-log = logging.getLogger("kvfabric.cluster.p2p")
+log = logging.getLogger(__name__)
 
 
 def is_loopback(host: str) -> bool:
@@ -74,10 +74,6 @@ class PeerServer:
         self.host, self.port = self._sock.getsockname()[:2]
         self._thread = threading.Thread(target=self._accept_loop, name="kvfabric-p2p-accept", daemon=True)
 
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.host, self.port
-
     def start(self) -> PeerServer:
         self._thread.start()
         return self
@@ -98,7 +94,7 @@ class PeerServer:
                     return
                 time.sleep(0.05)  # e.g. out of file descriptors: back off, keep serving
                 continue
-            p.tune(conn)
+            no_delay(conn)
             if not self._slots.acquire(blocking=False):
                 self._count("rejected")
                 self._reject(conn, 503, "too many connections")
@@ -121,11 +117,12 @@ class PeerServer:
             while not self._closing.is_set():
                 try:
                     kind, _, length = p.recv_header(conn, self.idle_timeout_s)
-                except (OSError, p.ProtocolError) as exc:
-                    if isinstance(exc, p.ProtocolError):
-                        self._count("errors")
-                        conn.settimeout(1.0)
-                        conn.sendall(p.encode_error(400, str(exc)))
+                except OSError:  # closed between requests (framing.PeerClosed is one), or idle too long
+                    return
+                except p.ProtocolError as exc:
+                    self._count("errors")
+                    conn.settimeout(1.0)
+                    conn.sendall(p.encode_error(400, str(exc)))
                     return
                 if kind not in (p.FrameType.GET, p.FrameType.CONTROL):
                     self._count("errors")
@@ -136,7 +133,7 @@ class PeerServer:
                     conn.sendall(p.encode_error(413, f"request of {length} bytes is over {self.max_request_bytes}"))
                     return
                 body = bytearray(length)
-                p.recv_exact(conn, memoryview(body), self.io_timeout_s,
+                recv_into(conn, memoryview(body), self.io_timeout_s,
                              time.monotonic() + self.io_timeout_s)
                 self._count("requests")
                 try:
@@ -189,7 +186,7 @@ class PeerServer:
                     except Exception:
                         log.exception("on_missing callback failed")
                 continue
-            p.send_all(conn, [p.pack_header(p.FrameType.CHUNK, p.KEY_BYTES + len(blob), p.Status.OK), key, blob])
+            send_all(conn, [p.pack_header(p.FrameType.CHUNK, p.KEY_BYTES + len(blob), p.Status.OK), key, blob])
             with self._lock:
                 self.counters["chunks_sent"] += 1
                 self.counters["bytes_sent"] += len(blob)
@@ -197,16 +194,16 @@ class PeerServer:
         return True
 
     def _send_file(self, conn: socket.socket, tiers: Sequence[Tier], key: bytes) -> bool:
-        """Serve a chunk kept as a file (a disk tier exposing `path(key)`) with sendfile: no copy through this
-        process, no buffer to allocate. Only when no faster tier before it holds the key. True if sent."""
+        """Serve a chunk kept as a file (`file_of`) with sendfile: no copy through this process, no buffer to
+        allocate. Only when no faster tier before it holds the key. True if sent."""
         for tier in tiers:
-            path_of = getattr(tier, "path", None)
-            if path_of is None:
+            path = tier.file_of(key)
+            if path is None:
                 if tier.contains_many([key])[0]:
-                    return False  # a memory tier has it: the normal path
+                    return False  # a tier without files has it: the normal path
                 continue
             try:
-                f = open(path_of(key), "rb")
+                f = open(path, "rb")
             except OSError:
                 continue
             with f:

@@ -25,15 +25,17 @@ Exchanges (one at a time per connection; a connection is reused for many request
 
 Bounds: request bodies (GET, CONTROL) are at most `MAX_REQUEST_BYTES` and `MAX_KEYS` keys; a CHUNK body is at
 most the receiver's `max_frame_bytes`; every read has a timeout. Token check: hmac.compare_digest.
+Exact reads, scatter-gather sends and the error types come from kvfabric.framing (shared with the KV stream).
 """
 from __future__ import annotations
 
 import json
 import socket
 import struct
-import time
 from collections.abc import Sequence
 from enum import IntEnum
+
+from kvfabric.framing import ProtocolError, recv_into
 
 MAGIC = b"KVP2"
 VERSION = 1
@@ -60,10 +62,6 @@ class FrameType(IntEnum):
 class Status(IntEnum):
     OK = 0
     MISSING = 1
-
-
-class ProtocolError(Exception):
-    """The byte stream is not a valid frame sequence (or the peer broke the rules)."""
 
 
 class RemoteError(ProtocolError):
@@ -146,13 +144,17 @@ def decode_get(body: bytes | bytearray | memoryview) -> tuple[bytes, str, list[b
 
 
 def encode_control(token: str | None, message: dict) -> bytes:
-    return _pack_token(token) + json.dumps(message, separators=(",", ":")).encode()
+    return _pack_token(token) + encode_json(message)
 
 
 def decode_control(body: bytes | bytearray | memoryview) -> tuple[bytes, dict]:
     view = memoryview(body)
     token, pos = _unpack_token(view)
     return token, decode_json(view[pos:])
+
+
+def encode_json(message: dict) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode()
 
 
 def decode_json(data: bytes | bytearray | memoryview) -> dict:
@@ -178,50 +180,7 @@ def decode_error(body: bytes | bytearray | memoryview) -> RemoteError:
 
 
 # ---- socket helpers ----------------------------------------------------------------------------------------
-def recv_exact(sock: socket.socket, view: memoryview, timeout_s: float, deadline: float | None = None) -> None:
-    """Fill `view` from `sock`. Each wait for data is bounded by `timeout_s` (inactivity) and by `deadline`
-    (time.monotonic()) when given. Raises TimeoutError, ConnectionError (peer closed) or OSError."""
-    pos, size = 0, len(view)
-    while pos < size:
-        wait = timeout_s
-        if deadline is not None:
-            wait = min(wait, deadline - time.monotonic())
-            if wait <= 0:
-                raise TimeoutError("deadline passed")
-        sock.settimeout(wait)
-        n = sock.recv_into(view[pos:])
-        if n == 0:
-            raise ConnectionError("peer closed the connection")
-        pos += n
-
-
 def recv_header(sock: socket.socket, timeout_s: float, deadline: float | None = None) -> tuple[FrameType, int, int]:
     buf = bytearray(HEADER_BYTES)
-    recv_exact(sock, memoryview(buf), timeout_s, deadline)
+    recv_into(sock, memoryview(buf), timeout_s, deadline)
     return parse_header(buf)
-
-
-def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
-    """Send several buffers with scatter-gather writes (no concatenation copy); loops over partial sends."""
-    views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    while views:
-        sent = sock.sendmsg(views)
-        while sent:
-            if sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
-
-
-def tune(sock: socket.socket) -> None:
-    """No Nagle delay for request/response frames."""
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except OSError:
-        pass
-
-
-def encode_json(message: dict) -> bytes:
-    return json.dumps(message, separators=(",", ":")).encode()

@@ -1,8 +1,8 @@
 """Keeping the controller's view of an instance's served tiers current: `ObservedTier` and `Reporter`.
 
-- `ObservedTier` wraps a served local tier: the Tier protocol unchanged, plus a "this tier changed" mark on
-  every put / delete / clear. No core change: the wrapper forwards everything else (get_into, prefetch, ...) to
-  the tier it wraps. With `refuse` it declines puts of the keys it names (chunks fetched from peers).
+- `ObservedTier` wraps a served local tier: the Tier protocol unchanged (declarations and every method forwarded
+  to the tier it wraps), plus a "this tier changed" mark on every put / delete / clear. With `refuse` it
+  declines puts of the keys it names (chunks fetched from peers).
 - `Reporter` is a background thread: it registers the instance, sends heartbeats with tier usage, and every
   `interval_s` diffs each changed tier's key set against what the controller was told and sends the admits /
   evicts in batches of `EVENT_BATCH`. Diffing key sets also catches LRU evictions inside a tier (which no
@@ -16,12 +16,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from pathlib import Path
 
 from kvfabric.cluster.client import ControllerClient, ControllerError
-from kvfabric.tiers.base import Blob, Tier, TierUsage
+from kvfabric.tiers.base import Blob, Scratch, Tier, TierUsage
 
-log = logging.getLogger("kvfabric.cluster.worker")  # the worker's logger, as before the split into modules
+log = logging.getLogger(__name__)
 
 EVENT_BATCH = 4096  # keys per events request (the controller accepts up to 16384 per tier)
 
@@ -35,18 +35,24 @@ class ObservedTier:
         self.inner = inner
         self._on_change = on_change
         self.refuse = refuse
-        self.name = inner.name
-        self.is_trusted = inner.is_trusted
-        self.capacity_bytes = inner.capacity_bytes
-
-    def __getattr__(self, attr: str) -> Any:  # optional methods (get_into, prefetch, path, counters, ...)
-        return getattr(self.inner, attr)
+        self.name, self.capacity_bytes = inner.name, inner.capacity_bytes
+        self.is_trusted, self.is_read_only, self.is_persistent = inner.is_trusted, inner.is_read_only, inner.is_persistent
+        self.is_shared, self.honors_capacity, self.honors_pins = inner.is_shared, inner.honors_capacity, inner.honors_pins
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         return self.inner.contains_many(keys)
 
     def get(self, key: bytes) -> Blob | None:
         return self.inner.get(key)
+
+    def get_into(self, key: bytes, scratch: Scratch) -> Blob | None:
+        return self.inner.get_into(key, scratch)
+
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        self.inner.prefetch(keys)
+
+    def file_of(self, key: bytes) -> Path | None:
+        return self.inner.file_of(key)
 
     def put(self, key: bytes, blob: Blob) -> bool:
         if self.refuse is not None and self.refuse(key):
@@ -98,7 +104,6 @@ class Reporter:
         self.counters: dict[str, int] = {"registers": 0, "heartbeats": 0, "admits": 0, "evicts": 0, "errors": 0}
         self._reported: dict[str, set[bytes]] = {name: set() for name in self.tiers}
         self._dirty: set[str] = set(self.tiers)
-        self._update_info = False
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._wake = threading.Event()
@@ -120,12 +125,6 @@ class Reporter:
     def mark_all(self) -> None:
         with self._lock:
             self._dirty.update(self.tiers)
-
-    def update_info(self) -> None:
-        """Send the registration again (keeping entries): e.g. a namespace was added."""
-        with self._lock:
-            self._update_info = True
-        self._wake.set()
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Run a report now and wait for it; True if the controller is up to date with this instance."""
@@ -154,16 +153,11 @@ class Reporter:
     def _tick(self) -> None:
         now = time.monotonic()
         try:
-            with self._lock:
-                soft, self._update_info = self._update_info, False
-            if not self.registered or soft:
-                body = self.info()
-                body["reset"] = not self.registered
-                self.client.register(body)
+            if not self.registered:
+                self.client.register({**self.info(), "reset": True})
                 self.counters["registers"] += 1
-                if not self.registered:
-                    self._reported = {name: set() for name in self.tiers}
-                    self.mark_all()
+                self._reported = {name: set() for name in self.tiers}
+                self.mark_all()
                 self.registered = True
                 self._last_heartbeat = now
             if now - self._last_reconcile >= self.reconcile_interval_s:

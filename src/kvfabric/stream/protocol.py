@@ -11,6 +11,7 @@
 The receiver checks every header against what the stream already told it before reading a body: kind known,
 index in order, length within the bound for that kind (a KV body is at most twice the chunk's raw size plus
 1 MiB; TOKENS exactly 4 bytes a token). A violation raises ProtocolError and the connection is dropped.
+Reading exact byte counts and the error types come from kvfabric.framing (shared with the cluster protocol).
 """
 from __future__ import annotations
 
@@ -19,15 +20,13 @@ import socket
 import struct
 from dataclasses import dataclass
 
+from kvfabric.framing import ProtocolError, recv_exact
+
 MAGIC = b"KVST"
 FRAME = struct.Struct("<4sBBHIQ")
 HELLO, KV, TOKENS, END = 1, 2, 3, 4
 MAX_HELLO = 16 << 20
 MAX_TOKENS = 1 << 22
-
-
-class ProtocolError(ValueError):
-    """The peer sent something this protocol does not allow."""
 
 
 @dataclass(frozen=True)
@@ -50,18 +49,6 @@ def send_frame(sock: socket.socket, kind: int, index: int, body: bytes | bytearr
     if len(body) >= 4096:
         sock.sendall(body)
     return len(head) + len(body)
-
-
-def recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> bytearray:
-    buf = into if into is not None else bytearray(n)
-    view = memoryview(buf)[:n]
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ProtocolError(f"connection closed after {got} of {n} bytes")
-        got += k
-    return buf
 
 
 def recv_header(sock: socket.socket) -> Frame:

@@ -1,16 +1,23 @@
-"""The Tier protocol, and the byte-bounded LRU index that tiers share.
+"""The Tier protocol, its default methods (`TierBase`), and the byte-bounded LRU index that tiers share.
 
 Contract for every tier (tests/tier_contract.py runs one suite on each implementation):
 - Values are chunk blobs (codec.format): opaque bytes to the tier. `put` then `get` returns the same bytes, or
   None once the entry was evicted, deleted or found damaged; `get` never raises for a missing key.
-- `capacity_bytes` bounds the sum of stored blob sizes; when a put would exceed it the least recently used
-  entries go first. Pinned keys are never evicted (a retrieve in progress pins what it reads).
-- `is_trusted`: the tier hands back exactly the object this process stored (process memory), so the payload
-  checksum need not be recomputed on read. Every other tier's blobs are verified by the stack on read.
+- What a tier can promise is declared as class attributes, never discovered at run time:
+  `is_trusted`       it hands back exactly the object this process stored (process memory), so the payload
+                     checksum need not be recomputed on read; every other tier's blobs are verified by the stack;
+  `is_read_only`     this process never writes it (a peer): `put` stores nothing and returns False;
+  `is_persistent`    what it holds survives a process restart (a new instance over the same storage sees it);
+  `is_shared`        other processes (other instances over the same storage) see what is stored;
+  `honors_capacity`  it evicts least recently used entries itself to keep stored bytes within `capacity_bytes`
+                     (a Redis server evicts by its own maxmemory instead), and refuses a blob larger than that;
+  `honors_pins`      a key this process pinned is never evicted by this process (a retrieve pins what it reads).
+- `get_into(key, scratch)` reads the blob into a reusable buffer instead of a fresh one (fresh large allocations
+  cost ~1 GB/s of page faults on small machines); the view is valid until the scratch buffer is reused.
+  `prefetch(keys)` is a hint to start reading keys that `get` will ask for; `file_of(key)` names the file holding
+  a chunk when the tier keeps each chunk as an immutable file (the peer server sends it with sendfile).
+  `TierBase` gives the defaults: get_into returns get(key), prefetch does nothing, file_of is None.
 - All methods are safe to call from several threads.
-- Optional fast path `get_into(key, scratch)`: read the blob into a reusable buffer instead of a fresh one
-  (fresh large allocations cost ~1 GB/s of page faults on small machines); the view is valid until the scratch
-  buffer is reused.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 Blob = bytes | bytearray | memoryview
@@ -45,12 +53,23 @@ class TierUsage:
 
 class Tier(Protocol):
     name: str
-    is_trusted: bool
     capacity_bytes: int
+    is_trusted: bool
+    is_read_only: bool
+    is_persistent: bool
+    is_shared: bool
+    honors_capacity: bool
+    honors_pins: bool
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
 
     def get(self, key: bytes) -> Blob | None: ...
+
+    def get_into(self, key: bytes, scratch: Scratch) -> Blob | None: ...
+
+    def prefetch(self, keys: Sequence[bytes]) -> None: ...
+
+    def file_of(self, key: bytes) -> Path | None: ...
 
     def put(self, key: bytes, blob: Blob) -> bool: ...
 
@@ -69,12 +88,21 @@ class Tier(Protocol):
     def close(self) -> None: ...
 
 
-def prefix_length(tier: Tier, keys: Sequence[bytes]) -> int:
-    """Number of leading keys present in `tier` (one batched call)."""
-    for i, hit in enumerate(tier.contains_many(keys)):
-        if not hit:
-            return i
-    return len(keys)
+class TierBase:
+    """Defaults for the optional methods of the Tier protocol; tiers override what they do better. (The
+    declarations have no defaults: every tier states each one.)"""
+
+    def get_into(self, key: bytes, scratch: Scratch) -> Blob | None:
+        """By default `get(key)`: a blob of its own is valid for longer than the contract asks, and copying it
+        into the scratch would only add a copy (process memory, Redis and peers hand out fresh objects)."""
+        return self.get(key)  # type: ignore[attr-defined]
+
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """A hint that `get` will soon ask for these keys; by default nothing to do."""
+
+    def file_of(self, key: bytes) -> Path | None:
+        """The immutable file holding this chunk, if the tier keeps chunks as files; by default None."""
+        return None
 
 
 class LRUIndex:
@@ -148,7 +176,7 @@ class LRUIndex:
             self.num_bytes = 0
 
 
-class IndexedTier:
+class IndexedTier(TierBase):
     """Shared bookkeeping methods for tiers whose entries are tracked by an `LRUIndex` in `self._index`."""
 
     name: str

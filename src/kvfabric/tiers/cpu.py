@@ -13,6 +13,11 @@ from kvfabric.tiers.base import Blob, IndexedTier, LRUIndex
 class CpuTier(IndexedTier):
     name = "cpu"
     is_trusted = True
+    is_read_only = False
+    is_persistent = False
+    is_shared = False
+    honors_capacity = True
+    honors_pins = True
 
     def __init__(self, capacity_bytes: int) -> None:
         self._index = LRUIndex(capacity_bytes)

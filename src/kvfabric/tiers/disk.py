@@ -40,6 +40,11 @@ def fadvise(paths: Iterable[str | os.PathLike], advice: int) -> None:
 class DiskTier(IndexedTier):
     name = "disk"
     is_trusted = False
+    is_read_only = False
+    is_persistent = True
+    is_shared = True  # every process using the same directory
+    honors_capacity = True  # the bytes this process knows of; another process sharing the directory has its own
+    honors_pins = True
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, fsync: bool = False) -> None:
         self.root = Path(root).expanduser()
@@ -53,6 +58,9 @@ class DiskTier(IndexedTier):
     def path(self, key: bytes) -> Path:
         name = key.hex()
         return self.root / name[:2] / (name + SUFFIX)
+
+    def file_of(self, key: bytes) -> Path:
+        return self.path(key)  # immutable once renamed into place
 
     def _rebuild(self) -> None:
         found: list[tuple[float, bytes, int]] = []

@@ -12,8 +12,8 @@ Contract:
 - Not trusted: the stack verifies every blob read from here, so a value damaged on the server is a counted miss.
 - Faults never reach the caller and never hang it: every socket operation has `timeout_s` (connect too); a
   failed call is a miss / False / [False, ...]. After `breaker_failures` consecutive connection failures a
-  circuit breaker opens: calls answer at once without touching the network, and one probe call is let through
-  after a backoff (0.1 s, doubling, capped at `backoff_max_s`); its success closes the breaker. redis-py
+  circuit breaker (kvfabric.breaker) opens: calls answer at once without touching the network, and one probe
+  call is let through after a backoff (0.1 s, doubling, capped at `backoff_max_s`); its success closes it. redis-py
   reconnects by itself, so the tier recovers when the server comes back. Failed or skipped stores are dropped
   and counted in `counters`, never retried.
 - Thread safe: redis-py's clients use a connection pool; the breaker has its own lock.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -34,13 +33,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ClusterError, RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
-from kvfabric.config import RedisTierConfig
-from kvfabric.tiers.base import Blob, TierUsage
+from kvfabric.breaker import CircuitBreaker
+from kvfabric.tiers.base import Blob, TierBase, TierUsage
 
 log = logging.getLogger(__name__)
 
 PREFIX = b"kvf:"
-BACKOFF_START_S = 0.1
 SCAN_COUNT = 1000
 DELETE_BATCH = 1000
 T = TypeVar("T")
@@ -50,61 +48,18 @@ class _Unavailable(Exception):
     """Internal: the breaker is open, the call was not attempted."""
 
 
-class CircuitBreaker:
-    """Consecutive-failure breaker with exponential half-open probing. Thread safe."""
-
-    def __init__(self, failures: int, backoff_max_s: float, backoff_start_s: float = BACKOFF_START_S) -> None:
-        self.threshold = max(1, failures)
-        self.backoff_start_s = min(backoff_start_s, backoff_max_s)
-        self.backoff_max_s = backoff_max_s
-        self.failures = 0
-        self._backoff = self.backoff_start_s
-        self._retry_at = 0.0
-        self._lock = threading.Lock()
-
-    @property
-    def is_open(self) -> bool:
-        return self.failures >= self.threshold
-
-    def allow(self) -> bool:
-        """True if a call may go to the network now (closed, or this caller is the half-open probe)."""
-        if self.failures < self.threshold:
-            return True
-        with self._lock:
-            now = time.monotonic()
-            if now < self._retry_at:
-                return False
-            self._retry_at = now + self._backoff  # only one probe per backoff window
-            return True
-
-    def success(self) -> bool:
-        """Record a success; True if it closed an open breaker."""
-        if not self.failures:
-            return False
-        with self._lock:
-            was_open = self.failures >= self.threshold
-            self.failures = 0
-            self._backoff = self.backoff_start_s
-            return was_open
-
-    def failure(self) -> bool:
-        """Record a failure; True if this one opened (or re-opened) the breaker."""
-        with self._lock:
-            self.failures += 1
-            if self.failures < self.threshold:
-                return False
-            self._retry_at = time.monotonic() + self._backoff
-            self._backoff = min(self._backoff * 2, self.backoff_max_s)
-            return True
-
-
 def redis_key(key: bytes) -> bytes:
     return PREFIX + key.hex().encode()
 
 
-class RedisTier:
+class RedisTier(TierBase):
     name = "redis"
     is_trusted = False
+    is_read_only = False
+    is_persistent = True  # the data lives on the server, beyond any client
+    is_shared = True
+    honors_capacity = False  # the server's maxmemory policy evicts; capacity_bytes only refuses larger blobs
+    honors_pins = False  # a client cannot stop the server from evicting a key
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, is_cluster: bool = False, ttl_s: int = 0,
                  timeout_s: float = 0.5, capacity_bytes: int = 2**40, breaker_failures: int = 3,
@@ -121,12 +76,6 @@ class RedisTier:
         self.breaker = CircuitBreaker(breaker_failures, backoff_max_s)
         self._client: Any = None
         self._client_lock = threading.Lock()
-
-    @classmethod
-    def from_config(cls, config: RedisTierConfig) -> RedisTier:
-        return cls(config.url, is_cluster=config.is_cluster, ttl_s=config.ttl_s, timeout_s=config.timeout_s,
-                   capacity_bytes=config.capacity, breaker_failures=config.breaker_failures,
-                   backoff_max_s=config.backoff_max_s)
 
     # ---- connection + fault handling ---------------------------------------------------------------------
     def _make_client(self) -> Any:

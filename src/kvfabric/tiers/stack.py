@@ -44,7 +44,7 @@ class TierStack:
             raise ValueError("a tier stack needs at least one tier")
         self.tiers = list(tiers)
         self.counters = Counters()
-        self._writable = tuple(i for i, tier in enumerate(self.tiers) if not getattr(tier, "is_read_only", False))
+        self._writable = tuple(i for i, tier in enumerate(self.tiers) if not tier.is_read_only)
         self._pending: dict[bytes, tuple[Blob, int]] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[bytes, Blob, tuple[int, ...], dict[int, Blob]] | None] = \
@@ -67,7 +67,7 @@ class TierStack:
         """Which keys some tier holds; `writable_only` ignores read-only tiers (a peer's chunk is not ours)."""
         present = [key in self._pending for key in keys]
         for tier in self.tiers:
-            if writable_only and getattr(tier, "is_read_only", False):
+            if writable_only and tier.is_read_only:
                 continue
             missing = [i for i, hit in enumerate(present) if not hit]
             if not missing:
@@ -77,18 +77,17 @@ class TierStack:
         return present
 
     def get(self, key: bytes, scratch: Scratch | None = None) -> StackHit | None:
-        """The chunk's blob, its header and the tier's name, or None. With `scratch`, a tier that supports
-        `get_into` reads into it (no allocation) unless the blob must be kept for promotion. Order: a trusted
-        first tier (process memory), then writes still queued, then the other tiers."""
+        """The chunk's blob, its header and the tier's name, or None. With `scratch`, the first tier reads with
+        `get_into` (no allocation where the tier can); a blob from a later tier is kept for promotion. Order: a
+        trusted first tier (process memory), then writes still queued, then the other tiers."""
         for level, tier in enumerate(self.tiers):
             if level == int(self.tiers[0].is_trusted):  # right after process memory, before any slow tier
                 pending = self._pending.get(key)
                 if pending is not None:
                     self.counters.add("hit.pending")
                     return StackHit(pending[0], parse(pending[0], key, verify_payload=False), "pending")
-            get_into = getattr(tier, "get_into", None)
-            if scratch is not None and level == 0 and get_into is not None:
-                blob = get_into(key, scratch)
+            if scratch is not None and level == 0:
+                blob = tier.get_into(key, scratch)
             else:
                 blob = tier.get(key)
             if blob is None:
@@ -114,15 +113,13 @@ class TierStack:
         return key in self._pending or (tier.is_trusted and tier.contains_many([key])[0])
 
     def prefetch(self, keys: Sequence[bytes]) -> None:
-        """Hint each tier that has `prefetch` to start reading the keys it will serve (those the faster tiers
-        lack). Only a hint: nothing is returned and nothing fails."""
+        """Hint each tier to start reading the keys it will serve (those the faster tiers lack). Only a hint:
+        nothing is returned and nothing fails."""
         for tier in self.tiers:
             if not keys:
                 return
             present = tier.contains_many(keys)
-            hint = getattr(tier, "prefetch", None)
-            if hint is not None:
-                hint([key for key, hit in zip(keys, present) if hit])
+            tier.prefetch([key for key, hit in zip(keys, present) if hit])
             keys = [key for key, hit in zip(keys, present) if not hit]
 
     def discard(self, key: bytes) -> None:

@@ -18,7 +18,6 @@ Contract:
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,9 +29,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvfabric.config import Config, ConfigError
 from kvfabric.connectors.vllm.config import PARAMS_KEY
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, SaveSpec, add_stats
-from kvfabric.engine import build_tiers
 from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
+from kvfabric.tiers.factory import build_tiers
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -59,7 +58,7 @@ class _Lookup:
         # process memory is per process; a peer tier would make the scheduler a cluster member (not supported:
         # chunks that only peers hold are not reported as hits yet)
         shared = tuple(name for name in config.tiers if name not in ("cpu", "peer"))
-        self.tiers = build_tiers(dataclasses.replace(config, tiers=shared)) if shared else []
+        self.tiers = build_tiers(config, shared)
         self.has_memory_tier = "cpu" in config.tiers
         self.mirror: set[bytes] = set()  # keys the worker reported in its process-memory tier
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvfabric.config import ShmTierConfig
 from kvfabric.counters import Counters
-from kvfabric.tiers.base import Blob, Scratch, TierUsage
+from kvfabric.tiers.base import Blob, Scratch, TierBase, TierUsage
 from kvfabric.tiers.shm.allocator import Allocator
 from kvfabric.tiers.shm.arena import DEFAULT_ROOT, Arena, ShmLockTimeout
 from kvfabric.tiers.shm.index import Index
@@ -31,7 +31,7 @@ from kvfabric.tiers.shm.layout import MAX_KEY_BYTES, READY
 READ_RETRIES = 4
 
 
-class ShmTier:
+class ShmTier(TierBase):
     """A KV tier in a /dev/shm pool shared by every engine process on the host (see the package docstring)."""
 
     name = "shm"

@@ -12,9 +12,12 @@ Contract:
 - `get(key)`: the blob from the peer holding it (the one with the longest prefix first), over the P2P protocol
   (kvfabric.cluster.protocol). `prefetch(keys)` (called by the stack before a retrieve) streams all of them in
   one request per peer in the background; `get` then waits at most `fetch_timeout_s` of peer silence for each.
+  (Timeouts and cache lifetimes come from the `ClusterConfig` given at construction.)
   A dead, slow or lying peer is a miss, never an exception, and is avoided for `suspect_s`.
-- `put` stores nothing (returns True): the fleet learns of this instance's chunks from its own reports.
-  `delete` only forgets where a chunk was; pin/unpin are no-ops; `keys()` is empty.
+- Read-only (`is_read_only`): `put` stores nothing (returns False; the fleet learns of this instance's chunks
+  from its own reports); `delete` only forgets where a chunk was; pin/unpin are no-ops; `keys()` is empty.
+- It owns its controller client and peer connections (closed by `close`), nothing else: the cluster node that
+  made it owns the node's lifetime.
 - Thread safe.
 """
 from __future__ import annotations
@@ -23,16 +26,16 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
+from kvfabric.breaker import CircuitBreaker
 from kvfabric.cluster.client import ControllerClient, ControllerError
-from kvfabric.cluster.p2p import PeerClient, PeerError
+from kvfabric.cluster.p2p_client import PeerError, PeerPool
 from kvfabric.cluster.protocol import MAX_KEYS
-from kvfabric.tiers.base import Blob, TierUsage
-from kvfabric.tiers.redis import CircuitBreaker
+from kvfabric.config import ClusterConfig
+from kvfabric.tiers.base import Blob, TierBase, TierUsage
 
 log = logging.getLogger(__name__)
 
@@ -59,26 +62,23 @@ class _Slot:
     blob: memoryview | None = None
 
 
-class PeerTier:
+class PeerTier(TierBase):
     name = "peer"
-    is_trusted = False
-    is_read_only = True  # stores nothing: a stack may skip it on writes (proposed TierStack hook)
     capacity_bytes = 0
+    is_trusted = False
+    is_read_only = True  # the stack never writes it
+    is_persistent = False  # it holds nothing of its own
+    is_shared = False
+    honors_capacity = False
+    honors_pins = False
 
-    def __init__(self, controller: str | ControllerClient, *, instance_id: str | None = None,
-                 token: str | None = None, lookup_timeout_s: float = 0.5, lookup_ttl_s: float = 2.0,
-                 miss_ttl_s: float = 0.5, connect_timeout_s: float = 0.5, fetch_timeout_s: float = 5.0,
-                 suspect_s: float = 10.0, max_cached_keys: int = 65536, fetch_threads: int = 4,
-                 on_close: Callable[[], None] | None = None, on_bind: Callable[[Any], None] | None = None) -> None:
-        self.controller = controller if isinstance(controller, ControllerClient) else \
-            ControllerClient(controller, token, lookup_timeout_s)
+    def __init__(self, settings: ClusterConfig, instance_id: str | None = None, *, miss_ttl_s: float = 0.5,
+                 suspect_s: float = 10.0, max_cached_keys: int = 65536, fetch_threads: int = 4) -> None:
+        """`settings`: the controller's URL, the token, and the lookup and fetch timeouts (ClusterConfig)."""
+        self.settings = settings
+        self.controller = ControllerClient(settings.controller_url, settings.token or None, settings.lookup_timeout_s)
         self.instance_id = instance_id
-        self.token = token
-        self.lookup_timeout_s = lookup_timeout_s
-        self.lookup_ttl_s = lookup_ttl_s
         self.miss_ttl_s = miss_ttl_s
-        self.connect_timeout_s = connect_timeout_s
-        self.fetch_timeout_s = fetch_timeout_s
         self.suspect_s = suspect_s
         self.max_cached_keys = max_cached_keys
         self.counters: Counter[str] = Counter()
@@ -86,12 +86,11 @@ class PeerTier:
         self._located: OrderedDict[bytes, tuple[float, list[Holder]]] = OrderedDict()
         self._suspects: dict[str, float] = {}
         self._slots: dict[bytes, _Slot] = {}
-        self._clients: dict[tuple[str, int], PeerClient] = {}
+        self.peers = PeerPool(settings.token or None, connect_timeout_s=settings.connect_timeout_s,
+                              io_timeout_s=settings.fetch_timeout_s)
         self._fetched: OrderedDict[bytes, float] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="kvfabric-peer-fetch")
-        self._on_close = on_close
-        self._on_bind = on_bind
         self._closed = False
 
     # ---- where chunks are --------------------------------------------------------------------------------------
@@ -124,7 +123,7 @@ class PeerTier:
             for start in range(0, len(keys), LOOKUP_BATCH):
                 batch = keys[start:start + LOOKUP_BATCH]
                 reply = self.controller.lookup(keys=batch, detail=True, exclude=exclude[:64],
-                                               timeout_s=self.lookup_timeout_s)
+                                               timeout_s=self.settings.lookup_timeout_s)
                 for hit in reply.get("instances", []):
                     tiers = hit.get("chunk_tiers") or []
                     for key, held in zip(batch, tiers):
@@ -142,7 +141,7 @@ class PeerTier:
         with self._lock:
             for key in keys:
                 holders = sorted(found.get(key, []), key=lambda h: (-h.prefix_chunks, h.tier != "cpu", h.instance_id))
-                self._located[key] = (now + (self.lookup_ttl_s if holders else self.miss_ttl_s), holders)
+                self._located[key] = (now + (self.settings.lookup_ttl_s if holders else self.miss_ttl_s), holders)
                 self._located.move_to_end(key)
             while len(self._located) > self.max_cached_keys:
                 self._located.popitem(last=False)
@@ -159,15 +158,6 @@ class PeerTier:
             return [bool(self._holders(k, now)) for k in keys]
 
     # ---- fetching ----------------------------------------------------------------------------------------------
-    def client(self, host: str, port: int) -> PeerClient:
-        with self._lock:
-            client = self._clients.get((host, port))
-            if client is None:
-                client = PeerClient(host, port, self.token, connect_timeout_s=self.connect_timeout_s,
-                                    io_timeout_s=self.fetch_timeout_s)
-                self._clients[(host, port)] = client
-            return client
-
     def prefetch(self, keys: Sequence[bytes]) -> None:
         """Start streaming these chunks from their peers (one request per peer); `get` picks them up."""
         if self._closed:
@@ -194,7 +184,7 @@ class PeerTier:
 
     def _stream(self, holder: Holder, slots: dict[bytes, _Slot]) -> None:
         try:
-            for key, blob in self.client(holder.host, holder.port).fetch(list(slots)):
+            for key, blob in self.peers.client(holder.host, holder.port).fetch(list(slots)):
                 self._arrived(key, blob, holder)
                 slot = slots[key]
                 slot.blob = blob
@@ -232,7 +222,7 @@ class PeerTier:
             slot = self._slots.pop(key, None)
         tried: set[str] = set()
         if slot is not None:
-            if slot.event.wait(self.fetch_timeout_s + self.connect_timeout_s) and slot.blob is not None:
+            if slot.event.wait(self.settings.fetch_timeout_s + self.settings.connect_timeout_s) and slot.blob is not None:
                 self.counters["hits"] += 1
                 return slot.blob
             tried.add(slot.holder.instance_id)
@@ -245,7 +235,8 @@ class PeerTier:
                 holders = self._holders(key, time.monotonic())
         for holder in [h for h in holders if h.instance_id not in tried][:2]:
             try:
-                blob = self.client(holder.host, holder.port).fetch_all([key], timeout_s=self.fetch_timeout_s)[key]
+                client = self.peers.client(holder.host, holder.port)
+                blob = client.fetch_all([key], timeout_s=self.settings.fetch_timeout_s)[key]
             except PeerError as exc:
                 log.info("fetch from %s failed: %s", holder.instance_id, exc)
                 self.counters["fetch_errors"] += 1
@@ -265,7 +256,7 @@ class PeerTier:
 
     # ---- the rest of the Tier protocol --------------------------------------------------------------------------
     def put(self, key: bytes, blob: Blob) -> bool:
-        return True  # nothing to store: peers learn of local chunks from this instance's reports
+        return False  # read-only: peers learn of local chunks from this instance's reports
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
@@ -291,23 +282,14 @@ class PeerTier:
             self._slots.clear()
             self._suspects.clear()
 
-    def bind_engine(self, engine: Any) -> None:
-        """Called with the CacheEngine using this tier: lets the cluster node register its key namespace."""
-        if self._on_bind is not None:
-            self._on_bind(engine)
-
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
-            clients, self._clients = list(self._clients.values()), {}
             for slot in self._slots.values():
                 slot.event.set()
             self._slots.clear()
-        for client in clients:
-            client.close()
+        self.peers.close()
         self.controller.close()
-        if self._on_close is not None:
-            self._on_close()

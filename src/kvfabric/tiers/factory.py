@@ -1,0 +1,66 @@
+"""The one place where local tiers are built from config: tier name -> its config section and constructor.
+
+Contract:
+- `build_tiers(config, names=None)`: the tiers `names` (default: `config.tiers`), in that order, each built from
+  its own config section. Only local tiers are built here: "peer" (a cluster membership, not a store) is
+  composed by the engine with a cluster node; asking for it, or an unknown name, raises ConfigError.
+- `codec_spec(config, name)`: the codec spec of tier `name`'s section ("" = the engine's codec; also for tiers
+  without a section, such as the peer tier). The engine encodes each chunk once per distinct codec.
+Heavy dependencies (redis-py, the shm pool) are imported only when such a tier is built.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvfabric.config import Config, ConfigError
+from kvfabric.tiers.base import Tier
+
+
+def _cpu(config: Config) -> Tier:
+    from kvfabric.tiers.cpu import CpuTier
+    return CpuTier(config.cpu.capacity)
+
+
+def _disk(config: Config) -> Tier:
+    from kvfabric.tiers.disk import DiskTier
+    return DiskTier(config.disk.resolved_path(), config.disk.capacity, fsync=config.disk.fsync)
+
+
+def _shm(config: Config) -> Tier:
+    from kvfabric.tiers.shm import ShmTier
+    return ShmTier.from_config(config.shm)
+
+
+def _redis(config: Config) -> Tier:
+    from kvfabric.tiers.redis import RedisTier
+    c = config.redis
+    return RedisTier(c.url, is_cluster=c.is_cluster, ttl_s=c.ttl_s, timeout_s=c.timeout_s, capacity_bytes=c.capacity,
+                     breaker_failures=c.breaker_failures, backoff_max_s=c.backoff_max_s)
+
+
+# name -> (the tier's config section, which has a `codec` field; the tier built from the config)
+BUILDERS: dict[str, tuple[Callable[[Config], Any], Callable[[Config], Tier]]] = {
+    "cpu": (lambda config: config.cpu, _cpu),
+    "disk": (lambda config: config.disk, _disk),
+    "shm": (lambda config: config.shm, _shm),
+    "redis": (lambda config: config.redis, _redis),
+}
+
+
+def build_tiers(config: Config, names: Sequence[str] | None = None) -> list[Tier]:
+    tiers: list[Tier] = []
+    try:
+        for name in config.tiers if names is None else names:
+            if name not in BUILDERS:
+                raise ConfigError(f"tiers: {name!r} is not a local tier; local tiers: {', '.join(BUILDERS)}")
+            tiers.append(BUILDERS[name][1](config))
+    except BaseException:
+        for tier in tiers:  # a later tier failed (e.g. no room in /dev/shm): release what was built
+            tier.close()
+        raise
+    return tiers
+
+
+def codec_spec(config: Config, name: str) -> str:
+    return BUILDERS[name][0](config).codec if name in BUILDERS else ""
