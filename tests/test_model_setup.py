@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from transformers import DynamicCache
 
 from kvfabric.cli import main as cli
 from kvfabric.engines import model as model_mod
@@ -151,3 +152,61 @@ def test_qwen2_coder_05b_loads_with_qkv_bias():
     assert logits.shape == (1, len(ids), cfg.vocab_size)
     assert torch.isfinite(logits).all()
     assert mean_nll(logits, ids) < 2.0  # a code model on plain Python (uniform would be ln 151936 = 11.9)
+
+
+def window_restore_cache(kv: list[tuple[torch.Tensor, torch.Tensor]], is_sliding: list[bool], num_prefix: int,
+                         keep: int, filler: str) -> DynamicCache:
+    """A full-length cache (every layer holds positions [0, N), like kvfabric's buffer) rebuilt from stored K/V
+    [1, kv_heads, T, head_dim]: window layers keep real K/V only for the last ``keep`` positions."""
+    cache = DynamicCache()
+    gen = torch.Generator().manual_seed(0)
+    for i, (k, v) in enumerate(kv):
+        k, v = k[:, :, :num_prefix].clone(), v[:, :, :num_prefix].clone()
+        if is_sliding[i]:
+            for t in (k, v):
+                old = t[:, :, : num_prefix - keep]
+                old.copy_(torch.zeros_like(old) if filler == "zeros" else 100 * torch.randn(old.shape, generator=gen))
+        cache.update(k, v, i)
+    return cache
+
+
+def test_gemma3_window_layers_restore_from_their_last_w_minus_1_tokens():
+    """What docs/design/layer-groups.md rests on: after a prefix of N > W tokens, Gemma 3's sliding layers read
+    only positions [N-W+1, N). A full-length cache whose older window-layer rows are zeros continues exactly like
+    the one-shot prefill; one real row less (W-2) changes the logits; transformers' own sliding cache rebuilt
+    from the last W-1 rows and the absolute length N continues exactly like its incremental prefill."""
+    model, tok = load_model(require("gemma3-270m"))
+    cfg = model.config
+    window, num_prefix = cfg.sliding_window, 768
+    is_sliding = [t == "sliding_attention" for t in cfg.layer_types]
+    text = (Path(__file__).parents[1] / "src/kvfabric/data/demo_document.txt").read_text()
+    ids = torch.tensor([tok(text).input_ids[:900]])
+    tail = ids[:, num_prefix:]
+
+    def continue_from(cache: DynamicCache) -> torch.Tensor:
+        with torch.no_grad():  # positions come from cache.get_seq_length(), as in generate()
+            return model(input_ids=tail, cache=cache, use_cache=True).logits[0]
+
+    capture = DynamicCache()  # full length for every layer: what one long prefill can store
+    with torch.no_grad():
+        ref = model(input_ids=ids, cache=capture, use_cache=True).logits[0, num_prefix:]
+    kv = [(layer.keys, layer.values) for layer in capture.layers]
+    exact = continue_from(window_restore_cache(kv, is_sliding, num_prefix, window - 1, "zeros"))
+    assert (exact - ref).abs().max().item() < 1e-4
+    short = continue_from(window_restore_cache(kv, is_sliding, num_prefix, window - 2, "noise"))
+    assert (short - ref).abs().max().item() > 1e-2  # position N-W+1 is read: W-1 rows are the minimum
+
+    native = DynamicCache(config=cfg)  # no restore: transformers' hybrid cache, prefix then tail
+    with torch.no_grad():
+        model(input_ids=ids[:, :num_prefix], cache=native, use_cache=True)
+    kept = [(layer.keys.clone(), layer.values.clone()) for layer in native.layers]  # what a store would see
+    for (k, _), sliding, (k_all, _) in zip(kept, is_sliding, kv):  # window layers hold positions [N-W+1, N)
+        assert k.shape[2] == (window - 1 if sliding else num_prefix)
+        assert torch.allclose(k, k_all[:, :, num_prefix - k.shape[2]:num_prefix], atol=1e-3, rtol=0)
+    native_logits = continue_from(native)
+    rebuilt = DynamicCache(config=cfg)  # a fresh cache loaded with exactly those rows
+    for layer, (k, v) in zip(rebuilt.layers, kept):
+        layer.update(k, v)
+        if layer.is_sliding:
+            layer.cumulative_length = num_prefix  # the absolute length: update() alone says 511 -> wrong positions
+    assert torch.equal(continue_from(rebuilt), native_logits)
