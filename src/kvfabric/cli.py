@@ -106,7 +106,8 @@ def cache_clear(config_path: str | None, yes: bool) -> None:
 @main.command("setup-model")
 @click.argument("name_or_path", default="smollm2-135m-instruct")
 def setup_model_cmd(name_or_path: str) -> None:
-    """Fetch and convert the model once (builtin name, local HF folder, or hub id)."""
+    """Fetch, verify (sha256) and convert a model once: a builtin name (smollm2-135m-instruct, the demo's;
+    gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), a local HF folder, or a hub id."""
     from kvfabric.engines.model import ModelError, setup_model
     try:
         setup_model(name_or_path)
