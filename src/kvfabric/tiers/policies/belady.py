@@ -43,6 +43,10 @@ class BeladyFuture:
         i = bisect_right(uses, self.now)
         return uses[i] if i < len(uses) else NEVER
 
+    def num_uses(self, key: Key) -> int:
+        """Requests that use the key over the whole trace."""
+        return len(self._uses.get(key, ()))
+
 
 class Belady:
     name = "belady"
