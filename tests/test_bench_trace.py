@@ -91,7 +91,8 @@ def test_ttft_model():
     assert model.prefill_s(0, 8192) == pytest.approx((8192 + 4096) / 2000)
     assert model.prefill_s(0, 300) + model.prefill_s(300, 900) == pytest.approx(model.prefill_s(0, 900))
     full_hit = model.ttft_s(1024, 1024, 0)
-    assert full_hit == pytest.approx(model.bytes_per_token * 1024 / model.fast_bytes_per_s + model.prefill_s(1023, 1024))
+    load = model.bytes_per_token * 1024 / model.fast_bytes_per_s
+    assert full_hit == pytest.approx(load + model.prefill_s(1023, 1024))
     assert model.ttft_s(1024, 0, 1024) > full_hit and model.ttft_s(1024, 0, 0) > model.ttft_s(1024, 0, 1024)
 
 

@@ -32,11 +32,14 @@ from kvfabric.tiers.policies import (DEFAULT_EVICTION, Belady, BeladyFuture, Pol
 CAPACITIES = (0.01, 0.03, 0.1, 0.3)
 ONE_TIER = ("lru", "lfu", "s3fifo", "arc", "heat", "lru+second", "lru+tinylfu", "heat+second")
 ORACLES = {"oracle-alive": OracleAlive, "oracle-popularity": OraclePopularity}
-# Two tiers: label -> (policy of both tiers, placement). "lru" is today's behaviour.
-TWO_TIER = {"lru": ("lru", TierConfig("write-through", 1)), "lru/exclusive": ("lru", TierConfig("exclusive", 1)),
-            "heat/write-through": ("heat", TierConfig("write-through", 1)),
-            "heat/exclusive": ("heat", TierConfig("exclusive", 1)),
-            "heat/exclusive/k2": ("heat", TierConfig("exclusive", 2)), "belady": ("belady", TierConfig("exclusive", 1))}
+# Two tiers: label -> (fast tier's policy, slow tier's policy, placement). "lru" is today's behaviour.
+TWO_TIER = {"lru": ("lru", "lru", TierConfig("write-through", 1)),
+            "lru/exclusive": ("lru", "lru", TierConfig("exclusive", 1)),
+            "heat/write-through": ("heat", "heat", TierConfig("write-through", 1)),
+            "heat/exclusive": ("heat", "heat", TierConfig("exclusive", 1)),
+            "heat/exclusive/k2": ("heat", "heat", TierConfig("exclusive", 2)),
+            "heat+lru/exclusive": ("heat", "lru", TierConfig("exclusive", 1)),
+            "belady": ("belady", "belady", TierConfig("exclusive", 1))}
 DEFAULT_ONE_TIER = DEFAULT_EVICTION  # what `default` means: the shipped configuration
 DEFAULT_TWO_TIER = "heat/exclusive/k2"
 TARGET_GAP_CLOSED = 0.5
@@ -77,13 +80,14 @@ def _future(trace: Trace) -> BeladyFuture:
 
 def simulate(trace: Trace, label: str, tiers: int, capacity_frac: float, model: TTFTModel, metas) -> SimResult:
     """One run: `label` is a one-tier policy spec, or a key of TWO_TIER."""
-    spec_text, config = (label, None) if tiers == 1 else TWO_TIER[label]
-    spec = PolicySpec.parse(spec_text)
-    future = _future(trace) if spec.eviction == "belady" or spec.eviction in ORACLES else None
+    fast_text, slow_text, config = (label, label, None) if tiers == 1 else TWO_TIER[label]
+    fast, slow = PolicySpec.parse(fast_text), PolicySpec.parse(slow_text)
+    is_offline = any(spec.eviction == "belady" or spec.eviction in ORACLES for spec in (fast, slow))
+    future = _future(trace) if is_offline else None
     clock = None if future is None else (lambda i: setattr(future, "now", i))
     if tiers == 1:
-        return simulate_one_tier(trace, spec.factory(future), capacity_frac, label, model, metas, clock)
-    return simulate_two_tiers(trace, spec.factory(future), spec.factory(future), capacity_frac, label, config,
+        return simulate_one_tier(trace, fast.factory(future), capacity_frac, label, model, metas, clock)
+    return simulate_two_tiers(trace, fast.factory(future), slow.factory(future), capacity_frac, label, config,
                               model, metas, on_request=clock)
 
 
@@ -99,7 +103,8 @@ def result_row(res: SimResult, lru: SimResult, belady: SimResult) -> dict:
            "ttft_vs_lru": round(res.ttft_mean_s / lru.ttft_mean_s, 3),
            "ns_per_access": round(res.ns_per_access), "ns_vs_lru": round(res.ns_per_access / lru.ns_per_access, 2)}
     if res.tiers == 2:
-        row["placement"], row["promote_after"] = TWO_TIER[res.policy][1].mode, TWO_TIER[res.policy][1].promote_after
+        fast, slow, config = TWO_TIER[res.policy]
+        row.update(fast_policy=fast, slow_policy=slow, placement=config.mode, promote_after=config.promote_after)
     return row
 
 

@@ -42,6 +42,8 @@ def make_admission(name: str, num_entries: int) -> AdmissionPolicy:
     raise ValueError(f"unknown admission policy {name!r}; allowed: {', '.join(ADMISSION_NAMES)}")
 
 
-__all__ = ["ADMISSION_NAMES", "ARC", "DEFAULT_EVICTION", "EVICTION_NAMES", "LFU", "LRU", "NO_META", "S3FIFO", "AccessMeta", "AddResult",
-           "AdmissionPolicy", "AlwaysAdmit", "Belady", "BeladyFuture", "EvictionPolicy", "IndexStats", "Key",
-           "PolicyIndex", "PrefixHeat", "SecondAccess", "TinyLFU", "key_hash64", "make_admission", "make_eviction"]
+__all__ = [
+    "ADMISSION_NAMES", "ARC", "DEFAULT_EVICTION", "EVICTION_NAMES", "LFU", "LRU", "NO_META", "S3FIFO", "AccessMeta",
+    "AddResult", "AdmissionPolicy", "AlwaysAdmit", "Belady", "BeladyFuture", "EvictionPolicy", "IndexStats", "Key",
+    "PolicyIndex", "PrefixHeat", "SecondAccess", "TinyLFU", "key_hash64", "make_admission", "make_eviction"
+]

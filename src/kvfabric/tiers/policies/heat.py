@@ -16,10 +16,12 @@ What it knows that a generic cache policy does not:
   ghost remembers `ghost_mult` x the resident chunks: on these traces reuse gaps are hundreds of requests,
   longer than a small cache holds anything, and ids are cheap.
 - Adaptation. The probation share decides between catching first reuses (large share) and protecting chunks
-  that were already reused (small share); the best share differs with the workload and the capacity.
-  `ShareTuner` (tuner.py) replays a hashed 1/`sample` of the keys through shadow caches, one per candidate
-  share, and moves the live share to the one with the most recent hits (miniature simulation, Waldspurger et
-  al., ATC 2017).
+  that were already reused (small share); the best share differs with the workload and the capacity (on the
+  Mooncake conversation trace 1 % of the cache is best at 3 % capacity, no probation at all at 10 %). Share 1
+  means no probation: new chunks go straight to main, a CLOCK with 2-bit credit, close to LRU; it is the
+  start. Once the cache holds 1024 keys, `ShareTuner` (tuner.py) replays a hashed 1/`sample` of the keys
+  through shadow caches, one per candidate share, and moves the live share to the one with the most recent
+  hits (miniature simulation, Waldspurger et al., ATC 2017).
 All bookkeeping is O(1) amortized per access: each reinsertion spends credit earned by a hit.
 """
 from __future__ import annotations
@@ -35,11 +37,11 @@ from kvfabric.tiers.policies.types import AccessMeta, Key
 class PrefixHeat:
     name = "heat"
 
-    def __init__(self, capacity_bytes: int = 0, small_frac: float = 0.1, ghost_mult: float = 4.0,
+    def __init__(self, capacity_bytes: int = 0, small_frac: float = 1.0, ghost_mult: float = 4.0,
                  max_credit: int = 3, is_tail_first: bool = True, is_cost_aware: bool = True,
                  is_tuned: bool = True, shares: Sequence[float] = DEFAULT_SHARES) -> None:
-        if not 0.0 < small_frac < 1.0:
-            raise ValueError(f"small_frac must be in (0, 1), got {small_frac}")
+        if not 0.0 < small_frac <= 1.0:
+            raise ValueError(f"small_frac must be in (0, 1], got {small_frac}")
         self.small_frac = small_frac
         self.ghost_mult = ghost_mult
         self.max_credit = max_credit
@@ -57,7 +59,7 @@ class PrefixHeat:
         self._mean_cost = 0.0
         self._touch_position = -2
         self._parent_credit = 0
-        self.num_steps = 0
+        self._steps = 0  # loop iterations; `num_steps` adds the tuner's
         self.capacity_bytes = capacity_bytes
         self.shares = tuple(shares)
         self.is_tuned = self._wants_tuning = is_tuned and capacity_bytes > 0
@@ -66,6 +68,10 @@ class PrefixHeat:
 
     def __len__(self) -> int:
         return len(self._credit)
+
+    @property
+    def num_steps(self) -> int:
+        return self._steps + (self._tuner.num_steps if self._tuner is not None else 0)
 
     # ---- accesses ---------------------------------------------------------------------------------------
     def admit(self, key: Key, size: int, meta: AccessMeta) -> None:
@@ -78,12 +84,14 @@ class PrefixHeat:
             self._main[key] = None
             self._main_bytes += size
             return
-        self._small_bytes += size
         position = meta.position
         if self.is_tail_first and position == meta.num_chunks - 1 and position > 0:
-            self._small[key] = None  # the prompt's last chunk, rarely reused: next in line
-            self._small.move_to_end(key, last=False)
+            queue = self._small if self.small_frac < 1.0 else self._main
+            self._add_bytes(queue, size)
+            queue[key] = None  # the prompt's last chunk, rarely reused: next in line
+            queue.move_to_end(key, last=False)
             return
+        self._small_bytes += size  # waits in the chain, counted as probation
         if position <= self._chain_position:
             self._flush_chain()
         self._chain.append(key)
@@ -111,30 +119,43 @@ class PrefixHeat:
         self._parent_credit = credit
 
     def _start_tuner(self) -> None:
-        """Sample about 1 key in 64 for the shadow caches, fewer when the cache holds under 8k keys (a shadow
-        should hold >= 128); no tuning below 256 keys, where a shadow would be mostly noise."""
+        """Sample 1 key in 32 for the shadow caches (1 in 8 to 16 below 4k keys, so that a shadow holds about
+        128 keys or more); no tuning below 1024 keys, where the shadows would be mostly noise."""
         self.is_tuned = False
         num_keys = len(self._credit)
-        if num_keys < 256:
+        if num_keys < 1024:
             return
-        sample = min(64, 1 << ((num_keys // 128).bit_length() - 1))
+        sample = max(16, min(32, 1 << ((num_keys // 128).bit_length() - 1)))
         ghost_mult, max_credit, is_tail_first, is_cost_aware = (self.ghost_mult, self.max_credit,
                                                                 self.is_tail_first, self.is_cost_aware)
 
         def make_shadow(capacity: int, share: float) -> PrefixHeat:
             return PrefixHeat(capacity, share, ghost_mult, max_credit, is_tail_first, is_cost_aware, False)
-        self._tuner = ShareTuner(self.capacity_bytes, make_shadow, self.shares, sample)
+        self._tuner = ShareTuner(self.capacity_bytes, make_shadow, self.shares, sample,
+                                 current=self.small_frac)
 
     def _observe(self, key: Key, size: int, meta: AccessMeta) -> None:
         share = self._tuner.observe(key, size, meta)
         if share is not None:
             self.small_frac = share
 
+    def _add_bytes(self, queue: OrderedDict, size: int) -> None:
+        if queue is self._small:
+            self._small_bytes += size
+        else:
+            self._main_bytes += size
+
     def _flush_chain(self) -> None:
-        small, credit = self._small, self._credit
+        # Share 1 (no probation): new chains go straight to main, a CLOCK with 2-bit credit (close to LRU),
+        # which the tuner picks where probation costs more first reuses than it saves (large caches).
+        queue, credit = (self._small if self.small_frac < 1.0 else self._main), self._credit
         for key in reversed(self._chain):  # tail first: evicted before the chunks it depends on
-            if key in credit and key not in self._main:
-                small[key] = None
+            if key in credit and key not in self._main and key not in self._small:
+                queue[key] = None
+                if queue is self._main:
+                    size = self._size[key]
+                    self._small_bytes -= size
+                    self._main_bytes += size
         self._chain.clear()
         self._chain_position = -1
 
@@ -145,7 +166,7 @@ class PrefixHeat:
         small, main, credit = self._small, self._main, self._credit
         num_pinned = 0  # every other pass spends a credit or promotes a key, so only pinned keys can loop
         while num_pinned <= len(credit):
-            self.num_steps += 1
+            self._steps += 1
             if small and (self._small_bytes >= self.small_frac * (self._small_bytes + self._main_bytes) or not main):
                 key = small.popitem(last=False)[0]
                 if key in pinned:
@@ -183,7 +204,7 @@ class PrefixHeat:
         limit = self.ghost_mult * len(credit) + 1
         while len(ghost) > limit:
             ghost.popitem(last=False)
-            self.num_steps += 1
+            self._steps += 1
         return key
 
     def remove(self, key: Key) -> None:
