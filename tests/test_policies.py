@@ -74,7 +74,7 @@ def hit_string(policy) -> str:
         meta = AccessMeta(0, 1)
         out.append("H" if index.touch(key, meta) else "M")
         if out[-1] == "M":
-            assert index.add(key, 1, meta).is_admitted
+            assert index.add(key, 1, meta)
     return "".join(out)
 
 
@@ -144,21 +144,30 @@ def heat(**kwargs) -> PrefixHeat:
     return PrefixHeat(0, **{"small_frac": 0.5, "is_tuned": False, **kwargs})
 
 
+def added_victims(index, keys) -> list[tuple]:
+    """The keys each add evicts (one new single-chunk prompt per key)."""
+    out = []
+    for key in keys:
+        victims = []
+        index.on_evict = victims.append
+        index.add(key, 1, AccessMeta(0, 1))
+        out.append(tuple(victims))
+    return out
+
+
 def test_heat_evicts_a_prompts_tail_first_and_its_last_chunk_before_all():
     index = PolicyIndex(3, heat())
     for position, key in enumerate(["h", "m", "t"]):  # a prompt of three chunks; "t" is its last
         index.add(key, 1, AccessMeta(position, 3))
     # A new prompt of one chunk: the last chunk of the old prompt goes first, then the middle, then the head.
-    victims = [index.add(key, 1, AccessMeta(0, 1)).victims for key in ("x", "y", "z")]
-    assert victims == [("t",), ("m",), ("h",)]
+    assert added_victims(index, "xyz") == [("t",), ("m",), ("h",)]
 
 
 def test_heat_without_tail_rule_evicts_in_prompt_order_reversed():
     index = PolicyIndex(3, heat(is_tail_first=False))
     for position, key in enumerate(["h", "m", "t"]):
         index.add(key, 1, AccessMeta(position, 3))
-    victims = [index.add(key, 1, AccessMeta(0, 1)).victims for key in ("x", "y", "z")]
-    assert victims == [("t",), ("m",), ("h",)]  # the chain is queued tail first either way
+    assert added_victims(index, "xyz") == [("t",), ("m",), ("h",)]  # the chain is queued tail first either way
 
 
 def test_heat_child_never_holds_more_credit_than_its_parent():

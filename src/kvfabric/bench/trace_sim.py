@@ -166,10 +166,13 @@ def simulate_two_tiers(trace: Trace, make_fast: IndexFactory, make_slow: IndexFa
     ttfts = []
     policy_s = 0.0
 
-    def demote(victims: tuple) -> int:
-        if not is_exclusive:
-            return 0  # write-through: the slow tier already has its copy (or evicted it on its own)
-        return sum(slow.add(victim, 1, last_meta[victim]).is_admitted for victim in victims)
+    num_demoted = [0]
+
+    def demote(victim: int) -> None:  # exclusive: the fast tier's victims go one tier down
+        num_demoted[0] += slow.add(victim, 1, last_meta[victim])
+
+    if is_exclusive:
+        fast.on_evict = demote  # write-through: the slow tier already has its copy (or evicted it on its own)
 
     for r, request in enumerate(trace.requests):
         if on_request is not None:
@@ -193,19 +196,16 @@ def simulate_two_tiers(trace: Trace, make_fast: IndexFactory, make_slow: IndexFa
                 slow.touch(block, meta)
                 count = slow_hits.get(block, 0) + 1
                 slow_hits[block] = count
-                if count >= config.promote_after:
-                    added = fast.add(block, 1, fast_meta)
-                    if added.is_admitted:
-                        moved += 1 + demote(added.victims)
-                        slow_hits.pop(block, None)
-                        if is_exclusive:
-                            slow.remove(block)
+                if count >= config.promote_after and fast.add(block, 1, fast_meta):
+                    moved += 1
+                    slow_hits.pop(block, None)
+                    if is_exclusive:
+                        slow.remove(block)
             elif is_exclusive:  # recomputed: into the fast tier, its victims down to the slow tier
-                added = fast.add(block, 1, fast_meta)
-                moved += demote(added.victims)
-                if not added.is_admitted and not in_slow[i]:
+                is_admitted = fast.add(block, 1, fast_meta)
+                if not is_admitted and not in_slow[i]:
                     slow.add(block, 1, meta)  # refused above: place it one tier down
-                elif added.is_admitted and in_slow[i]:
+                elif is_admitted and in_slow[i]:
                     slow.remove(block)
             else:  # write-through: every tier
                 fast.add(block, 1, fast_meta)
@@ -216,7 +216,7 @@ def simulate_two_tiers(trace: Trace, make_fast: IndexFactory, make_slow: IndexFa
     fs, ss = fast.stats(), slow.stats()
     return SimResult(trace.name, policy, 2, capacity_frac, capacity, len(trace.requests),
                      sum(r.input_length for r in trace.requests), hit_tokens, slow_tokens, trace.num_accesses,
-                     block_hits, moved, (fs.num_evicted, ss.num_evicted), (fs.num_refused, ss.num_refused),
+                     block_hits, moved + num_demoted[0], (fs.num_evicted, ss.num_evicted), (fs.num_refused, ss.num_refused),
                      sum(ttfts) / len(ttfts), _p99(ttfts), 1e9 * policy_s / trace.num_accesses)
 
 

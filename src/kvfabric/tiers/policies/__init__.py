@@ -16,8 +16,7 @@ from kvfabric.tiers.policies.keyhash import key_hash64
 from kvfabric.tiers.policies.lfu import LFU
 from kvfabric.tiers.policies.lru import LRU
 from kvfabric.tiers.policies.s3fifo import S3FIFO
-from kvfabric.tiers.policies.types import (NO_META, AccessMeta, AddResult, AdmissionPolicy, EvictionPolicy,
-                                           IndexStats, Key)
+from kvfabric.tiers.policies.types import NO_META, AccessMeta, AdmissionPolicy, EvictionPolicy, IndexStats, Key
 
 EVICTION_NAMES = ("heat", "lru", "lfu", "s3fifo", "arc")
 DEFAULT_EVICTION = "heat"
@@ -44,6 +43,6 @@ def make_admission(name: str, num_entries: int) -> AdmissionPolicy:
 
 __all__ = [
     "ADMISSION_NAMES", "ARC", "DEFAULT_EVICTION", "EVICTION_NAMES", "LFU", "LRU", "NO_META", "S3FIFO", "AccessMeta",
-    "AddResult", "AdmissionPolicy", "AlwaysAdmit", "Belady", "BeladyFuture", "EvictionPolicy", "IndexStats", "Key",
+    "AdmissionPolicy", "AlwaysAdmit", "Belady", "BeladyFuture", "EvictionPolicy", "IndexStats", "Key",
     "PolicyIndex", "PrefixHeat", "SecondAccess", "TinyLFU", "key_hash64", "make_admission", "make_eviction"
 ]

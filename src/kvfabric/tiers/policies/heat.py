@@ -5,7 +5,7 @@ What it knows that a generic cache policy does not:
   miss). A prompt's chunks are queued tail first, so among chunks that entered together the tail is evicted
   before the head and a resident chunk's ancestors outlive it. A prompt's last chunk (usually partial, and
   on the Mooncake traces reused 1 % (conversation) / 5 % (synthetic) of the time against 25-40 % for the others)
-  enters at the eviction end of the probation queue.
+  enters at the eviction end of its queue.
 - Cost. A hit earns reinsertion credit in proportion to the chunk's miss cost relative to the running mean
   (`AccessMeta.miss_cost_s`: prefill time of its tokens, or the load time from the next tier when that tier
   holds it): a chunk that is cheap to get back (short, or one fast read away) leaves sooner than one that
@@ -119,8 +119,8 @@ class PrefixHeat:
         self._parent_credit = credit
 
     def _start_tuner(self) -> None:
-        """Sample 1 key in 32 for the shadow caches (1 in 8 to 16 below 4k keys, so that a shadow holds about
-        128 keys or more); no tuning below 1024 keys, where the shadows would be mostly noise."""
+        """Sample 1 key in 32 for the shadow caches (1 in 16 below 4k keys, so that a shadow holds about 64 keys
+        or more); no tuning below 1024 keys, where the shadows would be mostly noise."""
         self.is_tuned = False
         num_keys = len(self._credit)
         if num_keys < 1024:

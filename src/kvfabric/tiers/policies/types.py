@@ -78,15 +78,6 @@ class AdmissionPolicy(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class AddResult:
-    """The outcome of `PolicyIndex.add`: whether the key is now resident, and the keys evicted for it (the
-    caller frees their data)."""
-
-    is_admitted: bool
-    victims: tuple[Key, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
 class IndexStats:
     num_keys: int
     num_bytes: int
