@@ -41,7 +41,7 @@ TWO_TIER = {"lru": ("lru", "lru", TierConfig("write-through", 1)),
             "heat+lru/exclusive": ("heat", "lru", TierConfig("exclusive", 1)),
             "belady": ("belady", "belady", TierConfig("exclusive", 1))}
 DEFAULT_ONE_TIER = DEFAULT_EVICTION  # what `default` means: the shipped configuration
-DEFAULT_TWO_TIER = "heat/exclusive/k2"
+DEFAULT_TWO_TIER = "heat+lru/exclusive"  # best modelled TTFT over both traces (bench trace, phase 1)
 TARGET_GAP_CLOSED = 0.5
 # Table columns (short names, so a table fits a terminal) -> JSON field.
 COLUMNS = {1: {"cap": "capacity_frac", "policy": "policy", "prefix": "prefix_hit_ratio", "block": "block_hit_ratio",

@@ -216,8 +216,8 @@ def simulate_two_tiers(trace: Trace, make_fast: IndexFactory, make_slow: IndexFa
     fs, ss = fast.stats(), slow.stats()
     return SimResult(trace.name, policy, 2, capacity_frac, capacity, len(trace.requests),
                      sum(r.input_length for r in trace.requests), hit_tokens, slow_tokens, trace.num_accesses,
-                     block_hits, moved + num_demoted[0], (fs.num_evicted, ss.num_evicted), (fs.num_refused, ss.num_refused),
-                     sum(ttfts) / len(ttfts), _p99(ttfts), 1e9 * policy_s / trace.num_accesses)
+                     block_hits, moved + num_demoted[0], (fs.num_evicted, ss.num_evicted),
+                     (fs.num_refused, ss.num_refused), sum(ttfts) / len(ttfts), _p99(ttfts), 1e9 * policy_s / trace.num_accesses)
 
 
 def _load_meta(meta: AccessMeta, model: TTFTModel) -> AccessMeta:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Container, Sequence
 
-from kvfabric.tiers.policies.keyhash import sample_bucket
+from kvfabric.tiers.policies.keyhash import GOLDEN, MASK64, sample_bucket
 from kvfabric.tiers.policies.tuner import DEFAULT_SHARES, ShareTuner
 from kvfabric.tiers.policies.types import AccessMeta, Key
 
@@ -75,7 +75,7 @@ class PrefixHeat:
 
     # ---- accesses ---------------------------------------------------------------------------------------
     def admit(self, key: Key, size: int, meta: AccessMeta) -> None:
-        if self._tuner is not None and sample_bucket(key) < self._tuner.threshold:
+        if self._tuner is not None:
             self._observe(key, size, meta)
         self._credit[key] = 0
         self._size[key] = size
@@ -98,7 +98,7 @@ class PrefixHeat:
         self._chain_position = position
 
     def touch(self, key: Key, meta: AccessMeta) -> None:
-        if self._tuner is not None and sample_bucket(key) < self._tuner.threshold:
+        if self._tuner is not None:
             self._observe(key, self._size[key], meta)
         gain = 1
         cost = meta.miss_cost_s
@@ -119,13 +119,13 @@ class PrefixHeat:
         self._parent_credit = credit
 
     def _start_tuner(self) -> None:
-        """Sample 1 key in 32 for the shadow caches (1 in 16 below 4k keys, so that a shadow holds about 64 keys
-        or more); no tuning below 1024 keys, where the shadows would be mostly noise."""
+        """Sample 1 key in 64 for the shadow caches (1 in 16 to 32 below 8k keys, so that a shadow holds about
+        64 keys or more); no tuning below 1024 keys, where the shadows would be mostly noise."""
         self.is_tuned = False
         num_keys = len(self._credit)
         if num_keys < 1024:
             return
-        sample = max(16, min(32, 1 << ((num_keys // 128).bit_length() - 1)))
+        sample = max(16, min(64, 1 << ((num_keys // 128).bit_length() - 1)))
         ghost_mult, max_credit, is_tail_first, is_cost_aware = (self.ghost_mult, self.max_credit,
                                                                 self.is_tail_first, self.is_cost_aware)
 
@@ -135,6 +135,11 @@ class PrefixHeat:
                                  current=self.small_frac)
 
     def _observe(self, key: Key, size: int, meta: AccessMeta) -> None:
+        # sample_bucket inlined: this runs on every access
+        bucket = key[-1] if key.__class__ is bytes else (
+            ((key * GOLDEN) & MASK64) >> 56 if key.__class__ is int else sample_bucket(key))
+        if bucket >= self._tuner.threshold:
+            return
         share = self._tuner.observe(key, size, meta)
         if share is not None:
             self.small_frac = share

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from kvfabric.tiers.policies.types import Key
 
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15  # also inlined by heat.py's per-access sampling check
 
 
 def key_hash64(key: Key, seed: int = 0) -> int:
@@ -13,12 +13,12 @@ def key_hash64(key: Key, seed: int = 0) -> int:
     if isinstance(key, bytes | bytearray | memoryview):
         x = int.from_bytes(bytes(key[-8:]), "little")
     elif isinstance(key, int):
-        x = key & _MASK64
+        x = key & MASK64
     else:
         raise TypeError(f"keys must be bytes or int, got {type(key).__name__}")
-    x = (x + _GOLDEN * (seed + 1)) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x + GOLDEN * (seed + 1)) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
     return x ^ (x >> 31)
 
 
@@ -28,5 +28,5 @@ def sample_bucket(key: Key) -> int:
     if cls is bytes:
         return key[-1]  # a digest's bytes are already uniform
     if cls is int:
-        return ((key * _GOLDEN) & _MASK64) >> 56  # Fibonacci hashing: the top byte of key x golden ratio
+        return ((key * GOLDEN) & MASK64) >> 56  # Fibonacci hashing: the top byte of key x golden ratio
     return key_hash64(key) >> 56
