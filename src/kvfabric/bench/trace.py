@@ -32,7 +32,7 @@ from kvfabric.tiers.policies import (DEFAULT_EVICTION, Belady, BeladyFuture, Pol
 CAPACITIES = (0.01, 0.03, 0.1, 0.3)
 ONE_TIER = ("lru", "lfu", "s3fifo", "arc", "heat", "lru+second", "lru+tinylfu", "heat+second")
 ORACLES = {"oracle-alive": OracleAlive, "oracle-popularity": OraclePopularity}
-# Two tiers: label -> (fast tier's policy, slow tier's policy, placement). "lru" is today's behaviour.
+# Two tiers: label -> (fast tier's policy, slow tier's policy, placement); "a+b" = a over b, "lru" = today.
 TWO_TIER = {"lru": ("lru", "lru", TierConfig("write-through", 1)),
             "lru/exclusive": ("lru", "lru", TierConfig("exclusive", 1)),
             "heat/write-through": ("heat", "heat", TierConfig("write-through", 1)),
