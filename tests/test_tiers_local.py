@@ -10,6 +10,7 @@ from kvfabric.config import Config, ConfigError, DiskTierConfig
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
 from kvfabric.tiers.factory import build_tiers, codec_spec
+from kvfabric.tiers.policies import NO_META
 from kvfabric.tiers.stack import TierStack
 from tests.tier_contract import BLOB_BYTES, TierContract, key, make_blob
 
@@ -115,9 +116,9 @@ def test_full_write_queue_drops_and_counts(tmp_path):
     release = threading.Event()
 
     class BlockedTier(DiskTier):
-        def put(self, k, blob):
+        def put(self, k, blob, meta=NO_META):
             release.wait(30)  # the writer thread is stuck until the test lets it go
-            return super().put(k, blob)
+            return super().put(k, blob, meta)
 
     stack = TierStack([CpuTier(BLOB_BYTES * 100), BlockedTier(tmp_path, BLOB_BYTES * 100)], write_queue_size=2)
     for i in range(10):  # at most 1 write in progress + 2 queued: the other 7 are dropped

@@ -29,6 +29,11 @@ ENV_PREFIX = "KVFABRIC_"
 RESERVED_ENV = {"KVFABRIC_HOME", "KVFABRIC_CONFIG"}
 RESERVED_ENV_PREFIXES = ("KVFABRIC_TEST_", "KVFABRIC_BENCH_")  # for test and benchmark harnesses, never config
 TIER_NAMES = ("cpu", "shm", "disk", "redis", "peer")
+# Cache policies of the cpu and disk tiers (kvfabric.tiers.policies builds them by these names; a test checks
+# that both lists agree). "heat" is kvfabric's prefix- and cost-aware policy.
+EvictionName = Literal["heat", "lru", "lfu", "s3fifo", "arc"]
+AdmissionName = Literal["always", "second", "tinylfu"]
+PlacementMode = Literal["write-through", "exclusive"]
 
 
 class ConfigError(ValueError):
@@ -76,6 +81,8 @@ def _check_tier_codec(spec: str, key: str) -> None:
 class CpuTierConfig:
     capacity: ByteSize = 4 * 2**30
     codec: str = ""  # "" = the top-level codec; e.g. "cachegen:6" keeps this tier's copy compressed
+    eviction: EvictionName = "lru"  # which chunk leaves when the tier is full
+    admission: AdmissionName = "always"  # whether a new chunk is stored at all ("second": on its second miss)
 
     def __post_init__(self) -> None:
         _check_tier_codec(self.codec, "cpu.codec")
@@ -87,6 +94,8 @@ class DiskTierConfig:
     capacity: ByteSize = 50 * 2**30
     fsync: bool = False  # atomic rename + checksums already make a crash a clean miss
     codec: str = ""  # "" = the top-level codec
+    eviction: EvictionName = "lru"
+    admission: AdmissionName = "always"
 
     def __post_init__(self) -> None:
         _check_tier_codec(self.codec, "disk.codec")
@@ -122,6 +131,23 @@ class RedisTierConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PlacementConfig:
+    """How the tiers of the stack share chunks (tiers/stack.py)."""
+    mode: PlacementMode = "write-through"  # write-through: every store goes to every writable tier;
+    # exclusive: a store goes to the first tier, and what a tier evicts is demoted to the next one
+    promote_after: int = 1  # a chunk read from a slower tier is copied up on its k-th read there
+    max_slow_reads: int = 0  # reads in flight from the tiers below the first; 0 = no cap
+    slow_read_wait_s: float = 0.0  # a read waits this long for a slot, then is a miss (recompute)
+
+    def __post_init__(self) -> None:
+        if self.promote_after < 1:
+            raise ConfigError(f"placement.promote_after: must be >= 1, got {self.promote_after}")
+        if self.max_slow_reads < 0 or self.slow_read_wait_s < 0:
+            raise ConfigError("placement.max_slow_reads and placement.slow_read_wait_s: must be >= 0, got "
+                              f"{self.max_slow_reads} and {self.slow_read_wait_s}")
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """This instance's membership in a fleet (tier "peer"): report to the controller, serve chunks to peers."""
     controller_url: str = ""  # e.g. http://127.0.0.1:8470; required with tier "peer"
@@ -154,6 +180,7 @@ class Config:
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     shm: ShmTierConfig = field(default_factory=ShmTierConfig)
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kvfabric.codec.base import Codec, Decoders, WrongLayoutError
-from kvfabric.codec.format import ChunkFormatError
+from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError
 from kvfabric.codec.raw import RawCodec, new_payload, seal
 from kvfabric.codec.registry import CodecChoice, parse_codec
 from kvfabric.config import Config
@@ -42,6 +42,7 @@ from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
 from kvfabric.tiers.base import Blob, Scratch, Tier, TierUsage
 from kvfabric.tiers.factory import build_tiers, codec_spec
+from kvfabric.tiers.policies import NO_META, AccessMeta, prefill_cost_s
 from kvfabric.tiers.stack import StackHit, TierStack
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,8 @@ class CacheEngine:
         self._decoders = Decoders()
         self._root = root_key(model_id, layout, self.chunk_size, self.config.salt, self.config.hash)
         self.node = None  # the cluster node this engine made for tier "peer"; closed with the engine
-        self.stack = TierStack(tiers if tiers is not None else self._build_tiers(), self.config.write_queue_chunks)
+        self.stack = TierStack(tiers if tiers is not None else self._build_tiers(), self.config.write_queue_chunks,
+                               self.config.placement)
         self._counters = Counters()
         # Tiers whose config names another codec get their own encoding of each chunk (e.g. raw in process
         # memory, cachegen on the network tiers); blobs are self-describing, so reads never need to know.
@@ -152,30 +154,44 @@ class CacheEngine:
             if is_present:
                 continue
             s, e = self._span(i, num_tokens)
-            self._put_chunk(keys[i], kv[:, :, :, s - start:e - start, :])
+            self._put_chunk(keys[i], kv[:, :, :, s - start:e - start, :], meta=self._meta(i, len(keys), s, e))
             num_stored += 1
         self._counters.add("chunks_stored", num_stored)
         return num_stored
 
-    def _put_chunk(self, key: bytes, kv: torch.Tensor, blob: Blob | None = None) -> None:
+    @staticmethod
+    def _meta(i: int, num_chunks: int, start: int, end: int) -> AccessMeta:
+        """What the tiers' policies learn about chunk i (tokens [start, end)) of a prompt of num_chunks chunks."""
+        return AccessMeta(i, num_chunks, end - start, prefill_cost_s(start, end))
+
+    def _put_chunk(self, key: bytes, kv: torch.Tensor, blob: Blob | None = None, meta: AccessMeta = NO_META) -> None:
         """Store one chunk's KV [L, 2, H, C, D] under `key`: encoded once with the engine's codec (or `blob`, that
-        encoding made by the caller) and once more for each other codec a tier asks for."""
+        encoding made by the caller) and once more for each other codec a tier the chunk goes to asks for. A raw
+        blob is written into a buffer from the first tier (process memory recycles them: no page faults) and
+        left unsealed: the stack fills its checksums in only if it is written beyond process memory."""
         if blob is None:
-            blob = self.codec.encode(kv, key, self.layout)
+            if isinstance(self.codec, RawCodec):
+                out = self.stack.new_blob(HEADER_BYTES + self.layout.num_bytes(kv.shape[3]))
+                blob = self.codec.encode(kv, key, self.layout, out=out, with_checksums=False)
+            else:
+                blob = self.codec.encode(kv, key, self.layout)
         encoded: dict[int, Blob] = {}  # id(codec) -> blob: tiers sharing a codec share one encoding
         per_level: dict[int, Blob] = {}
         for level, codec in self._tier_codecs.items():
+            if level not in self.stack.levels.store:
+                continue  # exclusive placement: this tier only gets chunks demoted to it (as they are)
             if id(codec) not in encoded:
                 encoded[id(codec)] = codec.encode(kv, key, self.layout)
             per_level[level] = encoded[id(codec)]
-        self.stack.put(key, blob, per_level)
+        self.stack.put(key, blob, per_level, meta)
 
     def new_payload(self, num_tokens: int | None = None) -> ChunkPayload:
         """Where the caller lays out one chunk's KV [L, 2, H, T, D] (T = num_tokens, default chunk_size) for
         `store_chunk`: with the raw codec, the payload region of the blob that will be stored (uninitialized)."""
         num_tokens = num_tokens or self.chunk_size
         if self.codec.codec_id == RawCodec.codec_id:
-            blob, kv = new_payload(self.layout, num_tokens)
+            blob, kv = new_payload(self.layout, num_tokens,
+                                   self.stack.new_blob(HEADER_BYTES + self.layout.num_bytes(num_tokens)))
             return ChunkPayload(kv, blob)
         return ChunkPayload(torch.empty(self.layout.shape(num_tokens), dtype=self.layout.torch_dtype), None)
 
@@ -185,7 +201,7 @@ class CacheEngine:
         if self.stack.contains_many([key], writable_only=True)[0]:
             return False
         if payload.blob is not None:
-            seal(payload.blob, key, self.layout)
+            seal(payload.blob, key, self.layout, with_checksums=False)  # the stack seals it if it leaves memory
         self._put_chunk(key, payload.kv, payload.blob)
         self._counters.add("chunks_stored")
         return True
@@ -226,9 +242,9 @@ class CacheEngine:
             raise ValueError(f"out must be {self.layout.shape(num_tokens)} or longer in dim 3, got {tuple(out.shape)}")
         num_done = 0
         started = time.perf_counter()
-        with self.stack.pinned(keys):
+        with self.stack.pinned(keys), self.stack.load_permit() as permit:
             self.stack.prefetch(keys)
-            for i, found in enumerate(self._fetch_ahead(keys)):
+            for i, found in enumerate(self._fetch_ahead(keys, num_tokens, permit)):
                 s, e = self._span(i, num_tokens)
                 if isinstance(self._take(keys[i], found, e - s, out[:, :, :, s:e, :]), ChunkMiss):
                     break
@@ -238,24 +254,28 @@ class CacheEngine:
         self._counters.add("retrieve_ns", int((time.perf_counter() - started) * 1e9))
         return out[:, :, :, :num_done, :]
 
-    def _fetch_ahead(self, keys: Sequence[bytes]) -> Iterator[StackHit | None]:
-        """Yield stack.get(key) for each key in order. A chunk not in process memory is read one step ahead by
-        the reader thread (file or network I/O and its checksum overlap the decoding of the previous chunk);
-        two scratch buffers alternate, so the one being decoded is never the one being filled. Chunks in
-        memory are taken directly: a thread hand-off would cost more than the dict lookup."""
+    def _fetch_ahead(self, keys: Sequence[bytes], num_tokens: int, permit) -> Iterator[StackHit | None]:
+        """Yield stack.get(key) for each key in order (with each chunk's AccessMeta, under the load's slow-read
+        permit). A chunk not in process memory is read one step ahead by the reader thread (file or network
+        I/O and its checksum overlap the decoding of the previous chunk); two scratch buffers alternate, so the
+        one being decoded is never the one being filled. Chunks in memory are taken directly: a thread
+        hand-off would cost more than the dict lookup."""
         if not hasattr(self._scratch, "pair"):
             self._scratch.pair = (Scratch(), Scratch())
         pair = self._scratch.pair
+        metas = [self._meta(i, len(keys), *self._span(i, num_tokens)) for i in range(len(keys))]
         ahead: Future | None = None
         try:
             for i, key in enumerate(keys):
-                current = ahead.result() if ahead is not None else self.stack.get(key, pair[i % 2])
+                current = ahead.result() if ahead is not None else \
+                    self.stack.get(key, pair[i % 2], metas[i], permit)
                 ahead = None
                 if current is None:
                     yield None
                     return
                 if i + 1 < len(keys) and not self.stack.is_in_memory(keys[i + 1]):
-                    ahead = self._reader.submit(self.stack.get, keys[i + 1], pair[(i + 1) % 2])
+                    ahead = self._reader.submit(self.stack.get, keys[i + 1], pair[(i + 1) % 2], metas[i + 1],
+                                                permit)
                 yield current
         finally:
             if ahead is not None:

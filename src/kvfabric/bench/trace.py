@@ -124,18 +124,6 @@ def trace_rows(trace: Trace, tiers: int, capacities, labels, model: TTFTModel, l
     return rows
 
 
-def lru_index_today_ns(trace: Trace, capacity_frac: float = 0.03, num_accesses: int = 20000) -> float:
-    """ns per access of today's `tiers.base.LRUIndex` (its `add` copies the key list: O(n) per store)."""
-    from kvfabric.tiers.base import LRUIndex
-    index = LRUIndex(max(1, int(capacity_frac * trace.num_distinct_blocks)))
-    keys = [block for request in trace.requests for block in request.hash_ids][:num_accesses]
-    start = time.process_time()
-    for key in keys:
-        if not index.touch(key):
-            index.add(key, 1)
-    return 1e9 * (time.process_time() - start) / len(keys)
-
-
 def summarize(rows: list[dict]) -> dict:
     summary = {}
     for row in rows:
@@ -165,7 +153,6 @@ def run(traces=tuple(TRACE_FILES), capacities=CAPACITIES, policies=ONE_TIER, tie
     rows, notes = [], {}
     for name in traces:
         trace = load_trace(name, limit)
-        notes[f"{trace.name}.lru_index_today_ns"] = round(lru_index_today_ns(trace))
         for num_tiers in tiers:
             labels = list(policies) + (list(ORACLES) if bounds else []) if num_tiers == 1 else list(TWO_TIER)
             rows += trace_rows(trace, num_tiers, capacities, labels, model, log=console.print)

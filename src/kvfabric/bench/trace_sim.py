@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvfabric.bench.trace_data import Trace
-from kvfabric.tiers.policies import AccessMeta, PolicyIndex
+from kvfabric.tiers.policies import AccessMeta, PolicyIndex, prefill_cost_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +39,7 @@ class TTFTModel:
 
     def prefill_s(self, start: int, end: int) -> float:
         """Prefill of tokens [start, end): per-token cost (1 + context / halving) / rate, integrated."""
-        if end <= start:
-            return 0.0
-        quadratic = (end * end - start * start) / (2.0 * self.prefill_halving_tokens)
-        return ((end - start) + quadratic) / self.prefill_tokens_per_s
+        return prefill_cost_s(start, end, self.prefill_tokens_per_s, self.prefill_halving_tokens)
 
     def ttft_s(self, prompt_tokens: int, fast_tokens: int, slow_tokens: int) -> float:
         hit = fast_tokens + slow_tokens

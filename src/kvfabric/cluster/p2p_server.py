@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvfabric.cluster import protocol as p
+from kvfabric.codec.format import fill_checksums
 from kvfabric.framing import no_delay, recv_into, send_all
 from kvfabric.tiers.base import Blob, Tier
 
@@ -231,6 +232,8 @@ class PeerServer:
                 log.exception("tier %s failed to read a chunk", tier.name)
                 continue
             if blob is not None:
+                if tier.is_trusted:
+                    fill_checksums(blob)  # process memory may hold unsealed blobs (codec.format)
                 return blob
         return None
 

@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from kvfabric.cluster.client import ControllerClient, ControllerError
-from kvfabric.tiers.base import Blob, Scratch, Tier, TierUsage
+from kvfabric.tiers.base import Blob, EvictListener, Scratch, Tier, TierUsage
+from kvfabric.tiers.policies import NO_META, AccessMeta
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +39,24 @@ class ObservedTier:
         self.name, self.capacity_bytes = inner.name, inner.capacity_bytes
         self.is_trusted, self.is_read_only, self.is_persistent = inner.is_trusted, inner.is_read_only, inner.is_persistent
         self.is_shared, self.honors_capacity, self.honors_pins = inner.is_shared, inner.honors_capacity, inner.honors_pins
+        self.is_policy_driven = inner.is_policy_driven
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         return self.inner.contains_many(keys)
 
-    def get(self, key: bytes) -> Blob | None:
-        return self.inner.get(key)
+    def get(self, key: bytes, meta: AccessMeta = NO_META) -> Blob | None:
+        return self.inner.get(key, meta=meta) if self.is_policy_driven else self.inner.get(key)
 
-    def get_into(self, key: bytes, scratch: Scratch) -> Blob | None:
+    def get_into(self, key: bytes, scratch: Scratch, meta: AccessMeta = NO_META) -> Blob | None:
+        if self.is_policy_driven:
+            return self.inner.get_into(key, scratch, meta=meta)
         return self.inner.get_into(key, scratch)
+
+    def new_blob(self, size: int) -> Blob:
+        return self.inner.new_blob(size)
+
+    def set_evict_listener(self, listener: EvictListener | None) -> None:
+        self.inner.set_evict_listener(listener)
 
     def prefetch(self, keys: Sequence[bytes]) -> None:
         self.inner.prefetch(keys)
@@ -54,10 +64,10 @@ class ObservedTier:
     def file_of(self, key: bytes) -> Path | None:
         return self.inner.file_of(key)
 
-    def put(self, key: bytes, blob: Blob) -> bool:
+    def put(self, key: bytes, blob: Blob, meta: AccessMeta = NO_META) -> bool:
         if self.refuse is not None and self.refuse(key):
             return False
-        ok = self.inner.put(key, blob)
+        ok = self.inner.put(key, blob, meta=meta) if self.is_policy_driven else self.inner.put(key, blob)
         self._on_change(self.name)
         return ok
 

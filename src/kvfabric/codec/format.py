@@ -19,6 +19,13 @@ Layout of a chunk blob (all integers little-endian):
 Contract: `parse` accepts a blob only if every field checks out (magic, version, lengths, both checksums, the
 expected key); otherwise it raises `ChunkFormatError`, which callers turn into a counted miss. Nothing is
 unpickled, and no length read from the blob is used before it is bounds-checked against the blob's real size.
+
+Checksums protect bytes in storage and in transit. A blob made by this process for its own memory may be
+*unsealed* (`pack_unsealed`: both checksum fields zero), so that storing a chunk in process memory costs one
+copy and no hash; `fill_checksums` seals it in place before it leaves the process (the tier stack before a
+write to any untrusted tier, the peer server before sending). `parse(..., is_trusted=True)`, for blobs this
+process made or already verified, checks neither checksum and reads no checksum bytes, so it never races with
+a concurrent `fill_checksums`. An unsealed blob fails `parse` everywhere else (header checksum).
 """
 from __future__ import annotations
 
@@ -60,6 +67,29 @@ def pack_header(header: ChunkHeader, payload_checksum: int) -> bytes:
     return head + _SUM.pack(xxhash.xxh3_64_intdigest(head))
 
 
+def pack_unsealed(header: ChunkHeader) -> bytes:
+    """The header of an unsealed blob: both checksums zero (see the module docstring)."""
+    return _HEAD.pack(MAGIC, VERSION, header.codec_id, header.dtype_code, header.level, header.fingerprint,
+                      *header.shape, header.key, header.payload_len, 0) + _SUM.pack(0)
+
+
+_PAYLOAD_SUM_AT = _HEAD.size - _SUM.size  # offset of the payload checksum: the last field before the header's
+
+
+def fill_checksums(blob: bytearray | memoryview) -> None:
+    """Seal an unsealed blob in place (a sealed one is left as it is). Safe beside other sealers of the same blob
+    (all write the same bytes; each decides from one snapshot of the header, and a torn snapshot does not
+    verify, so it recomputes) and beside trusted readers (they never read the checksum bytes)."""
+    view = memoryview(blob)
+    head = bytes(view[:HEADER_BYTES])
+    if len(head) < HEADER_BYTES or view.readonly or \
+            xxhash.xxh3_64_intdigest(head[:_HEAD.size]) == _SUM.unpack_from(head, _HEAD.size)[0]:
+        return  # sealed (or not a blob at all, or immutable: parse rejects what does not check out)
+    payload_sum = _SUM.pack(xxhash.xxh3_64_intdigest(view[HEADER_BYTES:]))
+    header_sum = _SUM.pack(xxhash.xxh3_64_intdigest(head[:_PAYLOAD_SUM_AT] + payload_sum))
+    view[_PAYLOAD_SUM_AT:HEADER_BYTES] = payload_sum + header_sum
+
+
 def write_blob(header: ChunkHeader, blob: bytearray | memoryview) -> None:
     """Fill the header of `blob` (HEADER_BYTES + payload_len, payload already in place) in place."""
     payload = memoryview(blob)[HEADER_BYTES:]
@@ -68,17 +98,18 @@ def write_blob(header: ChunkHeader, blob: bytearray | memoryview) -> None:
     blob[:HEADER_BYTES] = pack_header(header, xxhash.xxh3_64_intdigest(payload))
 
 
-def parse(blob: bytes | bytearray | memoryview, key: bytes | None = None, verify_payload: bool = True) -> ChunkHeader:
+def parse(blob: bytes | bytearray | memoryview, key: bytes | None = None, verify_payload: bool = True,
+          is_trusted: bool = False) -> ChunkHeader:
     """Check `blob` and return its header; raise ChunkFormatError on any mismatch.
 
-    verify_payload=False skips the payload checksum (trusted in-process memory only: the bytes were checked
-    or produced by this process)."""
+    verify_payload=False skips the payload checksum (the payload was checked already, or only the header is
+    needed). is_trusted=True skips both checksums: in-process memory only, blobs this process made (maybe
+    unsealed) or verified when they came in."""
     view = memoryview(blob)
     if len(view) < HEADER_BYTES:
         raise ChunkFormatError(f"truncated: {len(view)} bytes is shorter than the {HEADER_BYTES}-byte header")
     head = view[:_HEAD.size]
-    (header_sum,) = _SUM.unpack_from(view, _HEAD.size)
-    if xxhash.xxh3_64_intdigest(head) != header_sum:
+    if not is_trusted and xxhash.xxh3_64_intdigest(head) != _SUM.unpack_from(view, _HEAD.size)[0]:
         raise ChunkFormatError("header checksum mismatch")
     magic, version, codec_id, dtype_code, level, fingerprint, *rest = _HEAD.unpack(head)
     shape, chunk_key, payload_len, payload_sum = tuple(rest[:5]), rest[5], rest[6], rest[7]
@@ -92,6 +123,6 @@ def parse(blob: bytes | bytearray | memoryview, key: bytes | None = None, verify
         raise ChunkFormatError("chunk key mismatch: entry stored under another key")
     if payload_len != len(view) - HEADER_BYTES:
         raise ChunkFormatError(f"payload length {len(view) - HEADER_BYTES} != header's {payload_len}")
-    if verify_payload and xxhash.xxh3_64_intdigest(view[HEADER_BYTES:]) != payload_sum:
+    if verify_payload and not is_trusted and xxhash.xxh3_64_intdigest(view[HEADER_BYTES:]) != payload_sum:
         raise ChunkFormatError("payload checksum mismatch")
     return ChunkHeader(codec_id, dtype_code, level, fingerprint, shape, chunk_key, payload_len)  # type: ignore[arg-type]

@@ -1,9 +1,13 @@
 """Raw codec: the payload is the KV tensor's bytes in the layout dtype, C order [L, 2, H, T, D].
 
 Fast path on both sides: encode copies the (possibly strided) tensor once, straight into the blob's payload
-region; decode views the payload as a tensor without copying and copies it once into the caller's buffer.
+region (a buffer the caller passes in, e.g. a recycled one, or fresh memory), and checksums each layer while it
+is still in cache; decode views the payload as a tensor without copying and copies it once into the caller's
+buffer.
 A caller that produces the KV itself (the vLLM connector gathers it from the paged cache) skips the encode copy:
 `new_payload` hands out a blob whose payload region is a tensor to fill, and `seal` writes the header afterwards.
+A blob for process memory may be left unsealed (`with_checksums=False`: no hash on the store path; the tier
+stack fills the checksums in before the blob leaves the process, see codec.format).
 `view` is the zero-copy read: the checked payload of a blob as a tensor, valid while the blob is.
 """
 from __future__ import annotations
@@ -12,8 +16,11 @@ import warnings
 
 import numpy as np
 import torch
+import xxhash
 
-from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, write_blob
+from kvfabric.codec.format import (HEADER_BYTES, ChunkFormatError, ChunkHeader, pack_header, pack_unsealed,
+                                   write_blob)
+from kvfabric.codec.stream_copy import copy_rows, rows
 from kvfabric.layout import KVLayout
 
 
@@ -33,11 +40,17 @@ _NUMPY_SAME = {torch.float16: torch.float16, torch.float32: torch.float32, torch
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst.copy_(src) on the calling thread only: memory-bound copies gain nothing from more threads, and a
-    copy must not stall on a thread pool shared with the model. Same dtype: numpy memcpy (releases the GIL);
+    copy must not stall on a thread pool shared with the model. Same dtype: a KV chunk [L, 2, H, T, D] is
+    copied row by row with streaming stores (stream_copy.py), anything else by numpy (both release the GIL);
     dtype conversion: torch copies in pieces small enough to stay serial."""
     if dst.dtype == src.dtype:
         view = _NUMPY_SAME[dst.dtype]
-        np.copyto(dst.view(view).numpy(), src.view(view).numpy())
+        d, s = dst.view(view).numpy(), src.view(view).numpy()
+        d_rows, s_rows = rows(d), rows(s)
+        if d_rows is not None and s_rows is not None:
+            copy_rows(d_rows, s_rows)
+        else:
+            np.copyto(d, s)
         return
     d, s = dst.flatten(0, -3), src.flatten(0, -3)  # [N, T, D]
     step = max(1, _SERIAL_ELEMENTS // d.shape[-1])
@@ -46,20 +59,55 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
             d[i, t:t + step].copy_(s[i, t:t + step])
 
 
-def new_payload(layout: KVLayout, num_tokens: int) -> tuple[memoryview, torch.Tensor]:
+def new_payload(layout: KVLayout, num_tokens: int,
+                out: memoryview | None = None) -> tuple[memoryview, torch.Tensor]:
     """(blob, kv): an unsealed raw blob for `num_tokens` tokens and its payload region as a tensor
-    [L, 2, H, T, D] in the layout dtype, to be filled by the caller and then `seal`ed. Uninitialized memory
-    (torch.empty): no page is touched before the caller writes it (this runs on an inference engine's step)."""
-    buf = torch.empty(HEADER_BYTES + layout.num_bytes(num_tokens), dtype=torch.uint8)
-    return memoryview(buf.numpy()), buf[HEADER_BYTES:].view(layout.torch_dtype).view(layout.shape(num_tokens))
+    [L, 2, H, T, D] in the layout dtype, to be filled by the caller and then `seal`ed. In `out` (a writable
+    buffer of exactly that size, e.g. a recycled one), else uninitialized memory (torch.empty): no page is
+    touched before the caller writes it (this runs on an inference engine's step)."""
+    size = HEADER_BYTES + layout.num_bytes(num_tokens)
+    if out is None:
+        out = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+    elif len(out) != size:
+        raise ValueError(f"out holds {len(out)} bytes, the blob needs {size}")
+    return out, payload_view(out, layout.torch_dtype, layout.shape(num_tokens))
 
 
-def seal(blob: bytearray | memoryview, key: bytes, layout: KVLayout) -> None:
-    """Write the header of a raw blob whose payload holds the KV of `key` (checksums over the payload as it is)."""
-    num_bytes = len(blob) - HEADER_BYTES
-    header = ChunkHeader(RawCodec.codec_id, layout.dtype_code, 0, layout.fingerprint,
-                         layout.shape(num_bytes // layout.num_bytes(1)), key, num_bytes)
-    write_blob(header, blob)
+def _raw_header(num_bytes: int, key: bytes, layout: KVLayout) -> ChunkHeader:
+    return ChunkHeader(RawCodec.codec_id, layout.dtype_code, 0, layout.fingerprint,
+                       layout.shape(num_bytes // layout.num_bytes(1)), key, num_bytes)
+
+
+def seal(blob: bytearray | memoryview, key: bytes, layout: KVLayout, with_checksums: bool = True) -> None:
+    """Write the header of a raw blob whose payload holds the KV of `key`: with checksums over the payload as it
+    is, or unsealed (format.pack_unsealed: for process memory, sealed by format.fill_checksums when it leaves)."""
+    header = _raw_header(len(blob) - HEADER_BYTES, key, layout)
+    if with_checksums:
+        write_blob(header, blob)
+    else:
+        blob[:HEADER_BYTES] = pack_unsealed(header)
+
+
+def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor, payload: memoryview) -> int:
+    """copy_into(dst, src) for a contiguous dst [L, 2, H, T, D] over `payload`, and the xxh3-64 of the payload.
+    Same dtype: layer by layer, and each layer's rows are hashed from the source right after their copy, while
+    they are still in cache (the payload itself was written with streaming stores, around the cache; a separate
+    pass over it would read it from memory again: +50-60 % of the copy's time)."""
+    same = _NUMPY_SAME.get(dst.dtype) if dst.dtype == src.dtype else None
+    d_rows = s_rows = None
+    if same is not None:
+        d_rows, s_rows = rows(dst.view(same).numpy()), rows(src.view(same).numpy())
+    if d_rows is None or s_rows is None:
+        copy_into(dst, src)
+        return xxhash.xxh3_64_intdigest(payload)
+    digest = xxhash.xxh3_64()
+    num_layers, num_kv, num_heads = s_rows.shape[:3]
+    for layer in range(num_layers):
+        copy_rows(d_rows[layer:layer + 1], s_rows[layer:layer + 1])
+        for kv in range(num_kv):
+            for head in range(num_heads):
+                digest.update(s_rows[layer, kv, head])
+    return digest.intdigest()
 
 
 class RawCodec:
@@ -67,11 +115,23 @@ class RawCodec:
     codec_id = 0
     is_lossless = True
 
-    def encode(self, kv: torch.Tensor, key: bytes, layout: KVLayout) -> bytearray:
+    def encode(self, kv: torch.Tensor, key: bytes, layout: KVLayout, out: bytearray | memoryview | None = None,
+               with_checksums: bool = True) -> bytearray | memoryview:
+        """The blob of kv [L, 2, H, T, D]: in `out` when given (exactly HEADER_BYTES + the payload's bytes,
+        writable), else in fresh memory. with_checksums=False: unsealed (see `seal`), one copy and no hash."""
         layout.check(kv)
-        blob = bytearray(HEADER_BYTES + layout.num_bytes(kv.shape[3]))
-        copy_into(payload_view(blob, layout.torch_dtype, tuple(kv.shape)), kv)
-        seal(blob, key, layout)
+        num_bytes = layout.num_bytes(kv.shape[3])
+        blob = bytearray(HEADER_BYTES + num_bytes) if out is None else out
+        if len(blob) != HEADER_BYTES + num_bytes:
+            raise ValueError(f"out holds {len(blob)} bytes, the blob needs {HEADER_BYTES + num_bytes}")
+        view = memoryview(blob)
+        payload = payload_view(blob, layout.torch_dtype, tuple(kv.shape))
+        header = _raw_header(num_bytes, key, layout)
+        if with_checksums:
+            view[:HEADER_BYTES] = pack_header(header, copy_and_checksum(payload, kv, view[HEADER_BYTES:]))
+        else:
+            copy_into(payload, kv)
+            view[:HEADER_BYTES] = pack_unsealed(header)
         return blob
 
     def view(self, header: ChunkHeader, blob: bytes | bytearray | memoryview, layout: KVLayout) -> torch.Tensor:

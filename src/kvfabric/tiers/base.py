@@ -1,4 +1,5 @@
-"""The Tier protocol, its default methods (`TierBase`), and the byte-bounded LRU index that tiers share.
+"""The Tier protocol, its default methods (`TierBase`), and `PolicyTier`, the base of tiers whose entries a
+`PolicyIndex` (tiers/policies) tracks.
 
 Contract for every tier (tests/tier_contract.py runs one suite on each implementation):
 - Values are chunk blobs (codec.format): opaque bytes to the tier. `put` then `get` returns the same bytes, or
@@ -9,26 +10,35 @@ Contract for every tier (tests/tier_contract.py runs one suite on each implement
   `is_read_only`     this process never writes it (a peer): `put` stores nothing and returns False;
   `is_persistent`    what it holds survives a process restart (a new instance over the same storage sees it);
   `is_shared`        other processes (other instances over the same storage) see what is stored;
-  `honors_capacity`  it evicts least recently used entries itself to keep stored bytes within `capacity_bytes`
-                     (a Redis server evicts by its own maxmemory instead), and refuses a blob larger than that;
+  `honors_capacity`  it evicts entries itself (by its eviction policy; LRU where it has no choice) to keep stored
+                     bytes within `capacity_bytes` (a Redis server evicts by its own maxmemory instead), and
+                     refuses a blob larger than that;
   `honors_pins`      a key this process pinned is never evicted by this process (a retrieve pins what it reads).
 - `get_into(key, scratch)` reads the blob into a reusable buffer instead of a fresh one (fresh large allocations
   cost ~1 GB/s of page faults on small machines); the view is valid until the scratch buffer is reused.
   `prefetch(keys)` is a hint to start reading keys that `get` will ask for; `file_of(key)` names the file holding
   a chunk when the tier keeps each chunk as an immutable file (the peer server sends it with sendfile).
-  `TierBase` gives the defaults: get_into returns get(key), prefetch does nothing, file_of is None.
+  `new_blob(size)` is a buffer for a blob that will be put here (the cpu tier recycles the buffers of chunks it
+  dropped once nothing else references them, so a store does not page-fault fresh memory in).
+  `TierBase` gives the defaults: get_into returns get(key), prefetch does nothing, file_of is None, new_blob is
+  fresh memory, `is_policy_driven` is False.
+- `is_policy_driven` (a `PolicyTier`: cpu, disk): eviction and admission are pluggable policies; `get`,
+  `get_into` and `put` take a keyword `meta` (`AccessMeta`: the chunk's position in its prompt, its miss cost),
+  `put` may refuse a chunk its admission policy rejects (False), and `set_evict_listener` hands evicted chunks
+  to the stack (demotion). The stack passes `meta` only to such tiers.
 - All methods are safe to call from several threads.
 """
 from __future__ import annotations
 
-import threading
-from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from kvfabric.tiers.policies import IndexStats, PolicyIndex
+
 Blob = bytes | bytearray | memoryview
+EvictListener = Callable[[bytes, "Blob"], None]
 
 
 class Scratch:
@@ -90,7 +100,15 @@ class Tier(Protocol):
 
 class TierBase:
     """Defaults for the optional methods of the Tier protocol; tiers override what they do better. (The
-    declarations have no defaults: every tier states each one.)"""
+    declarations have no defaults: every tier states each one; `is_policy_driven` is False unless the tier is a
+    `PolicyTier`.)"""
+
+    is_policy_driven = False
+
+    def new_blob(self, size: int) -> bytearray:
+        """A writable buffer of `size` bytes for a blob that will be put here; by default fresh memory (the cpu
+        tier hands out recycled buffers)."""
+        return bytearray(size)
 
     def get_into(self, key: bytes, scratch: Scratch) -> Blob | None:
         """By default `get(key)`: a blob of its own is valid for longer than the contract asks, and copying it
@@ -105,89 +123,33 @@ class TierBase:
         return None
 
 
-class LRUIndex:
-    """Byte-bounded LRU bookkeeping (no data): key -> size, oldest first, with pin counts."""
+class PolicyTier(TierBase):
+    """Shared bookkeeping of the tiers whose entries a `PolicyIndex` tracks (`self._index`: byte budget, pins,
+    pluggable eviction and admission): cpu and disk. They take each access's `AccessMeta` (position in the
+    prompt, miss cost) on get / get_into / put, and hand each evicted chunk to the listener set with
+    `set_evict_listener` (the stack demotes it to the next tier), after its bookkeeping is done and before its
+    data is freed."""
 
-    def __init__(self, capacity_bytes: int) -> None:
-        if capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
-        self.capacity_bytes = capacity_bytes
-        self.num_bytes = 0
-        self._sizes: OrderedDict[bytes, int] = OrderedDict()
-        self._pins: Counter[bytes] = Counter()
-        self.lock = threading.RLock()
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._sizes
-
-    def __len__(self) -> int:
-        return len(self._sizes)
-
-    def keys(self) -> list[bytes]:
-        with self.lock:
-            return list(self._sizes)
-
-    def touch(self, key: bytes) -> bool:
-        with self.lock:
-            if key not in self._sizes:
-                return False
-            self._sizes.move_to_end(key)
-            return True
-
-    def can_fit(self, size: int) -> bool:
-        return size <= self.capacity_bytes
-
-    def add(self, key: bytes, size: int) -> list[bytes]:
-        """Record `key` as most recent; return the keys evicted to make room (caller frees their data)."""
-        with self.lock:
-            self.num_bytes -= self._sizes.pop(key, 0)
-            self._sizes[key] = size
-            self.num_bytes += size
-            victims: list[bytes] = []
-            for old in list(self._sizes):
-                if self.num_bytes <= self.capacity_bytes:
-                    break
-                if old == key or self._pins[old] > 0:
-                    continue  # pinned entries stay; the budget is exceeded until they are unpinned
-                self.num_bytes -= self._sizes.pop(old)
-                victims.append(old)
-            return victims
-
-    def remove(self, key: bytes) -> bool:
-        with self.lock:
-            size = self._sizes.pop(key, None)
-            if size is None:
-                return False
-            self.num_bytes -= size
-            return True
-
-    def pin(self, keys: Iterable[bytes]) -> None:
-        with self.lock:
-            self._pins.update(keys)
-
-    def unpin(self, keys: Iterable[bytes]) -> None:
-        with self.lock:
-            self._pins.subtract(keys)
-            self._pins = +self._pins  # drop zero counts so the counter does not grow without bound
-
-    def clear(self) -> None:
-        with self.lock:
-            self._sizes.clear()
-            self.num_bytes = 0
-
-
-class IndexedTier(TierBase):
-    """Shared bookkeeping methods for tiers whose entries are tracked by an `LRUIndex` in `self._index`."""
-
+    is_policy_driven = True
     name: str
     capacity_bytes: int
-    _index: LRUIndex
+    _index: PolicyIndex
+    _evict_listener: EvictListener | None = None
+
+    def set_evict_listener(self, listener: EvictListener | None) -> None:
+        """`listener(key, blob)` runs for each chunk this tier evicts to make room (not for deletes or clear),
+        under the tier's lock: it must not block (the stack only queues a write)."""
+        self._evict_listener = listener
 
     def keys(self) -> list[bytes]:
         return self._index.keys()
 
     def usage(self) -> TierUsage:
         return TierUsage(self.name, len(self._index), self._index.num_bytes, self.capacity_bytes)
+
+    def index_stats(self) -> IndexStats:
+        """Hits, admissions, refusals and evictions counted by the tier's index."""
+        return self._index.stats()
 
     def pin(self, keys: Iterable[bytes]) -> None:
         self._index.pin(keys)

@@ -1,24 +1,31 @@
-"""Disk tier: one file per chunk under a directory, size-bounded LRU, atomic writes, shared across processes.
+"""Disk tier: one file per chunk under a directory, size-bounded, pluggable eviction and admission policies,
+atomic writes, shared across processes.
 
 Contract:
 - A chunk lives at `<root>/<key hex[:2]>/<key hex>.kvc`; it is written to `<root>/tmp/` and renamed into place
   (os.replace is atomic), so a reader never sees a half-written file under a chunk's name; a crash leaves only
   a temp file, removed at the next start once it is old.
 - On start the index is rebuilt from the directory, oldest access first (mtime; reads touch it), so a restarted
-  process finds and evicts what earlier processes stored. A key unknown to the index is looked up on disk before
-  answering "absent", so chunks written by another process after our start are found.
+  process finds and evicts what earlier processes stored (the eviction policy starts from that order; the
+  admission policy is not asked about chunks that already exist). A key unknown to the index is looked up on
+  disk before answering "absent", so chunks written by another process after our start are found.
 - Not trusted: the stack verifies every blob read from here (checksums), so a damaged file is a counted miss.
-- Bytes on disk beyond `capacity_bytes` are evicted LRU-first, except pinned keys.
+- A put is booked in the index first (admission, then the policy's victims are unlinked), then written: the
+  bytes this process keeps on disk never exceed `capacity_bytes`, and a refused chunk is never written.
+  Pinned keys are never evicted. An evicted chunk is read back for the evict listener (demotion) only when
+  one is set.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from kvfabric.tiers.base import Blob, IndexedTier, LRUIndex, Scratch
+from kvfabric.tiers.base import Blob, PolicyTier, Scratch
+from kvfabric.tiers.policies import NO_META, AccessMeta, make_index
 
 SUFFIX = ".kvc"
 STALE_TMP_S = 3600.0
@@ -37,7 +44,7 @@ def fadvise(paths: Iterable[str | os.PathLike], advice: int) -> None:
             os.close(fd)
 
 
-class DiskTier(IndexedTier):
+class DiskTier(PolicyTier):
     name = "disk"
     is_trusted = False
     is_read_only = False
@@ -46,13 +53,16 @@ class DiskTier(IndexedTier):
     honors_capacity = True  # the bytes this process knows of; another process sharing the directory has its own
     honors_pins = True
 
-    def __init__(self, root: str | os.PathLike, capacity_bytes: int, fsync: bool = False) -> None:
+    def __init__(self, root: str | os.PathLike, capacity_bytes: int, fsync: bool = False, eviction: str = "lru",
+                 admission: str = "always") -> None:
         self.root = Path(root).expanduser()
         self.capacity_bytes = capacity_bytes
         self.is_fsync = fsync
         self._tmp = self.root / "tmp"
         self._tmp.mkdir(parents=True, exist_ok=True)
-        self._index = LRUIndex(capacity_bytes)
+        self._index = make_index(capacity_bytes, eviction, admission, on_evict=self._evicted)
+        self._writing: set[bytes] = set()  # booked in the index, file not yet in place
+        self._dropped: set[bytes] = set()  # of those, evicted or deleted meanwhile: unlinked once written
         self._rebuild()
 
     def path(self, key: bytes) -> Path:
@@ -84,18 +94,30 @@ class DiskTier(IndexedTier):
             except OSError:
                 pass
         for _, key, size in sorted(found):
-            for victim in self._index.add(key, size):
-                self._unlink(victim)
+            if not self._index.adopt(key, size):
+                self._unlink(key)
 
     def _adopt(self, key: bytes) -> bool:
-        """Index a chunk another process wrote after our start; True if it exists."""
+        """Index a chunk another process wrote after our start; True if it exists (and fits)."""
         try:
             size = self.path(key).stat().st_size
         except OSError:
             return False
-        for victim in self._index.add(key, size):
-            self._unlink(victim)
-        return True
+        return self._index.adopt(key, size)
+
+    def _evicted(self, key: bytes) -> None:
+        """The index evicted `key` (under its lock): hand its bytes to the listener (demotion), then unlink it."""
+        if key in self._writing:
+            self._dropped.add(key)
+            return
+        if self._evict_listener is not None:
+            try:
+                blob = self.path(key).read_bytes()
+            except OSError:
+                blob = None
+            if blob is not None:
+                self._evict_listener(key, blob)
+        self._unlink(key)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         return [key in self._index or self._adopt(key) for key in keys]
@@ -105,13 +127,13 @@ class DiskTier(IndexedTier):
         with decoding instead of queueing behind it."""
         fadvise([self.path(key) for key in keys], os.POSIX_FADV_WILLNEED)
 
-    def get(self, key: bytes) -> Blob | None:
-        return self._read(key, None)
+    def get(self, key: bytes, meta: AccessMeta = NO_META) -> Blob | None:
+        return self._read(key, None, meta)
 
-    def get_into(self, key: bytes, scratch: Scratch) -> memoryview | None:
-        return self._read(key, scratch)
+    def get_into(self, key: bytes, scratch: Scratch, meta: AccessMeta = NO_META) -> memoryview | None:
+        return self._read(key, scratch, meta)
 
-    def _read(self, key: bytes, scratch: Scratch | None) -> Blob | None:
+    def _read(self, key: bytes, scratch: Scratch | None, meta: AccessMeta) -> Blob | None:
         path = self.path(key)
         try:
             with open(path, "rb") as f:
@@ -119,11 +141,12 @@ class DiskTier(IndexedTier):
                 blob = bytearray(size) if scratch is None else scratch.view(size)
                 num_read = f.readinto(blob)
         except OSError:
-            self._index.remove(key)
+            if key not in self._writing:  # gone (another process evicted or cleared it), not yet written
+                self._index.remove(key)
             return None
         if num_read != size:
             return None
-        if not self._index.touch(key):
+        if not self._index.touch(key, meta):
             self._adopt(key)
         try:
             os.utime(path)  # keeps LRU order across restarts
@@ -131,9 +154,16 @@ class DiskTier(IndexedTier):
             pass
         return blob
 
-    def put(self, key: bytes, blob: Blob) -> bool:
+    def put(self, key: bytes, blob: Blob, meta: AccessMeta = NO_META) -> bool:
         if not self._index.can_fit(len(blob)):
             return False
+        with self._index.lock:
+            was_resident = key in self._index
+            if not self._index.add(key, len(blob), meta):  # refused, or a resident key that no longer fits
+                if was_resident:
+                    self._unlink(key)
+                return False
+            self._writing.add(key)
         path = self.path(key)
         tmp = self._tmp / f"{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
@@ -144,12 +174,19 @@ class DiskTier(IndexedTier):
                     f.flush()
                     os.fsync(f.fileno())
             os.replace(tmp, path)
+            is_written = True
         except OSError:
             tmp.unlink(missing_ok=True)
-            return False
-        for victim in self._index.add(key, len(blob)):
-            self._unlink(victim)
-        return True
+            is_written = False
+        with self._index.lock:
+            self._writing.discard(key)
+            if key in self._dropped:  # evicted or deleted while we wrote it: the index forgot it already
+                self._dropped.discard(key)
+                self._unlink(key)
+                return False
+            if not is_written:
+                self._index.remove(key)
+        return is_written
 
     def _unlink(self, key: bytes) -> None:
         try:
@@ -158,21 +195,28 @@ class DiskTier(IndexedTier):
             pass
 
     def delete(self, key: bytes) -> bool:
-        existed = self._index.remove(key)
+        with self._index.lock:
+            existed = self._index.remove(key)
+            if key in self._writing:
+                self._dropped.add(key)
         path = self.path(key)
         existed = existed or path.exists()
         self._unlink(key)
         return existed
 
     def clear(self) -> None:
-        for key in self._index.keys():
+        with self._index.lock:
+            keys = self._index.keys()
+            self._index.clear()
+            self._dropped |= self._writing
+        for key in keys:
             self._unlink(key)
-        self._index.clear()
         for sub in self.root.iterdir():  # also what other processes wrote
             if sub.is_dir() and sub != self._tmp:
                 for entry in os.scandir(sub):
                     if entry.name.endswith(SUFFIX):
-                        os.unlink(entry.path)
+                        with contextlib.suppress(OSError):
+                            os.unlink(entry.path)
 
     def close(self) -> None:
         pass

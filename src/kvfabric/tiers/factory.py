@@ -19,12 +19,14 @@ from kvfabric.tiers.base import Tier
 
 def _cpu(config: Config) -> Tier:
     from kvfabric.tiers.cpu import CpuTier
-    return CpuTier(config.cpu.capacity)
+    c = config.cpu
+    return CpuTier(c.capacity, eviction=c.eviction, admission=c.admission)
 
 
 def _disk(config: Config) -> Tier:
     from kvfabric.tiers.disk import DiskTier
-    return DiskTier(config.disk.resolved_path(), config.disk.capacity, fsync=config.disk.fsync)
+    c = config.disk
+    return DiskTier(c.resolved_path(), c.capacity, fsync=c.fsync, eviction=c.eviction, admission=c.admission)
 
 
 def _shm(config: Config) -> Tier:

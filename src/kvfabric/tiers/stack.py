@@ -1,17 +1,30 @@
-"""TierStack: ordered tiers, fastest first; read-through with promotion, write-behind to slow tiers.
+"""TierStack: ordered tiers, fastest first; read-through with promotion, write-behind to slow tiers, placement.
 
 Contract:
 - `prefix_length(keys)`: how many leading keys some tier holds (or a queued write holds). One batched call per
   tier, and only for keys the faster tiers did not have.
-- `get(key)`: the first tier holding a valid blob wins; blobs from untrusted tiers are verified (codec.format)
-  and a damaged one is deleted from that tier, counted, and the next tier is tried. A hit below the first tier is
-  promoted into the faster tiers.
+- `get(key, scratch, meta, permit)`: the first tier holding a valid blob wins; blobs from untrusted tiers are
+  verified (codec.format) and a damaged one is deleted from that tier, counted, and the next tier is tried. A
+  chunk served below the first tier is promoted (placement.py: on its `promote_after`-th such read; exclusive
+  placement moves it, write-through copies it). Reads below the first tier need a slow-read slot
+  (`placement.max_slow_reads`): a load without one gets a miss there (counted `slow_read_refused`). `permit`
+  (from `load_permit()`) lets the reads of one load share the slot it took; without, each read asks alone.
 - Tiers with `is_read_only` (a peer) are read from but never written to.
-- `put(key, blob, per_level)`: `per_level` gives some tiers (by index) their own encoding of the chunk (a
-  per-tier codec); the others get `blob`. The first tier is written synchronously when it is trusted (process memory, cheap); every other
-  tier is written by one background thread from a bounded queue. A full queue drops the write and counts it:
-  the engine's step never waits for disk or network. `flush()` waits for queued writes.
+- `put(key, blob, per_level, meta)`: placement decides the tiers (`levels.store`: every writable tier, or the
+  first one when exclusive); `per_level` gives some tiers (by index) their own encoding of the chunk (a
+  per-tier codec); the others get `blob`. The first tier is written synchronously when it is trusted (process
+  memory, cheap); every other tier is written by one background thread from a bounded queue. A full queue drops
+  the write and counts it: the engine's step never waits for disk or network. `flush()` waits for queued
+  writes. Exclusive: a chunk a tier refuses (admission) goes to the next one instead, and what a policy-driven
+  tier evicts is queued for the next one unchanged (demotion: same blob, no re-encoding; a demoted blob keeps
+  its codec even when the next tier's config names another, blobs are self-describing).
 - Queued writes are readable before they land (`pending`), so a store is visible to lookups at once.
+- Blobs for process memory may be unsealed (codec.format): the stack fills their checksums in before it writes
+  them to any untrusted tier, and parses blobs of trusted tiers and queued writes without checksums.
+- `meta` (AccessMeta: position in the prompt, miss cost) reaches the policy-driven tiers' policies (cpu, disk).
+- Counters: hit.<tier>, bytes_read.<tier>, miss, promoted.<tier> / bytes_promoted.<tier> (into that tier),
+  demoted.<tier> / bytes_demoted.<tier> (into that tier), failed_writes.<tier> (a put the tier declined or
+  failed: admission refusals included), dropped_writes (queue full), slow_read_refused.
 """
 from __future__ import annotations
 
@@ -20,11 +33,14 @@ import logging
 import queue
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvfabric.codec.format import ChunkFormatError, ChunkHeader, parse
+from kvfabric.codec.format import ChunkFormatError, ChunkHeader, fill_checksums, parse
+from kvfabric.config import PlacementConfig
 from kvfabric.counters import Counters
 from kvfabric.tiers.base import Blob, Scratch, Tier
+from kvfabric.tiers.placement import Levels, LoadPermit, PromotionCounter, SlowReads
+from kvfabric.tiers.policies import NO_META, AccessMeta
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +54,36 @@ class StackHit:
     tier: str
 
 
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """One queued write: `levels` in order; `kind` names the counters ("stored", "promoted", "demoted")."""
+    key: bytes
+    blob: Blob
+    levels: tuple[int, ...]
+    kind: str
+    meta: AccessMeta = NO_META
+    per_level: dict[int, Blob] = field(default_factory=dict)
+
+
 class TierStack:
-    def __init__(self, tiers: Sequence[Tier], write_queue_size: int = 64) -> None:
+    def __init__(self, tiers: Sequence[Tier], write_queue_size: int = 64,
+                 placement: PlacementConfig = PlacementConfig()) -> None:
         if not tiers:
             raise ValueError("a tier stack needs at least one tier")
         self.tiers = list(tiers)
+        self.placement = placement
         self.counters = Counters()
-        self._writable = tuple(i for i, tier in enumerate(self.tiers) if not tier.is_read_only)
+        self.levels = Levels(self.tiers, placement.mode)
+        self._takes_meta = tuple(tier.is_policy_driven for tier in self.tiers)
+        self._promotions = PromotionCounter(placement.promote_after)
+        self._slow_reads = SlowReads(placement.max_slow_reads, placement.slow_read_wait_s)
         self._pending: dict[bytes, tuple[Blob, int]] = {}
         self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[bytes, Blob, tuple[int, ...], dict[int, Blob]] | None] = \
-            queue.Queue(write_queue_size)
+        self._queue: queue.Queue[_Write | None] = queue.Queue(write_queue_size)
+        for level, tier in enumerate(self.tiers):
+            down = self.levels.demote_to(level)
+            if down is not None:
+                tier.set_evict_listener(lambda key, blob, down=down: self._write(key, blob, down, "demoted"))
         self._writer = threading.Thread(target=self._write_loop, name="kvfabric-writer", daemon=True)
         self._writer.start()
 
@@ -76,24 +111,32 @@ class TierStack:
                 present[i] = hit
         return present
 
-    def get(self, key: bytes, scratch: Scratch | None = None) -> StackHit | None:
+    def load_permit(self) -> LoadPermit:
+        """The slow-read slot of one load (use as a context manager around the load's `get` calls)."""
+        return self._slow_reads.permit()
+
+    def get(self, key: bytes, scratch: Scratch | None = None, meta: AccessMeta = NO_META,
+            permit: LoadPermit | None = None) -> StackHit | None:
         """The chunk's blob, its header and the tier's name, or None. With `scratch`, the first tier reads with
         `get_into` (no allocation where the tier can); a blob from a later tier is kept for promotion. Order: a
         trusted first tier (process memory), then writes still queued, then the other tiers."""
+        if permit is None and self._slow_reads.limit and len(self.tiers) > 1:
+            with self.load_permit() as own:
+                return self.get(key, scratch, meta, own)
         for level, tier in enumerate(self.tiers):
             if level == int(self.tiers[0].is_trusted):  # right after process memory, before any slow tier
                 pending = self._pending.get(key)
                 if pending is not None:
                     self.counters.add("hit.pending")
-                    return StackHit(pending[0], parse(pending[0], key, verify_payload=False), "pending")
-            if scratch is not None and level == 0:
-                blob = tier.get_into(key, scratch)
-            else:
-                blob = tier.get(key)
+                    return StackHit(pending[0], parse(pending[0], key, is_trusted=True), "pending")
+            if level > 0 and permit is not None and not permit.allows():
+                self.counters.add("slow_read_refused")
+                break
+            blob = self._read(level, tier, key, scratch if level == 0 else None, meta)
             if blob is None:
                 continue
             try:
-                header = parse(blob, key, verify_payload=not tier.is_trusted)
+                header = parse(blob, key, is_trusted=tier.is_trusted)
             except ChunkFormatError as exc:
                 log.warning("dropping damaged chunk %s from tier %s: %s", key.hex()[:16], tier.name, exc)
                 self.counters.add(f"corrupt.{tier.name}")
@@ -102,10 +145,24 @@ class TierStack:
             self.counters.add(f"hit.{tier.name}")
             self.counters.add(f"bytes_read.{tier.name}", len(blob))
             if level > 0:
-                self._write(key, blob, tuple(i for i in self._writable if i < level))
+                self._promote(level, key, blob, meta)
             return StackHit(blob, header, tier.name)
         self.counters.add("miss")
         return None
+
+    def _read(self, level: int, tier: Tier, key: bytes, scratch: Scratch | None, meta: AccessMeta) -> Blob | None:
+        if self._takes_meta[level]:
+            return tier.get(key, meta=meta) if scratch is None else tier.get_into(key, scratch, meta=meta)
+        return tier.get(key) if scratch is None else tier.get_into(key, scratch)
+
+    def _promote(self, level: int, key: bytes, blob: Blob, meta: AccessMeta) -> None:
+        """Copy (write-through) or move (exclusive) a chunk served by `level` up, when it is due."""
+        levels = self.levels.promote_to(level)
+        if not levels or not self._promotions.is_due(key):
+            return
+        is_placed = self._write(key, blob, levels, "promoted", meta)
+        if self.levels.is_exclusive and is_placed and len(levels) == 1:
+            self.tiers[level].delete(key)  # the faster tier holds it now: the slower one lets it go
 
     def is_in_memory(self, key: bytes) -> bool:
         """True if `get(key)` will be served from process memory (a queued write or a trusted first tier)."""
@@ -139,41 +196,70 @@ class TierStack:
                 tier.unpin(keys)
 
     # ---- writes ------------------------------------------------------------------------------------------
-    def put(self, key: bytes, blob: Blob, per_level: dict[int, Blob] | None = None) -> None:
-        self._write(key, blob, self._writable, per_level or {})
+    def new_blob(self, size: int) -> Blob:
+        """A buffer for a blob about to be `put` (the first writable tier's: process memory recycles them)."""
+        return self.tiers[self.levels.store[0]].new_blob(size) if self.levels.store else bytearray(size)
+
+    def put(self, key: bytes, blob: Blob, per_level: dict[int, Blob] | None = None,
+            meta: AccessMeta = NO_META) -> None:
+        self._write(key, blob, self.levels.store, "stored", meta, per_level or {})
         self.counters.add("stored")
 
-    def _write(self, key: bytes, blob: Blob, levels: tuple[int, ...], per_level: dict[int, Blob] | None = None) -> None:
+    def _put(self, level: int, key: bytes, blob: Blob, meta: AccessMeta) -> bool:
+        tier = self.tiers[level]
+        if not tier.is_trusted:
+            fill_checksums(blob)  # blobs made for process memory are unsealed until they leave it
+        return tier.put(key, blob, meta=meta) if self._takes_meta[level] else tier.put(key, blob)
+
+    def _write(self, key: bytes, blob: Blob, levels: tuple[int, ...], kind: str, meta: AccessMeta = NO_META,
+               per_level: dict[int, Blob] | None = None) -> bool:
+        """Write now (a trusted first level) or queue the rest; True when the first level took it now."""
         per_level = per_level or {}
+        is_placed = False
         if levels and levels[0] == 0 and self.tiers[0].is_trusted:
-            self.tiers[0].put(key, per_level.get(0, blob))
+            is_placed = self._put_counted(0, key, per_level.get(0, blob), kind, meta)
             levels = levels[1:]
+            if not is_placed and self.levels.is_exclusive and not levels and kind != "promoted":
+                levels = self.levels.demote_to(0) or ()  # refused above: placed one tier down instead
         if not levels:
-            return
+            return is_placed
         with self._lock:
             if key in self._pending:
-                return
+                return is_placed
             try:
-                self._queue.put_nowait((key, blob, levels, per_level))
+                self._queue.put_nowait(_Write(key, blob, levels, kind, meta, per_level))
             except queue.Full:
                 self.counters.add("dropped_writes")
-                return
+                return is_placed
             self._pending[key] = (blob, len(levels))
+        return is_placed
+
+    def _put_counted(self, level: int, key: bytes, blob: Blob, kind: str, meta: AccessMeta) -> bool:
+        name = self.tiers[level].name
+        if not self._put(level, key, blob, meta):
+            self.counters.add(f"failed_writes.{name}")
+            return False
+        if kind != "stored":
+            self.counters.add(f"{kind}.{name}")
+            self.counters.add(f"bytes_{kind}.{name}", len(blob))
+        return True
 
     def _write_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            key, blob, levels, per_level = item
+        while (job := self._queue.get()) is not None:
             try:
+                levels = list(job.levels)
                 for level in levels:
-                    tier = self.tiers[level]
-                    if not tier.put(key, per_level.get(level, blob)):
-                        self.counters.add(f"failed_writes.{tier.name}")
+                    if self._put_counted(level, job.key, job.per_level.get(level, job.blob), job.kind, job.meta):
+                        continue
+                    down = self.levels.demote_to(level) if job.kind != "promoted" else None
+                    if down is not None and level == levels[-1]:
+                        levels.extend(down)  # exclusive: refused here, placed one tier down instead
             except Exception:  # a tier bug must not kill the writer thread
-                log.exception("background write of %s failed", key.hex()[:16])
+                log.exception("background write of %s failed", job.key.hex()[:16])
                 self.counters.add("failed_writes")
             finally:
                 with self._lock:
-                    self._pending.pop(key, None)
+                    self._pending.pop(job.key, None)
                 self._queue.task_done()
         self._queue.task_done()
 

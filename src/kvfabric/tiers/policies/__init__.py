@@ -3,9 +3,13 @@
 owns them. Nothing here imports the rest of kvfabric: tiers use it, it uses no tier.
 
 `make_eviction(name, capacity_bytes)` and `make_admission(name, num_entries)` build a policy by its config
-name (`EVICTION_NAMES`, `ADMISSION_NAMES`).
+name (`EVICTION_NAMES`, `ADMISSION_NAMES`, the same as config's `EvictionName` / `AdmissionName`);
+`make_index(capacity_bytes, eviction, admission, on_evict)` a tier's whole index ("always" = no admission
+policy; the others are sized at the first store, from the chunk size).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from kvfabric.tiers.policies.admission import AlwaysAdmit, SecondAccess, TinyLFU
 from kvfabric.tiers.policies.arc import ARC
@@ -16,7 +20,8 @@ from kvfabric.tiers.policies.keyhash import key_hash64
 from kvfabric.tiers.policies.lfu import LFU
 from kvfabric.tiers.policies.lru import LRU
 from kvfabric.tiers.policies.s3fifo import S3FIFO
-from kvfabric.tiers.policies.types import NO_META, AccessMeta, AdmissionPolicy, EvictionPolicy, IndexStats, Key
+from kvfabric.tiers.policies.types import (NO_META, AccessMeta, AdmissionPolicy, EvictionPolicy, IndexStats, Key,
+                                          prefill_cost_s)
 
 EVICTION_NAMES = ("heat", "lru", "lfu", "s3fifo", "arc")
 DEFAULT_EVICTION = "heat"
@@ -41,8 +46,19 @@ def make_admission(name: str, num_entries: int) -> AdmissionPolicy:
     raise ValueError(f"unknown admission policy {name!r}; allowed: {', '.join(ADMISSION_NAMES)}")
 
 
+def make_index(capacity_bytes: int, eviction: str = "lru", admission: str = "always",
+               on_evict: Callable[[Key], None] | None = None) -> PolicyIndex:
+    policy = make_eviction(eviction, capacity_bytes)
+    if admission == "always":
+        return PolicyIndex(capacity_bytes, policy, on_evict=on_evict)
+    make_admission(admission, 1)  # fail now on a bad name, not at the first store
+    return PolicyIndex(capacity_bytes, policy, on_evict=on_evict,
+                       admission_for=lambda num_entries: make_admission(admission, num_entries))
+
+
 __all__ = [
     "ADMISSION_NAMES", "ARC", "DEFAULT_EVICTION", "EVICTION_NAMES", "LFU", "LRU", "NO_META", "S3FIFO", "AccessMeta",
     "AdmissionPolicy", "AlwaysAdmit", "Belady", "BeladyFuture", "EvictionPolicy", "IndexStats", "Key",
-    "PolicyIndex", "PrefixHeat", "SecondAccess", "TinyLFU", "key_hash64", "make_admission", "make_eviction"
+    "PolicyIndex", "PrefixHeat", "SecondAccess", "TinyLFU", "key_hash64", "make_admission", "make_eviction",
+    "make_index", "prefill_cost_s"
 ]

@@ -10,6 +10,8 @@ Contract:
   before anything is evicted. Pinned keys are never evicted (a retrieve in progress pins what it reads); pins
   are counted, and may name keys that are not resident.
 - `touch(key, meta)` records a hit; False when the key is not resident.
+- `admission_for(num_entries)`, when given instead of `admission`, makes the admission policy at the first
+  `add`, sized for capacity / that key's size entries (a tier does not know its chunk size in advance).
 - Thread safety: every method takes `lock` (reentrant), and callers may hold it around a data change and its
   bookkeeping. `on_evict` runs under it.
 - Cost: the common paths (a hit; a new key that evicts one victim) are kept short: this runs on every access.
@@ -24,13 +26,15 @@ from kvfabric.tiers.policies.types import NO_META, AccessMeta, AdmissionPolicy, 
 
 class PolicyIndex:
     def __init__(self, capacity_bytes: int, policy: EvictionPolicy, admission: AdmissionPolicy | None = None,
-                 on_evict: Callable[[Key], None] | None = None) -> None:
+                 on_evict: Callable[[Key], None] | None = None,
+                 admission_for: Callable[[int], AdmissionPolicy] | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.policy = policy
         self.admission = admission
         self.on_evict = on_evict
+        self._admission_for = admission_for if admission is None else None
         self.num_bytes = 0
         self._sizes: dict[Key, int] = {}
         self._pins: dict[Key, int] = {}
@@ -66,6 +70,9 @@ class PolicyIndex:
 
     def add(self, key: Key, size: int, meta: AccessMeta = NO_META) -> bool:
         with self.lock:
+            if self._admission_for is not None:
+                self.admission = self._admission_for(max(1, self.capacity_bytes // max(1, size)))
+                self._admission_for = None
             sizes = self._sizes
             if key in sizes or key in self._pins:
                 return self._add_slow(key, size, meta)
@@ -81,6 +88,17 @@ class PolicyIndex:
                 return self._evict_for(key, size, False)
             self.num_admitted += 1
             return True
+
+    def adopt(self, key: Key, size: int, meta: AccessMeta = NO_META) -> bool:
+        """`add` without asking the admission policy: for a key whose data already exists (an index rebuilt
+        from storage, a chunk another process wrote)."""
+        with self.lock:
+            admission, admission_for = self.admission, self._admission_for
+            self.admission = self._admission_for = None
+            try:
+                return self.add(key, size, meta)
+            finally:
+                self.admission, self._admission_for = admission, admission_for
 
     def _add_slow(self, key: Key, size: int, meta: AccessMeta) -> bool:
         """`add` of a key that is resident (a size update, counted as a hit) or pinned."""

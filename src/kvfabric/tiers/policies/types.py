@@ -43,6 +43,19 @@ class AccessMeta:
 
 NO_META = AccessMeta()
 
+PREFILL_TOKENS_PER_S = 2000.0  # at an empty context: the order of a small model on a CPU
+PREFILL_HALVING_TOKENS = 8192.0  # the per-token cost doubles at this context length (attention)
+
+
+def prefill_cost_s(start: int, end: int, tokens_per_s: float = PREFILL_TOKENS_PER_S,
+                   halving_tokens: float = PREFILL_HALVING_TOKENS) -> float:
+    """Seconds to prefill tokens [start, end) after `start` tokens of context: per-token cost
+    (1 + context / halving_tokens) / tokens_per_s, integrated. The engine's default miss cost of a chunk; the
+    policies compare costs with each other only, so the rate matters less than the growth with the context."""
+    if end <= start:
+        return 0.0
+    return ((end - start) + (end * end - start * start) / (2.0 * halving_tokens)) / tokens_per_s
+
 
 class EvictionPolicy(Protocol):
     name: str
