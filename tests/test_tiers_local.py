@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import os
 import threading
+import typing
 
 import pytest
 
-from kvfabric.config import Config, ConfigError, DiskTierConfig
+from kvfabric.config import Config, ConfigError, DiskTierConfig, EvictionName
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
 from kvfabric.tiers.factory import build_tiers, codec_spec
@@ -15,18 +16,30 @@ from kvfabric.tiers.stack import TierStack
 from tests.tier_contract import BLOB_BYTES, TierContract, key, make_blob
 
 
-class TestCpuTier(TierContract):
+EVICTIONS = typing.get_args(EvictionName)
+
+
+class PolicyContract(TierContract):
+    """The tier contract once per eviction policy (the policy-driven tiers take any of them)."""
+
+    @pytest.fixture(autouse=True, params=EVICTIONS)
+    def _eviction(self, request):
+        self.eviction = request.param
+        self.evicts_lru = request.param == "lru"
+
+
+class TestCpuTier(PolicyContract):
     declared = dict(is_trusted=True, is_read_only=False, is_persistent=False, is_shared=False, honors_capacity=True,
                     honors_pins=True)
 
     def make_tier(self, capacity_bytes):
-        return CpuTier(capacity_bytes)
+        return CpuTier(capacity_bytes, eviction=self.eviction)
 
     def reopen(self, tier):
-        return CpuTier(tier.capacity_bytes)
+        return CpuTier(tier.capacity_bytes, eviction=self.eviction)
 
 
-class TestDiskTier(TierContract):
+class TestDiskTier(PolicyContract):
     declared = dict(is_trusted=False, is_read_only=False, is_persistent=True, is_shared=True, honors_capacity=True,
                     honors_pins=True)
 
@@ -35,10 +48,10 @@ class TestDiskTier(TierContract):
         self.root = tmp_path / "chunks"
 
     def make_tier(self, capacity_bytes):
-        return DiskTier(self.root, capacity_bytes)
+        return DiskTier(self.root, capacity_bytes, eviction=self.eviction)
 
     def reopen(self, tier):
-        return DiskTier(self.root, tier.capacity_bytes)
+        return DiskTier(self.root, tier.capacity_bytes, eviction=self.eviction)
 
 
 def test_disk_rebuild_keeps_lru_order(tmp_path):

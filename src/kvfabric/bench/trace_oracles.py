@@ -20,6 +20,7 @@ from kvfabric.tiers.policies.belady import NEVER
 
 class OracleAlive:
     name = "oracle-alive"
+    may_bypass = True
 
     def __init__(self, capacity_bytes: int, future: BeladyFuture) -> None:
         self.future = future
@@ -53,6 +54,7 @@ class OracleAlive:
 
 class OraclePopularity:
     name = "oracle-popularity"
+    may_bypass = True
 
     def __init__(self, capacity_bytes: int, future: BeladyFuture) -> None:
         self.future = future

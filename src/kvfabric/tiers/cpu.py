@@ -4,7 +4,7 @@ Trusted (`is_trusted`): it returns the very object that was put, so readers skip
 A reader holding a blob keeps it alive after eviction (Python references), and pinned keys are not evicted.
 `new_blob` hands out buffers of dropped chunks (tiers/pool.py): the pool never recycles a buffer that a reader,
 a view, or a queued write to a slower tier still references, and the tier's chunks plus its free buffers stay
-within `capacity_bytes`.
+within 1.125 x `capacity_bytes` plus two buffers (the free ones within what the chunks leave, or an eighth).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from kvfabric.codec.format import HEADER_BYTES
 from kvfabric.tiers.base import Blob, PolicyTier
-from kvfabric.tiers.policies import NO_META, AccessMeta, make_index
+from kvfabric.tiers.policies import NO_META, AccessMeta, EvictionPolicy, make_index
 from kvfabric.tiers.pool import BlobPool
 
 
@@ -25,11 +25,15 @@ class CpuTier(PolicyTier):
     honors_capacity = True
     honors_pins = True
 
-    def __init__(self, capacity_bytes: int, eviction: str = "lru", admission: str = "always") -> None:
+    def __init__(self, capacity_bytes: int, eviction: str | EvictionPolicy = "lru",
+                 admission: str = "always") -> None:
         self._index = make_index(capacity_bytes, eviction, admission, on_evict=self._evicted)
         self._blobs: dict[bytes, Blob] = {}
         self.capacity_bytes = capacity_bytes
-        self.pool = BlobPool(lambda: self.capacity_bytes - self._index.num_bytes, align_offset=HEADER_BYTES)
+        # Free buffers: what the chunks leave of the capacity, and at least an eighth of it, so that a full tier
+        # recycles its victims (a store takes its buffer before the put that evicts one).
+        self.pool = BlobPool(lambda: max(self.capacity_bytes - self._index.num_bytes, self.capacity_bytes // 8),
+                             align_offset=HEADER_BYTES)
 
     def new_blob(self, size: int) -> memoryview:
         return self.pool.take(size)

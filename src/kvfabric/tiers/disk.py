@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from kvfabric.tiers.base import Blob, PolicyTier, Scratch
-from kvfabric.tiers.policies import NO_META, AccessMeta, make_index
+from kvfabric.tiers.policies import NO_META, AccessMeta, EvictionPolicy, make_index
 
 SUFFIX = ".kvc"
 STALE_TMP_S = 3600.0
@@ -53,8 +53,8 @@ class DiskTier(PolicyTier):
     honors_capacity = True  # the bytes this process knows of; another process sharing the directory has its own
     honors_pins = True
 
-    def __init__(self, root: str | os.PathLike, capacity_bytes: int, fsync: bool = False, eviction: str = "lru",
-                 admission: str = "always") -> None:
+    def __init__(self, root: str | os.PathLike, capacity_bytes: int, fsync: bool = False,
+                 eviction: str | EvictionPolicy = "lru", admission: str = "always") -> None:
         self.root = Path(root).expanduser()
         self.capacity_bytes = capacity_bytes
         self.is_fsync = fsync

@@ -14,8 +14,8 @@ Contract:
   owner: every memoryview, numpy array or tensor over a buffer references it). A buffer still referenced
   when the budget runs out is simply forgotten (garbage collected once its last user lets go). So a blob a
   reader holds never changes under it, and a chunk is never served from a recycled buffer.
-- Free buffers are bounded by `budget()` bytes (the tier passes its capacity minus what it holds, so the tier
-  and its pool together stay within the tier's capacity); `clear()` lets go of all of them.
+- Free buffers are bounded by `budget()` bytes, or MIN_KEPT buffers when that is more (the cpu tier passes what
+  its chunks leave of its capacity, at least an eighth of it); `clear()` lets go of all of them.
 - Blobs the pool did not make (bytes, bytearrays) are ignored by `give`. Thread-safe.
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ def _refs(arrays: deque, i: int) -> int:
 
 
 ALIGN = 64
+MIN_KEPT = 2  # buffers kept whatever the budget: a full tier's next store reuses the victim of the last one
 
 
 class BlobPool:
@@ -76,7 +77,7 @@ class BlobPool:
             self._retired.append(owner)
             self._retired_bytes += owner.nbytes
             budget = max(0, self.budget())
-            while self._retired_bytes > budget:
+            while self._retired_bytes > budget and len(self._retired) > MIN_KEPT:
                 self._retired_bytes -= self._retired.popleft().nbytes
 
     @property

@@ -46,9 +46,10 @@ def make_admission(name: str, num_entries: int) -> AdmissionPolicy:
     raise ValueError(f"unknown admission policy {name!r}; allowed: {', '.join(ADMISSION_NAMES)}")
 
 
-def make_index(capacity_bytes: int, eviction: str = "lru", admission: str = "always",
+def make_index(capacity_bytes: int, eviction: str | EvictionPolicy = "lru", admission: str = "always",
                on_evict: Callable[[Key], None] | None = None) -> PolicyIndex:
-    policy = make_eviction(eviction, capacity_bytes)
+    """`eviction`: a policy name, or a policy object (made for this capacity)."""
+    policy = make_eviction(eviction, capacity_bytes) if isinstance(eviction, str) else eviction
     if admission == "always":
         return PolicyIndex(capacity_bytes, policy, on_evict=on_evict)
     make_admission(admission, 1)  # fail now on a bad name, not at the first store

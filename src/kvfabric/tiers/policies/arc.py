@@ -15,6 +15,7 @@ from kvfabric.tiers.policies.types import AccessMeta, Key
 
 class ARC:
     name = "arc"
+    may_bypass = False  # evicts before it inserts: a newcomer is never its own victim
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:

@@ -50,6 +50,7 @@ class BeladyFuture:
 
 class Belady:
     name = "belady"
+    may_bypass = True  # may turn the newcomer away (see types.py)
 
     def __init__(self, capacity_bytes: int, future: BeladyFuture) -> None:
         self.future = future

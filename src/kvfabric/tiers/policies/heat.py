@@ -36,6 +36,7 @@ from kvfabric.tiers.policies.types import AccessMeta, Key
 
 class PrefixHeat:
     name = "heat"
+    may_bypass = True  # may turn the newcomer away (see types.py)
 
     def __init__(self, capacity_bytes: int = 0, small_frac: float = 1.0, ghost_mult: float = 4.0,
                  max_credit: int = 3, is_tail_first: bool = True, is_cost_aware: bool = True,
@@ -170,13 +171,16 @@ class PrefixHeat:
             self._start_tuner()
         small, main, credit = self._small, self._main, self._credit
         num_pinned = 0  # every other pass spends a credit or promotes a key, so only pinned keys can loop
+        num_small_pinned = 0  # in a row in probation: when all of it is pinned, evict from main
         while num_pinned <= len(credit):
             self._steps += 1
-            if small and (self._small_bytes >= self.small_frac * (self._small_bytes + self._main_bytes) or not main):
+            if small and num_small_pinned < len(small) and (
+                    self._small_bytes >= self.small_frac * (self._small_bytes + self._main_bytes) or not main):
                 key = small.popitem(last=False)[0]
                 if key in pinned:
                     small[key] = None
                     num_pinned += 1
+                    num_small_pinned += 1
                 elif credit[key] > 0:  # hit while on probation: promote
                     size = self._size[key]
                     self._small_bytes -= size

@@ -15,6 +15,7 @@ from kvfabric.tiers.policies.types import AccessMeta, Key
 
 class LFU:
     name = "lfu"
+    may_bypass = False  # evicts before it inserts: a newcomer is never its own victim
 
     def __init__(self, capacity_bytes: int = 0, max_count: int = 15) -> None:
         if max_count < 1:

@@ -9,6 +9,7 @@ from kvfabric.tiers.policies.types import AccessMeta, Key
 
 class LRU:
     name = "lru"
+    may_bypass = False  # evicts before it inserts: a newcomer is never its own victim
 
     def __init__(self, capacity_bytes: int = 0) -> None:
         self._order: OrderedDict[Key, None] = OrderedDict()  # oldest first

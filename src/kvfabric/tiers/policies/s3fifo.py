@@ -16,6 +16,7 @@ from kvfabric.tiers.policies.types import AccessMeta, Key
 
 class S3FIFO:
     name = "s3fifo"
+    may_bypass = False  # evicts before it inserts: a newcomer is never its own victim
 
     def __init__(self, capacity_bytes: int = 0, small_frac: float = 0.1, max_freq: int = 3,
                  ghost_mult: float = 1.0) -> None:
@@ -54,16 +55,20 @@ class S3FIFO:
     def victim(self, pinned: Container[Key]) -> Key | None:
         # Every pass either evicts, moves a key small -> main, or spends one hit of a main key; pinned keys
         # are moved to the back of their queue. The bound only stops the loop when everything is pinned.
+        num_small_pinned = 0  # pinned keys met in a row in the small queue: when all are, evict from main
         for _ in range(2 * (len(self._freq) + 1) * (self.max_freq + 1)):
             self.num_steps += 1
             total = self._small_bytes + self._main_bytes
-            from_small = self._small and (self._small_bytes >= self.small_frac * total or not self._main)
+            from_small = self._small and num_small_pinned < len(self._small) and (
+                self._small_bytes >= self.small_frac * total or not self._main)
             if from_small:
                 key, _ = self._small.popitem(last=False)
                 size = self._size[key]
                 if key in pinned:
+                    num_small_pinned += 1
                     self._small[key] = None
                 elif self._freq[key] > 0:
+                    num_small_pinned = 0
                     self._small_bytes -= size
                     self._main_bytes += size
                     self._freq[key] = 0

@@ -4,9 +4,11 @@ Contract (tests/policy_contract.py runs one suite on every eviction policy):
 - A policy does bookkeeping only, never data: it learns which keys are resident (`admit`), which were hit
   (`touch`), which were deleted (`remove`), and names the next key to evict (`victim`).
 - `victim(pinned)` picks a resident key that is not in `pinned`, forgets it as evicted (a policy with ghost
-  lists remembers it there) and returns it; None when every resident key is pinned. It may return the key
-  admitted last: that is a bypass (the policy judged the newcomer the least valuable), and the caller refuses
-  the admission. `remove(key)` forgets a key without counting it as evicted (an explicit delete).
+  lists remembers it there) and returns it; None when every resident key is pinned. A policy with `may_bypass`
+  may return the key admitted last: that is a bypass (the policy judged the newcomer the least valuable), and
+  the caller refuses the admission. For the others (LRU, LFU, S3-FIFO, ARC: their published algorithms evict
+  before they insert) `PolicyIndex` counts the newcomer as pinned while it makes room for it.
+  `remove(key)` forgets a key without counting it as evicted (an explicit delete).
 - Bytes are bounded by the caller (`PolicyIndex`), which calls `victim` until the new key fits; a policy only
   keeps the byte counts its own decisions need (S3-FIFO's small queue, ARC's targets).
 - Bookkeeping costs O(1) per access, amortized: every loop a policy runs counts its iterations in `num_steps`
@@ -59,6 +61,7 @@ def prefill_cost_s(start: int, end: int, tokens_per_s: float = PREFILL_TOKENS_PE
 
 class EvictionPolicy(Protocol):
     name: str
+    may_bypass: bool  # victim() may name the key admitted last (see above)
     num_steps: int  # loop iterations so far (the O(1) check counts these)
 
     def __len__(self) -> int: ...
