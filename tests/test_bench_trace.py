@@ -3,11 +3,16 @@ trace, the TTFT model, the command's JSON and plot, and the issue-16 table on th
 from __future__ import annotations
 
 import json
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from kvfabric.bench.trace import simulate
+from kvfabric.bench.trace_replay import ReplaySetup, TierSpec, replay, trace_keys
+from kvfabric.config import PlacementConfig
 from kvfabric.bench.trace_data import TraceError, find_trace, load_trace
 from kvfabric.bench.trace_sim import TierConfig, TTFTModel, request_metas, simulate_two_tiers
 from kvfabric.cli import main
@@ -99,27 +104,35 @@ def test_ttft_model():
 def test_bench_trace_json_and_plot(tiny, tmp_path):
     plot = tmp_path / "trace.png"
     result = CliRunner().invoke(main, ["bench", "trace", "--trace", str(tiny), "--json", "--capacities", "0.5",
-                                       "--policies", "lru,heat,lru+second", "--plot", str(plot), "--bounds"])
+                                       "--policies", "lru,heat,lru+second,shm", "--plot", str(plot), "--bounds",
+                                       "--model-defaults", "--replay-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
     table = [row for row in rows if "policy" in row]
     for row in table:
         for field in ("trace", "policy", "tiers", "capacity_frac", "prefix_hit_ratio", "block_hit_ratio",
-                      "ttft_mean_s", "ttft_p99_s", "ns_per_access"):
+                      "ttft_mean_s", "ttft_p99_s", "ns_per_access", "source"):
             assert field in row, field
     one = {row["policy"]: row for row in table if row["tiers"] == 1}
-    assert set(one) >= {"lru", "belady", "heat", "lru+second", "default", "oracle-alive", "oracle-popularity"}
+    assert set(one) >= {"lru", "belady", "heat", "lru+second", "shm", "default", "oracle-alive", "oracle-popularity"}
+    assert one["lru"]["source"] == "replay" and one["oracle-alive"]["source"] == "sim"
+    # Through the real tiers, the hand-computed figures of the simulator (test above): same policy, same trace.
     assert one["lru"]["prefix_hit_ratio"] == pytest.approx(1536 / PROMPT_TOKENS, abs=1e-4)
+    assert one["shm"]["prefix_hit_ratio"] == one["lru"]["prefix_hit_ratio"]  # the pool evicts LRU too
     assert one["belady"]["prefix_hit_ratio"] == pytest.approx(2560 / PROMPT_TOKENS, abs=1e-4)
     assert one["belady"]["gap_closed"] == 1.0 and one["lru"]["gap_closed"] == 0.0
-    assert {row["policy"] for row in table if row["tiers"] == 2} >= {"lru", "belady", "default", "heat/exclusive"}
+    assert one["lru"]["hit_tokens"] == [1536] and one["lru"]["evicted"] == [4]
+    two = {row["policy"]: row for row in table if row["tiers"] == 2}
+    assert set(two) >= {"lru", "belady", "default", "lru/exclusive"}
+    assert two["lru/exclusive"]["bytes_moved"][1] > 0 and two["lru"]["tier_names"] == ["cpu", "disk"]
     assert plot.stat().st_size > 10_000
 
 
 def test_bench_trace_rejects_bad_options(tiny):
     result = CliRunner().invoke(main, ["bench", "trace", "--trace", str(tiny), "--capacities", "2"])
     assert result.exit_code != 0 and "capacities" in result.output
-    result = CliRunner().invoke(main, ["bench", "trace", "--trace", str(tiny), "--policies", "mru"])
+    result = CliRunner().invoke(main, ["bench", "trace", "--trace", str(tiny), "--policies", "mru", "--sim",
+                                       "--model-defaults"])
     assert result.exit_code != 0 and "unknown eviction policy" in result.output
 
 
@@ -144,15 +157,43 @@ def test_issue_table_at_3_percent(name, lru_block, belady_block):
     assert belady.block_hit_ratio == pytest.approx(belady_block, abs=0.001)
 
 
+@pytest.fixture
+def replay_dir(tmp_path):
+    """Chunk files on tmpfs where there is one (real files, without the shared disk's latency)."""
+    if not os.access("/dev/shm", os.W_OK):
+        yield tmp_path
+        return
+    with tempfile.TemporaryDirectory(prefix="kvfabric-test-replay-", dir="/dev/shm") as path:
+        yield Path(path)
+
+
 @pytest.mark.parametrize("name", ["conversation", "synthetic"])
-def test_first_500_requests_counters_add_up(name):
+def test_first_500_requests_counters_add_up(name, replay_dir):
     trace = shared_trace(name, limit=500)
-    metas = request_metas(trace, TTFTModel())
-    belady = simulate(trace, "belady", 1, 0.1, TTFTModel(), metas)
-    for label in ("lru", "lfu", "s3fifo", "arc", "heat", "lru+tinylfu"):
-        res = simulate(trace, label, 1, 0.1, TTFTModel(), metas)
-        assert res.num_accesses == trace.num_accesses and 0 < res.block_hits <= res.num_accesses
-        assert 0 < res.prefix_hit_tokens <= res.prompt_tokens
-        assert res.block_hits <= belady.block_hits, label
-    two = simulate(trace, "heat/exclusive", 2, 0.03, TTFTModel(), metas)
-    assert two.slow_hit_tokens <= two.prefix_hit_tokens <= two.prompt_tokens
+    keys = trace_keys(trace)
+    model = TTFTModel()
+    seen = {}
+
+    def check(engine, tiers) -> None:
+        counters = engine.stats().counters
+        # every block either hit (some tier held it) or was recomputed and stored: hits + misses = accesses
+        seen["stored"] = counters.get("chunks_stored", 0)
+        for tier in tiers:
+            usage = tier.usage()
+            assert usage.num_bytes <= tier.capacity_bytes
+            stats = tier.index_stats()
+            assert stats.num_hits == counters.get(f"hit.{tier.name}", 0)  # the index saw every read the stack did
+            if tier.name == "disk":  # bytes on disk = the sum of the resident chunks' sizes
+                files = list(tier.root.rglob("*.kvc"))
+                assert sum(f.stat().st_size for f in files) == usage.num_bytes
+                assert {bytes.fromhex(f.stem) for f in files} == set(tier.keys())
+
+    for setup in (ReplaySetup("heat", (TierSpec("cpu", "heat"),)),
+                  ReplaySetup("lru", (TierSpec("cpu", "lru"), TierSpec("disk", "lru"))),
+                  ReplaySetup("heat+lru/exclusive", (TierSpec("cpu", "heat"), TierSpec("disk", "lru")),
+                              PlacementConfig(mode="exclusive"))):
+        res = replay(trace, setup, 0.03, model, replay_dir, keys, on_end=check)
+        assert seen["stored"] + res.block_hits == res.num_accesses == trace.num_accesses
+        assert sum(res.hit_tokens) == res.prefix_hit_tokens <= res.prompt_tokens
+        assert 0 < res.prefix_hit_tokens and res.block_hits >= res.prefix_hit_tokens // trace.block_tokens
+        assert len(setup.tiers) == 1 or res.hit_tokens[1] > 0  # the disk tier served what cpu had dropped

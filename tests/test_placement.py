@@ -182,3 +182,14 @@ def test_engine_tells_the_policies_each_chunks_position_and_cost():
         [(op, i, 3, 16) for op in ("admit", "touch") for i in range(3)]
     costs = [m.miss_cost_s for _, m in policy.seen[:3]]
     assert 0 < costs[0] < costs[1] < costs[2]  # a later chunk is recomputed after a longer context
+
+
+def test_exclusive_writes_process_memory_down_at_close(tmp_path):
+    stack = stack_of(tmp_path, EXCLUSIVE, cpu_chunks=4)
+    for i in range(3):
+        stack.put(key(i), make_blob(key(i)))
+    stack.flush()
+    assert [held(stack, i) for i in range(3)] == [[True, False]] * 3
+    stack.close()
+    again = DiskTier(tmp_path, 100 * BLOB_BYTES)  # a restart over the same directory
+    assert [bytes(again.get(key(i))) for i in range(3)] == [make_blob(key(i)) for i in range(3)]

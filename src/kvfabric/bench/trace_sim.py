@@ -26,14 +26,14 @@ class TTFTModel:
     """Modelled time to first token of one request: bytes loaded from each tier at that tier's throughput,
     plus the prefill of the missing tokens at a rate that falls with the context (attention).
 
-    TODO(phase 2, issue 16): measure all of these in the same run: `bench tiers` throughputs of the real cpu and
-    disk tiers, and the real model's prefill rate at several context lengths (fit `prefill_tokens_per_s` and
-    `prefill_halving_tokens`). The defaults are placeholders of the right order for SmolLM2-135M on this CPU.
-    """
+    The defaults are placeholders of the right order for SmolLM2-135M on a 2-core CPU; `kvfabric bench trace`
+    measures all of them in its own run (trace_measure.py: the tiers' read throughputs as `bench tiers`
+    measures them, and the real model's prefill time at several context lengths, fitted)."""
 
     bytes_per_token: int = 23040  # SmolLM2-135M fp16 KV: 30 layers x (K, V) x 3 kv heads x 64 dims x 2 bytes
-    fast_bytes_per_s: float = 5e9
-    slow_bytes_per_s: float = 1e9
+    fast_bytes_per_s: float = 5e9  # process memory (cpu tier)
+    slow_bytes_per_s: float = 1e9  # disk tier, page cache dropped
+    shm_bytes_per_s: float = 4e9  # shared-memory pool, read from another process
     prefill_tokens_per_s: float = 2000.0  # at an empty context
     prefill_halving_tokens: float = 8192.0  # the per-token cost doubles at this context length
 
@@ -42,8 +42,16 @@ class TTFTModel:
         return prefill_cost_s(start, end, self.prefill_tokens_per_s, self.prefill_halving_tokens)
 
     def ttft_s(self, prompt_tokens: int, fast_tokens: int, slow_tokens: int) -> float:
-        hit = fast_tokens + slow_tokens
-        load = self.bytes_per_token * (fast_tokens / self.fast_bytes_per_s + slow_tokens / self.slow_bytes_per_s)
+        return self.ttft_by_tier(prompt_tokens, {"cpu": fast_tokens, "disk": slow_tokens})
+
+    def tier_bytes_per_s(self, tier: str) -> float:
+        return {"cpu": self.fast_bytes_per_s, "pending": self.fast_bytes_per_s, "shm": self.shm_bytes_per_s,
+                "disk": self.slow_bytes_per_s}[tier]
+
+    def ttft_by_tier(self, prompt_tokens: int, hit_tokens: dict[str, int]) -> float:
+        """`hit_tokens`: prefix hit tokens served by each tier (by name: cpu, shm, disk)."""
+        hit = sum(hit_tokens.values())
+        load = sum(self.bytes_per_token * n / self.tier_bytes_per_s(tier) for tier, n in hit_tokens.items() if n)
         # At least the last token is computed even when the whole prompt hits.
         return load + self.prefill_s(min(hit, prompt_tokens - 1), prompt_tokens)
 
@@ -58,7 +66,8 @@ class TierConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class SimResult:
+class TraceRun:
+    """What every run over a trace reports (the simulator's and the real tiers' replay, trace_replay.py)."""
     trace: str
     policy: str
     tiers: int
@@ -67,15 +76,12 @@ class SimResult:
     num_requests: int
     prompt_tokens: int
     prefix_hit_tokens: int
-    slow_hit_tokens: int  # of the prefix hit tokens, those served by the slow tier
     num_accesses: int
     block_hits: int
-    blocks_moved: int  # promotions + demotions between the tiers
     num_evicted: tuple[int, ...]  # per tier
     num_refused: tuple[int, ...]  # admissions refused, per tier
     ttft_mean_s: float
     ttft_p99_s: float
-    ns_per_access: float  # wall time of the index and policy calls (stores and hits) per block access
 
     @property
     def prefix_hit_ratio(self) -> float:
@@ -84,6 +90,13 @@ class SimResult:
     @property
     def block_hit_ratio(self) -> float:
         return self.block_hits / self.num_accesses
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult(TraceRun):
+    slow_hit_tokens: int = 0  # of the prefix hit tokens, those served by the slow tier
+    blocks_moved: int = 0  # promotions + demotions between the tiers
+    ns_per_access: float = 0.0  # process time of the index and policy calls (stores and hits) per block access
 
 
 def request_metas(trace: Trace, model: TTFTModel) -> list[list[AccessMeta]]:
@@ -100,7 +113,7 @@ def request_metas(trace: Trace, model: TTFTModel) -> list[list[AccessMeta]]:
     return metas
 
 
-def _p99(values: list[float]) -> float:
+def p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
 
@@ -137,9 +150,9 @@ def simulate_one_tier(trace: Trace, make_index: IndexFactory, capacity_frac: flo
         policy_s += time.process_time() - start
     stats = index.stats()
     return SimResult(trace.name, policy, 1, capacity_frac, capacity, len(trace.requests),
-                     sum(r.input_length for r in trace.requests), hit_tokens, 0, trace.num_accesses, block_hits,
-                     0, (stats.num_evicted,), (stats.num_refused,), sum(ttfts) / len(ttfts), _p99(ttfts),
-                     1e9 * policy_s / trace.num_accesses)
+                     sum(r.input_length for r in trace.requests), hit_tokens, trace.num_accesses, block_hits,
+                     (stats.num_evicted,), (stats.num_refused,), sum(ttfts) / len(ttfts), p99(ttfts),
+                     ns_per_access=1e9 * policy_s / trace.num_accesses)
 
 
 def simulate_two_tiers(trace: Trace, make_fast: IndexFactory, make_slow: IndexFactory, capacity_frac: float,
@@ -212,9 +225,9 @@ def simulate_two_tiers(trace: Trace, make_fast: IndexFactory, make_slow: IndexFa
         policy_s += time.process_time() - start
     fs, ss = fast.stats(), slow.stats()
     return SimResult(trace.name, policy, 2, capacity_frac, capacity, len(trace.requests),
-                     sum(r.input_length for r in trace.requests), hit_tokens, slow_tokens, trace.num_accesses,
-                     block_hits, moved + num_demoted[0], (fs.num_evicted, ss.num_evicted),
-                     (fs.num_refused, ss.num_refused), sum(ttfts) / len(ttfts), _p99(ttfts), 1e9 * policy_s / trace.num_accesses)
+                     sum(r.input_length for r in trace.requests), hit_tokens, trace.num_accesses, block_hits,
+                     (fs.num_evicted, ss.num_evicted), (fs.num_refused, ss.num_refused), sum(ttfts) / len(ttfts),
+                     p99(ttfts), slow_tokens, moved + num_demoted[0], 1e9 * policy_s / trace.num_accesses)
 
 
 def _load_meta(meta: AccessMeta, model: TTFTModel) -> AccessMeta:

@@ -20,14 +20,17 @@ import xxhash
 
 from kvfabric.codec.format import (HEADER_BYTES, ChunkFormatError, ChunkHeader, pack_header, pack_unsealed,
                                    write_blob)
-from kvfabric.codec.stream_copy import copy_rows, rows
+from kvfabric.codec.stream_copy import copy_rows, is_streamed, rows
 from kvfabric.layout import KVLayout
 
 
 def payload_view(blob: bytearray | memoryview | bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A zero-copy tensor over the payload region of `blob`."""
-    with warnings.catch_warnings():  # read-only buffers (bytes, mmap) are fine: we only read or copy into them
-        warnings.simplefilter("ignore", UserWarning)
+    if isinstance(blob, bytes) or memoryview(blob).readonly:
+        with warnings.catch_warnings():  # read-only buffers (bytes, mmap) are fine: we only read or copy from them
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(blob, dtype=torch.uint8, offset=HEADER_BYTES)
+    else:
         flat = torch.frombuffer(blob, dtype=torch.uint8, offset=HEADER_BYTES)
     return flat.view(dtype).view(shape)
 
@@ -46,7 +49,9 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.dtype == src.dtype:
         view = _NUMPY_SAME[dst.dtype]
         d, s = dst.view(view).numpy(), src.view(view).numpy()
-        d_rows, s_rows = rows(d), rows(s)
+        d_rows = s_rows = None
+        if is_streamed(d.nbytes):
+            d_rows, s_rows = rows(d), rows(s)
         if d_rows is not None and s_rows is not None:
             copy_rows(d_rows, s_rows)
         else:

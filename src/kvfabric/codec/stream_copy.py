@@ -17,6 +17,8 @@ import platform
 
 import numpy as np
 
+STREAM_BYTES = 1 << 20
+
 
 def rows(x: np.ndarray) -> np.ndarray | None:
     """x [L, 2, H, T, D] as uint8 rows [L, 2, H, T*D*itemsize]; None if a row is not one contiguous run."""
@@ -96,3 +98,9 @@ def copy_rows(dst: np.ndarray, src: np.ndarray) -> None:
         _stream_rows(dst, src)
     else:
         _copy_rows_numpy(dst, src)
+
+
+def is_streamed(num_bytes: int) -> bool:
+    """Whether a copy of this size goes through `copy_rows`: below STREAM_BYTES a cached copy is as fast (the
+    destination stays in cache for its reader) and building the row views would cost more than it saves."""
+    return HAVE_STREAMING and num_bytes >= STREAM_BYTES

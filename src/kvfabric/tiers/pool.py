@@ -30,61 +30,63 @@ import numpy as np
 from kvfabric.tiers.base import Blob
 
 
-def _refs(arrays: deque, i: int) -> int:
-    """References to arrays[i], counted the same way for every buffer (calibrated once, see BlobPool)."""
-    array = arrays[i]
+def _refs(arrays: deque) -> int:
+    """References to arrays[0], counted the same way for every buffer (calibrated once, see BlobPool)."""
+    array = arrays[0]
     return sys.getrefcount(array)
 
 
 ALIGN = 64
 MIN_KEPT = 2  # buffers kept whatever the budget: a full tier's next store reuses the victim of the last one
+NUM_TRIED = 4  # free buffers of the asked size looked at per take (still-referenced ones rotate to the back)
 
 
 class BlobPool:
     def __init__(self, budget: Callable[[], int], align_offset: int = 0) -> None:
         self.budget = budget
         self.align_offset = align_offset
-        self._retired: deque[np.ndarray] = deque()  # dropped by the tier, oldest first; maybe still referenced
-        self._retired_bytes = 0
+        self._free: dict[int, deque[np.ndarray]] = {}  # size -> buffers dropped by the tier, oldest first
+        self._free_bytes = self._num_free = 0
         self._lock = threading.Lock()
         self.num_reused = self.num_fresh = 0
-        probe: deque[np.ndarray] = deque([np.empty(1, dtype=np.uint8)])
-        self._unreferenced = _refs(probe, 0)  # the count of a buffer only the pool holds
+        self._unreferenced = _refs(deque([np.empty(1, dtype=np.uint8)]))  # the count of a buffer only we hold
 
     def take(self, size: int) -> memoryview:
         with self._lock:
-            retired = self._retired
-            for i in range(len(retired)):
-                if retired[i].nbytes == size + ALIGN and _refs(retired, i) == self._unreferenced:
-                    array = retired[i]
-                    del retired[i]
-                    self._retired_bytes -= array.nbytes
+            bucket = self._free.get(size)
+            for _ in range(min(len(bucket), NUM_TRIED) if bucket else 0):
+                if _refs(bucket) == self._unreferenced:
+                    self._free_bytes -= size
+                    self._num_free -= 1
                     self.num_reused += 1
-                    return self._aligned(array, size)
+                    return memoryview(bucket.popleft())
+                bucket.rotate(-1)
             self.num_fresh += 1
-        return self._aligned(np.empty(size + ALIGN, dtype=np.uint8), size)
-
-    def _aligned(self, array: np.ndarray, size: int) -> memoryview:
-        start = -(array.ctypes.data + self.align_offset) % ALIGN
-        return memoryview(array)[start:start + size]
+        whole = np.empty(size + ALIGN, dtype=np.uint8)
+        start = -(whole.ctypes.data + self.align_offset) % ALIGN
+        return memoryview(whole[start:start + size])
 
     def give(self, blob: Blob) -> None:
-        owner = blob.obj if isinstance(blob, memoryview) else None
-        if not isinstance(owner, np.ndarray) or owner.dtype != np.uint8 or owner.ndim != 1 or \
-                not owner.flags.writeable or not owner.flags.c_contiguous or owner.base is not None:
-            return  # not a buffer this pool made (or a view of one): leave it to the garbage collector
+        array = blob.obj if isinstance(blob, memoryview) else None
+        if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 1 or \
+                not array.flags.writeable or not array.flags.c_contiguous or len(blob) != array.nbytes:
+            return  # not a buffer this pool made: leave it to the garbage collector
         with self._lock:
-            self._retired.append(owner)
-            self._retired_bytes += owner.nbytes
+            self._free.setdefault(array.nbytes, deque()).append(array)
+            self._free_bytes += array.nbytes
+            self._num_free += 1
             budget = max(0, self.budget())
-            while self._retired_bytes > budget and len(self._retired) > MIN_KEPT:
-                self._retired_bytes -= self._retired.popleft().nbytes
+            while self._free_bytes > budget and self._num_free > MIN_KEPT:
+                size, bucket = max(self._free.items(), key=lambda item: len(item[1]))
+                bucket.popleft()
+                self._free_bytes -= size
+                self._num_free -= 1
 
     @property
     def num_free_bytes(self) -> int:
-        return self._retired_bytes
+        return self._free_bytes
 
     def clear(self) -> None:
         with self._lock:
-            self._retired.clear()
-            self._retired_bytes = 0
+            self._free.clear()
+            self._free_bytes = self._num_free = 0

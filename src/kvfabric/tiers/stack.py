@@ -17,7 +17,8 @@ Contract:
   the write and counts it: the engine's step never waits for disk or network. `flush()` waits for queued
   writes. Exclusive: a chunk a tier refuses (admission) goes to the next one instead, and what a policy-driven
   tier evicts is queued for the next one unchanged (demotion: same blob, no re-encoding; a demoted blob keeps
-  its codec even when the next tier's config names another, blobs are self-describing).
+  its codec even when the next tier's config names another, blobs are self-describing). At `close`, what only
+  process memory holds is written down too, so a restart finds it (exclusive's cost: a write at exit).
 - Queued writes are readable before they land (`pending`), so a store is visible to lookups at once.
 - Blobs for process memory may be unsealed (codec.format): the stack fills their checksums in before it writes
   them to any untrusted tier, and parses blobs of trusted tiers and queued writes without checksums.
@@ -269,7 +270,21 @@ class TierStack:
     def close(self) -> None:
         if self._writer.is_alive():
             self.flush()
+            self._write_back()
             self._queue.put(None)
             self._writer.join()
         for tier in self.tiers:
             tier.close()
+
+    def _write_back(self) -> None:
+        """Exclusive: what only process memory holds is written down at close (as if evicted), so that a restart
+        or another process finds it on the persistent tiers. Write-through has nothing to do here."""
+        for level, tier in enumerate(self.tiers):
+            down = self.levels.demote_to(level)
+            if down is None or tier.is_persistent:
+                continue
+            for key in tier.keys():
+                blob = tier.get(key)
+                for target in down if blob is not None else ():
+                    if not self.tiers[target].contains_many([key])[0]:
+                        self._put_counted(target, key, blob, "demoted", NO_META)

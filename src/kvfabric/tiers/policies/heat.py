@@ -76,7 +76,8 @@ class PrefixHeat:
 
     # ---- accesses ---------------------------------------------------------------------------------------
     def admit(self, key: Key, size: int, meta: AccessMeta) -> None:
-        if self._tuner is not None:
+        tuner = self._tuner
+        if tuner is not None and (key[-1] if key.__class__ is bytes else self._bucket(key)) < tuner.threshold:
             self._observe(key, size, meta)
         self._credit[key] = 0
         self._size[key] = size
@@ -99,7 +100,8 @@ class PrefixHeat:
         self._chain_position = position
 
     def touch(self, key: Key, meta: AccessMeta) -> None:
-        if self._tuner is not None:
+        tuner = self._tuner
+        if tuner is not None and (key[-1] if key.__class__ is bytes else self._bucket(key)) < tuner.threshold:
             self._observe(key, self._size[key], meta)
         gain = 1
         cost = meta.miss_cost_s
@@ -135,12 +137,13 @@ class PrefixHeat:
         self._tuner = ShareTuner(self.capacity_bytes, make_shadow, self.shares, sample,
                                  current=self.small_frac)
 
+    @staticmethod
+    def _bucket(key: Key) -> int:
+        """sample_bucket(key), its int case inlined (this runs on every access; bytes keys are cheaper still)."""
+        return ((key * GOLDEN) & MASK64) >> 56 if key.__class__ is int else sample_bucket(key)
+
     def _observe(self, key: Key, size: int, meta: AccessMeta) -> None:
-        # sample_bucket inlined: this runs on every access
-        bucket = key[-1] if key.__class__ is bytes else (
-            ((key * GOLDEN) & MASK64) >> 56 if key.__class__ is int else sample_bucket(key))
-        if bucket >= self._tuner.threshold:
-            return
+        """Replay a sampled key's access through the tuner's shadows (the caller checked the sample bucket)."""
         share = self._tuner.observe(key, size, meta)
         if share is not None:
             self.small_frac = share

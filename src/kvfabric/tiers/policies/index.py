@@ -24,18 +24,6 @@ from collections.abc import Callable, Iterable
 from kvfabric.tiers.policies.types import NO_META, AccessMeta, AdmissionPolicy, EvictionPolicy, IndexStats, Key
 
 
-class _PinnedOr:
-    """The pinned keys and one more (a newcomer that a non-bypassing policy must not evict)."""
-
-    __slots__ = ("pins", "key")
-
-    def __init__(self, pins: dict[Key, int], key: Key) -> None:
-        self.pins, self.key = pins, key
-
-    def __contains__(self, key: Key) -> bool:
-        return key == self.key or key in self.pins
-
-
 class PolicyIndex:
     def __init__(self, capacity_bytes: int, policy: EvictionPolicy, admission: AdmissionPolicy | None = None,
                  on_evict: Callable[[Key], None] | None = None,
@@ -97,6 +85,8 @@ class PolicyIndex:
             self.num_bytes += size
             self.policy.admit(key, size, meta)
             if self.num_bytes > self.capacity_bytes:
+                if self.policy.may_bypass:  # the common case of a full cache, one call shorter
+                    return self._evict_until_fit(key, size, False, False)
                 return self._evict_for(key, size, False)
             self.num_admitted += 1
             return True
@@ -137,17 +127,29 @@ class PolicyIndex:
 
     def _evict_for(self, key: Key, size: int, was_resident: bool) -> bool:
         """Evict the policy's victims until the bytes fit again; the policy may pick `key` itself (bypass) if it
-        says so, else `key` counts as pinned here."""
+        says so, else `key` counts as pinned here (a dict entry, so the policies' `in pinned` stays cheap)."""
+        pins = self._pins
+        is_pinned = key in pins
+        if self.policy.may_bypass:
+            return self._evict_until_fit(key, size, was_resident, is_pinned)
+        pins[key] = pins.get(key, 0) + 1  # pinned while we make room for it (its bytes are not pinned bytes)
+        try:
+            return self._evict_until_fit(key, size, was_resident, is_pinned)
+        finally:
+            if pins[key] == 1:
+                del pins[key]
+            else:
+                pins[key] -= 1
+
+    def _evict_until_fit(self, key: Key, size: int, was_resident: bool, is_pinned: bool) -> bool:
         sizes, victim_of, pins, on_evict = self._sizes, self.policy.victim, self._pins, self.on_evict
-        if not self.policy.may_bypass:
-            pins = _PinnedOr(pins, key)
         while self.num_bytes > self.capacity_bytes:
             victim = victim_of(pins)
             if victim is None or victim == key:
                 if victim is None:  # cannot happen while the pinned-bytes check holds; stay within budget
                     self.policy.remove(key)
                 self.num_bytes -= sizes.pop(key)
-                self._pinned_bytes -= size if key in self._pins else 0
+                self._pinned_bytes -= size if is_pinned else 0
                 self.num_refused += 1
                 self.num_evicted += was_resident
                 return False
