@@ -156,7 +156,8 @@ def replay(trace: Trace, setup: ReplaySetup, capacity_frac: float, model: TTFTMo
                 served[holder[i]] += request.block_tokens(i, trace.block_tokens)
             counted = [counters[f"hit.{name}"] - b for name, b in zip(names, before)]
             if counted != [sum(1 for i in range(num_got) if holder[i] == t) for t in range(len(names))]:
-                raise AssertionError(f"request {r}: the stack served {counted} chunks per tier, held {holder[:num_got]}")
+                raise AssertionError(f"request {r}: the stack served {counted} chunks per tier, "
+                                     f"held {holder[:num_got]}")
             for t, tokens in enumerate(served):
                 hit_tokens[t] += tokens
             prefix_tokens += sum(served)

@@ -64,8 +64,8 @@ try:
     def _store_fence(typingctx):  # noqa: ANN001, ANN202
         def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
             if _IS_X86:  # non-temporal stores are weakly ordered: SFENCE orders them before later stores
-                sfence = builder.module.declare_intrinsic("llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), []))
-                builder.call(sfence, [])
+                void = ir.FunctionType(ir.VoidType(), [])
+                builder.call(builder.module.declare_intrinsic("llvm.x86.sse.sfence", fnty=void), [])
             else:
                 builder.fence("seq_cst")
             return context.get_dummy_value()

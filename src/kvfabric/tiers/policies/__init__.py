@@ -24,7 +24,6 @@ from kvfabric.tiers.policies.types import (NO_META, AccessMeta, AdmissionPolicy,
                                           prefill_cost_s)
 
 EVICTION_NAMES = ("heat", "lru", "lfu", "s3fifo", "arc")
-DEFAULT_EVICTION = "heat"
 ADMISSION_NAMES = ("always", "second", "tinylfu")
 
 
@@ -58,7 +57,7 @@ def make_index(capacity_bytes: int, eviction: str | EvictionPolicy = "lru", admi
 
 
 __all__ = [
-    "ADMISSION_NAMES", "ARC", "DEFAULT_EVICTION", "EVICTION_NAMES", "LFU", "LRU", "NO_META", "S3FIFO", "AccessMeta",
+    "ADMISSION_NAMES", "ARC", "EVICTION_NAMES", "LFU", "LRU", "NO_META", "S3FIFO", "AccessMeta",
     "AdmissionPolicy", "AlwaysAdmit", "Belady", "BeladyFuture", "EvictionPolicy", "IndexStats", "Key",
     "PolicyIndex", "PrefixHeat", "SecondAccess", "TinyLFU", "key_hash64", "make_admission", "make_eviction",
     "make_index", "prefill_cost_s"
