@@ -2,8 +2,9 @@
 
 - Tier read throughputs as `kvfabric bench tiers` measures them, on SmolLM2-135M chunks (5.9 MB): the cpu tier's
   retrieve, the disk tier's retrieve with the page cache dropped, the shm pool read from another process.
-- The real model's prefill: SmolLM2-135M forward passes over 512 to 4096 tokens (the model's own context ends at
-  8192), fitted to t(n) = (n + n^2 / (2 h)) / r, the TTFT model's form (r: tokens/s at an empty context, h: the
+- The real model's prefill: SmolLM2-135M forward passes over 256 to 4096 tokens (the model's own context ends at
+  8192), timed in CPU seconds per thread (see prefill_fit), fitted to t(n) = (n + n^2 / (2 h)) / r, the TTFT
+  model's form (r: tokens/s at an empty context, h: the
   context length at which a token costs twice as much). Prompts longer than the measured ones are extrapolated
   along that fit (the Mooncake prompts reach 126k tokens; SmolLM2 itself could not take them).
 `measure(quick)` returns the model and the raw figures; a part that cannot run here (no model files, no
@@ -20,7 +21,7 @@ import numpy as np
 
 from kvfabric.bench.trace_sim import TTFTModel
 
-PREFILL_LENGTHS = (512, 1024, 2048, 4096)
+PREFILL_LENGTHS = (256, 512, 1024, 2048, 4096)
 
 
 def tier_throughputs(quick: bool) -> dict[str, float]:
@@ -45,10 +46,17 @@ def tier_throughputs(quick: bool) -> dict[str, float]:
 
 
 def prefill_fit(lengths=PREFILL_LENGTHS, repeats: int = 2) -> tuple[float, float, dict[int, float]]:
-    """(tokens/s at an empty context, halving tokens, {length: seconds}) of the real model's prefill."""
+    """(tokens/s at an empty context, halving tokens, {length: seconds}) of the real model's prefill.
+
+    Seconds are the process's CPU time over the forward pass divided by its torch threads: what the pass takes
+    on an otherwise idle machine, with every core working on it. Wall time on a shared machine measures the
+    neighbours (here, at a load of 15 on 2 cores, it came out 3-5x the idle time and not even monotonic)."""
+    import torch
+
     from kvfabric.engines.runtime import load_for_inference, prefill
 
     model, _ = load_for_inference()
+    num_threads = torch.get_num_threads()
     rng = np.random.default_rng(0)
     prefill(model, rng.integers(100, 10_000, 64).tolist(), 64)  # warm up the kernels
     seconds: dict[int, float] = {}
@@ -56,15 +64,16 @@ def prefill_fit(lengths=PREFILL_LENGTHS, repeats: int = 2) -> tuple[float, float
         ids = rng.integers(100, 10_000, n).tolist()
         times = []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = time.process_time()
             prefill(model, ids, n)
-            times.append(time.perf_counter() - start)
-        seconds[n] = min(times)  # the machine is shared: the least disturbed run
+            times.append((time.process_time() - start) / num_threads)
+        seconds[n] = min(times)
     del model
     n = np.array(list(seconds), dtype=float)
     t = np.array(list(seconds.values()))
     (a, b), *_ = np.linalg.lstsq(np.stack([n, n * n], axis=1), t, rcond=None)  # t = a n + b n^2
-    a = max(a, 1e-9)
+    if b <= 0 or a <= 0:  # noise: fall back to the linear fit (no attention growth measured)
+        a, b = float(n @ t / (n @ n)), 0.0
     halving = a / (2 * b) if b > 0 else float("inf")
     return 1.0 / a, halving, seconds
 
