@@ -1,4 +1,5 @@
-"""One contract suite, run against every codec: raw, int8 (both levels), cachegen at every level.
+"""One contract suite, run against every codec: raw, int8 (both levels), cachegen at every level, video (lossless,
+near-lossless on both backends, 10-bit).
 
 - round trip within the codec's stated error bound (exact for lossless codecs), into outputs of any float dtype
   and any strides, for every layout dtype and odd shapes;
@@ -21,12 +22,15 @@ from kvfabric.codec.cachegen import MAX_LEVEL, CacheGenCodec
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, parse, write_blob
 from kvfabric.codec.int8 import Int8Codec
 from kvfabric.codec.raw import RawCodec
+from kvfabric.codec.video import VideoCodec
 from kvfabric.layout import KVLayout
 
 KEY = bytes(range(32))
 CODECS = [("raw", RawCodec()), ("int8-channel", Int8Codec(0)), ("int8-token", Int8Codec(1))] + \
     [(f"cachegen-{lvl}", CacheGenCodec(lvl, threads=1)) for lvl in range(MAX_LEVEL + 1)] + \
-    [("cachegen-5-g1", CacheGenCodec(5, group_size=1, threads=2))]
+    [("cachegen-5-g1", CacheGenCodec(5, group_size=1, threads=2))] + \
+    [("video-0", VideoCodec(0)), ("video-6", VideoCodec(6)), ("video-9-tile5", VideoCodec(9, tile=5)),
+     ("video-6-x264", VideoCodec(6, backend="x264")), ("video-2-x264-10bit", VideoCodec(2, backend="x264", bits=10))]
 IDS = [name for name, _ in CODECS]
 
 
@@ -186,7 +190,7 @@ def test_fuzz_payload_bytes(name, codec, data):
 
 
 @settings(max_examples=60, deadline=None)
-@given(codec_id=st.sampled_from([0, 1, 2]), level=st.integers(0, 255), tokens=st.integers(1, 1 << 20),
+@given(codec_id=st.sampled_from([0, 1, 2, 3]), level=st.integers(0, 255), tokens=st.integers(1, 1 << 20),
        payload=st.binary(max_size=600))
 def test_fuzz_headers_with_random_payloads(codec_id, level, tokens, payload):
     """Random header fields around random payloads: refused or harmless, and no allocation from the header
@@ -209,8 +213,9 @@ def test_registry():
     assert get_codec("raw").codec_id == 0 and get_codec("int8").codec_id == 1 and get_codec("cachegen").codec_id == 2
     assert get_codec("cachegen", 0).is_lossless and not get_codec("cachegen").is_lossless
     assert get_codec("int8", 1).level == 1
+    assert get_codec("video").codec_id == 3 and get_codec("video", 0).is_lossless and not get_codec("video").is_lossless
     for bad in (lambda: get_codec("zstd"), lambda: get_codec("cachegen", 10), lambda: get_codec("int8", 2),
-                lambda: get_codec("raw", 3)):
+                lambda: get_codec("raw", 3), lambda: get_codec("video", 10)):
         with pytest.raises(ValueError):
             bad()
     with pytest.raises(ChunkFormatError):

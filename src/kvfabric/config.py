@@ -26,7 +26,7 @@ ENV_PREFIX = "KVFABRIC_"
 RESERVED_ENV = {"KVFABRIC_HOME", "KVFABRIC_CONFIG"}
 RESERVED_ENV_PREFIXES = ("KVFABRIC_TEST_", "KVFABRIC_BENCH_")  # for test and benchmark harnesses, never config
 TIER_NAMES = ("cpu", "shm", "disk", "redis", "peer")
-CODEC_LEVELS = {"raw": (0, 0), "int8": (0, 1), "cachegen": (0, 9)}  # name -> (lowest, highest) level
+CODEC_LEVELS = {"raw": (0, 0), "int8": (0, 1), "cachegen": (0, 9), "video": (0, 9)}  # name -> (lowest, highest) level
 
 
 class ConfigError(ValueError):

@@ -41,7 +41,10 @@ def get_codec(name: str, level: int | None = None) -> Codec:
     if name == "cachegen":
         from kvfabric.codec.cachegen import CacheGenCodec
         return CacheGenCodec() if level is None else CacheGenCodec(level)
-    raise ValueError(f"unknown codec {name!r}; choose one of ['cachegen', 'int8', 'raw']")
+    if name == "video":  # needs PyAV: VideoUnavailable (an ImportError naming it) without
+        from kvfabric.codec.video import VideoCodec
+        return VideoCodec() if level is None else VideoCodec(level)
+    raise ValueError(f"unknown codec {name!r}; choose one of ['cachegen', 'int8', 'raw', 'video']")
 
 
 def codec_for_id(codec_id: int) -> Codec:
@@ -56,6 +59,9 @@ def codec_for_id(codec_id: int) -> Codec:
     if codec_id == 2:
         from kvfabric.codec.cachegen import CacheGenCodec
         return CacheGenCodec()
+    if codec_id == 3:
+        from kvfabric.codec.video import VideoCodec
+        return VideoCodec()
     raise ChunkFormatError(f"unknown codec id {codec_id}")
 
 
