@@ -206,6 +206,23 @@ def bench_stream(as_json: bool, plot: str | None, prompt_tokens: int, ttft_targe
     run(as_json=as_json, plot=plot, prompt_tokens=prompt_tokens, ttft_target_s=ttft_target_s, quick=quick)
 
 
+@bench.command("video")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--docs", "num_docs", default=8, show_default=True, help="Held-out documents.")
+@click.option("--length", "ctx_tokens", default=2048, show_default=True, help="Context tokens per document.")
+@click.option("--context", "context_tokens", default=8192, show_default=True,
+              help="Tokens of the context whose peak decode memory is measured.")
+@click.option("--repeats", default=3, show_default=True)
+@click.option("--quick", is_flag=True, help="Fewer documents, settings and tokens (a smoke run).")
+def bench_video(as_json: bool, num_docs: int, ctx_tokens: int, context_tokens: int, repeats: int,
+                quick: bool) -> None:
+    """The video codec's modes beside cachegen levels and int8: size, top-1 / KL of the next 64 tokens, encode /
+    decode MB/s (and on one thread), peak decode memory of an 8k-token context."""
+    from kvfabric.bench.video import run
+    run(as_json=as_json, num_docs=num_docs, ctx_tokens=ctx_tokens, context_tokens=context_tokens, repeats=repeats,
+        quick=quick)
+
+
 @bench.command("blend")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per question and setting, then summaries.")
 @click.option("--questions", "limit", default=150, show_default=True, help="MuSiQue questions to run.")

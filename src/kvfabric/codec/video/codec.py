@@ -151,13 +151,11 @@ class VideoCodec:
         stream = Stream.read(header, np.frombuffer(blob, np.uint8, count=header.payload_len, offset=HEADER_BYTES),
                              layout)
         backend = stream.backend
-        if backend.id not in self._hw:
-            B.require(backend)
-            self._hw[backend.id] = B.select_hwaccel(backend, self.hwaccel)
+        device = self.hardware_decoder(backend)
         target = Target(out, layout.torch_dtype)
         g = stream.geometry
         frames = B.decode_frames(backend, stream.bits, g.width, g.rows, stream.extradata, stream.packets(),
-                                 g.num_frames, self.threads, self._hw[backend.id]) if g.num_frames else iter(())
+                                 g.num_frames, self.threads, device) if g.num_frames else iter(())
         for i, planes in enumerate(frames):  # frame-wise restore: each frame is in `out` before the next decodes
             s, a, b = g.frame(i)
             rows = unpack(g, planes, b - a)
@@ -173,6 +171,15 @@ class VideoCodec:
                 target.put_bits(s, 0, 1, stream.head[s].reshape(H, 1, D))
             for s, seg in zip(np.flatnonzero(stream.raw), stream.raw_segments):
                 target.put_bits(int(s), 0, g.num_tokens, seg)
+
+    def hardware_decoder(self, backend: B.Backend | None = None) -> str | None:
+        """The hardware device ("cuda", "vaapi") this codec decodes `backend`'s streams with, None for the CPU;
+        chosen on first use (backends.select_hwaccel with this codec's `hwaccel` setting) and kept."""
+        backend = backend or self.backend
+        if backend.id not in self._hw:
+            B.require(backend)
+            self._hw[backend.id] = B.select_hwaccel(backend, self.hwaccel)
+        return self._hw[backend.id]
 
     # ---- contract helpers ------------------------------------------------------------------------------------
     def error_bound(self, kv: torch.Tensor, blob: bytes | bytearray | memoryview, layout: KVLayout) -> torch.Tensor:
