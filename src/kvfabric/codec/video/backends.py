@@ -42,6 +42,8 @@ class Backend:
     planes: int  # planes of a frame that carry rows (3: yuv444p bands; 1: gray)
     formats: tuple[tuple[int, str], ...]  # (bits per value, pixel format)
     even: bool  # frame width and height must be even
+    sized: bool  # the decoder must be told the frame size (Ut Video's packets do not carry it; H.264's do, and
+    #              a size set by the caller would crop a wrong-sized stream silently instead of exposing it)
     codec_tag: str | None  # what the decoder must be told (Ut Video keeps its format in the tag)
     lossless_options: tuple[tuple[str, str], ...]
     lossy_options: tuple[tuple[str, str], ...]
@@ -57,9 +59,9 @@ class Backend:
 
 
 _X264 = (("qp", "0"), ("preset", "superfast"), ("x264-params", "bframes=0:log=-1"))
-UTVIDEO = Backend(0, "utvideo", "utvideo", "utvideo", 3, ((8, "yuv444p"),), False, "ULY4",
+UTVIDEO = Backend(0, "utvideo", "utvideo", "utvideo", 3, ((8, "yuv444p"),), False, True, "ULY4",
                   (("pred", "none"),), (("pred", "left"),))
-X264 = Backend(1, "x264", "libx264", "h264", 1, ((8, "gray"), (10, "gray10le")), True, None, _X264, _X264)
+X264 = Backend(1, "x264", "libx264", "h264", 1, ((8, "gray"), (10, "gray10le")), True, False, None, _X264, _X264)
 BACKENDS = {b.name: b for b in (UTVIDEO, X264)}
 BY_ID = {b.id: b for b in BACKENDS.values()}
 # pixel formats a decoder may hand back, with the right shift that gives the coded values: FFmpeg's H.264 decoder
@@ -159,7 +161,8 @@ def decode_frames(backend: Backend, bits: int, width: int, height: int, extradat
         accel = importlib.import_module("av.codec.hwaccel").HWAccel(hwaccel, allow_software_fallback=True)
     try:
         ctx = av.CodecContext.create(backend.decoder, "r", hwaccel=accel)
-        ctx.width, ctx.height = width, height
+        if backend.sized:
+            ctx.width, ctx.height = width, height
         if extradata:
             ctx.extradata = extradata
         if backend.codec_tag:

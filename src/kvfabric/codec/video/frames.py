@@ -3,13 +3,10 @@
 A chunk [L, 2, H, T, D] has S = 2L segments (layer, K/V), each a [C = H*D channels, T tokens] picture: one row a
 channel, one column a token, so neighbouring tokens of a channel are neighbouring pixels (the token locality
 CacheGen measured) and a codec's left prediction is "the same channel one token earlier". Tokens are cut into
-tiles of at most `tile` columns; frame i is tile i // S of segment i % S (the layers, K and V, are successive
+tiles of at most `tile` columns (as even as possible); frame i is tile i // S of segment i % S (the layers, K and V, are successive
 frames; a long context adds tiles, never a larger frame). A frame's rows are spread over the backend's planes in
 bands of `rows` channels (three bands of 64 channels are SmolLM2's three heads), padded by repeating the last row
 and column (free to code). Frames are at most `planes * rows * tile` pixels whatever the context length.
-
-`first` is 1 in the near-lossless mode (token 0, often the attention sink, is stored exactly beside the frames),
-0 in the lossless mode.
 """
 from __future__ import annotations
 
@@ -28,7 +25,6 @@ class Geometry:
     num_heads: int
     head_dim: int
     num_tokens: int  # T
-    first: int  # first token coded in the frames
     tile: int  # tokens a frame (before padding)
     planes: int
     even: bool  # the backend wants even frame sizes
@@ -38,12 +34,8 @@ class Geometry:
         return self.num_heads * self.head_dim
 
     @property
-    def coded(self) -> int:
-        return self.num_tokens - self.first
-
-    @property
     def num_tiles(self) -> int:
-        return -(-self.coded // self.tile) if self.coded > 0 else 0
+        return -(-self.num_tokens // self.tile)
 
     @property
     def num_frames(self) -> int:
@@ -59,23 +51,21 @@ class Geometry:
         return self.tile + (self.tile % 2 if self.even else 0)
 
     def frame(self, i: int) -> tuple[int, int, int]:
-        """(segment, first token, end token) of frame i; tokens count from the chunk's token 0."""
+        """(segment, first token, end token) of frame i."""
         j, s = divmod(i, self.num_segments)
-        a = self.first + j * self.tile
+        a = j * self.tile
         return s, a, min(a + self.tile, self.num_tokens)
 
 
-def balanced_tile(coded: int, max_tile: int) -> int:
+def balanced_tile(num_tokens: int, max_tile: int) -> int:
     """Tokens a frame so that the tiles are as even as possible (little padding) and none exceeds max_tile."""
-    if coded <= 0:
-        return 1
-    return -(-coded // math.ceil(coded / max_tile))
+    return -(-num_tokens // math.ceil(num_tokens / max_tile))
 
 
 def pack(g: Geometry, grid: np.ndarray, i: int) -> list[np.ndarray]:
-    """The planes of frame i from grid [S, C, T - first] (pixel values)."""
+    """The planes of frame i from grid [S, C, T] (pixel values)."""
     s, a, b = g.frame(i)
-    block = grid[s, :, a - g.first:b - g.first]
+    block = grid[s, :, a:b]
     pad_rows, pad_cols = g.planes * g.rows - g.channels, g.width - (b - a)
     if pad_rows or pad_cols:
         block = np.pad(block, ((0, pad_rows), (0, pad_cols)), mode="edge")
@@ -124,6 +114,12 @@ class Target:
             self.bits[l, k, :, a:b, :] = words.view(self.bits.dtype)
             return
         self.put_values(s, a, b, bits_to_f32(words, self.layout_dtype))
+
+
+    def put_value(self, s: int, h: int, t: int, d: int, word: np.ndarray) -> None:
+        """One value: out[l, k, h, t, d] = the layout-dtype value with bit pattern `word`."""
+        l, k = divmod(s, 2)
+        self.out[l, k, h, t, d] = float(bits_to_f32(np.asarray(word).reshape(1), self.layout_dtype)[0])
 
 
 def bits_to_f32(words: np.ndarray, dtype: torch.dtype) -> np.ndarray:

@@ -5,8 +5,9 @@ Near-lossless (levels 1-9): per (segment, channel) a step 2^(e/8) and a center; 
 the rounding to the output dtype). The step is the CacheGen profile's step for the level (its per-(layer, K/V,
 channel) sensitivity; without a profile, the channel's std scaled by the level), raised where the channel's
 range would not fit in `bits`: e >= e_fit, the smallest exponent with (range / 2) / step <= 2^(bits-1) - 1.
-The center is the channel's mid-range as fp16. A segment with a non-finite value, or whose range needs e > 127,
-is stored raw in the layout dtype (its frames are flat).
+The center is the channel's mid-range as fp16. Range and center are those of tokens 1..; a token-0 value outside
+them is kept exact beside the frames (an exception). A segment with a non-finite value, or whose range needs
+e > 127, is stored raw in the layout dtype (its frames are flat).
 
 Lossless (level 0): each value's layout-dtype bits as two byte planes. The high byte (sign, exponent, top mantissa
 bits) is the frame; the low bytes are stored as they are (measured: 7.998 bits of entropy a byte, nothing for a
@@ -31,35 +32,43 @@ def fit_exponents(need: np.ndarray) -> np.ndarray:
     return e
 
 
+def level_exponents(e_level: np.ndarray) -> np.ndarray:
+    """A profile's exponents at a level, on the int8 grid every stream uses."""
+    return np.clip(e_level, -128, 127).astype(np.int64)
+
+
 def quantize(x: np.ndarray, e_level: np.ndarray | None, level: int, bits: int
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """x [S, C, n] float32 (tokens 1.. of the chunk). Returns (raw segments bool [S], centers fp16 [S, C],
-    exponents int8 [S, C], grid [S, C, n] uint8 / uint16). e_level: the profile's exponents at `level`, or None
-    for the heuristic (std * 2^((level - 1) / 2 - 4))."""
-    S, C, n = x.shape
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """x [S, C, T] float32, a chunk's tokens. Returns (raw segments bool [S], centers fp16 [S, C], exponents int8
+    [S, C], grid [S, C, T] uint8 / uint16, exceptions: flat [S * C] indices of token-0 values that fall outside
+    the pixel range and are kept exact). Centers and steps fit tokens 1.. (token 0 too in a 1-token chunk):
+    a first chunk's token 0, the attention sink, would otherwise widen every channel it is an outlier in.
+    e_level: the profile's exponents at `level`, or None for the heuristic (std * 2^((level - 1) / 2 - 4))."""
+    S, C, T = x.shape
     qmax = (1 << (bits - 1)) - 1
     finite = np.isfinite(x).all(axis=(1, 2))
+    fit = x[:, :, 1:] if T > 1 else x
     with np.errstate(invalid="ignore", over="ignore"):
-        lo, hi = (x.min(axis=2), x.max(axis=2)) if n else (np.zeros((S, C), np.float32),) * 2
+        lo, hi = fit.min(axis=2), fit.max(axis=2)
         center = np.clip(np.nan_to_num((lo + hi) / 2), -65504, 65504).astype(np.float16)
         c32 = center.astype(np.float32)
         need = np.nan_to_num(np.maximum(hi - c32, c32 - lo) / qmax, nan=0.0, posinf=1e38)
     e_fit = fit_exponents(need)
     if e_level is None:
-        std = x.std(axis=2) if n else np.zeros((S, C))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            e_level = np.ceil(8.0 * np.log2(np.nan_to_num(std) * 2.0 ** ((level - 1) / 2 - 4)))
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            e_level = np.ceil(8.0 * np.log2(np.nan_to_num(fit.std(axis=2)) * 2.0 ** ((level - 1) / 2 - 4)))
         e_level = np.nan_to_num(e_level, nan=-128, neginf=-128, posinf=127)
-    e = np.maximum(np.clip(e_level, -128, 127).astype(np.int64), e_fit)
+    e = np.maximum(level_exponents(e_level), e_fit)
     raw = ~finite | (e > 127).any(axis=1)
     e = np.where(raw[:, None], 0, np.minimum(e, 127)).astype(np.int8)
     step = steps(e)
     off = 1 << (bits - 1)
     with np.errstate(invalid="ignore", over="ignore"):
-        q = np.rint((x - c32[:, :, None]) / step[:, :, None])
-    q = np.clip(np.nan_to_num(q), -qmax, qmax) + off
+        q = np.nan_to_num(np.rint((x - c32[:, :, None]) / step[:, :, None]))
+    exceptions = np.flatnonzero((np.abs(q[:, :, 0]) > qmax) & ~raw[:, None])
+    q = np.clip(q, -qmax, qmax) + off
     q[raw] = off
-    return raw, center, e, q.astype(np.uint8 if bits == 8 else np.uint16)
+    return raw, center, e, q.astype(np.uint8 if bits == 8 else np.uint16), exceptions
 
 
 def dequantize(pixels: np.ndarray, center: np.ndarray, e: np.ndarray, bits: int) -> np.ndarray:
