@@ -199,11 +199,26 @@ def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int,
 @click.option("--tokens", "prompt_tokens", default=2048, show_default=True, help="Prompt tokens to send.")
 @click.option("--target", "ttft_target_s", default=1.0, show_default=True, help="TTFT target of the adaptive sender.")
 @click.option("--quick", is_flag=True, help="A shorter prompt (a smoke run).")
-def bench_stream(as_json: bool, plot: str | None, prompt_tokens: int, ttft_target_s: float, quick: bool) -> None:
+@click.option("--trace/--no-trace", default=True, show_default=True,
+              help="Also run the fluctuating link (1 Gbit/s and 100 Mbit/s, a second each): adaptive resolution vs "
+                   "every fixed setting.")
+@click.option("--trace-only", is_flag=True, help="Only the fluctuating link.")
+@click.option("--trace-seconds", "trace_s", default=10.0, show_default=True, help="Duration of each trace run.")
+@click.option("--ladder", default="0,5,7", show_default=True, metavar="L1,L2,..",
+              help="Video levels on the trace (each within the quality floor), beside raw.")
+def bench_stream(as_json: bool, plot: str | None, prompt_tokens: int, ttft_target_s: float, quick: bool,
+                 trace: bool, trace_only: bool, trace_s: float, ladder: str) -> None:
     """KV streaming over a throttled loopback link: raw vs adaptive cachegen vs recompute, at 100 Mbit/s, 1 Gbit/s
-    and unthrottled."""
+    and unthrottled; then adaptive resolution (video levels) vs fixed settings on a fluctuating link."""
     from kvfabric.bench.stream import run
-    run(as_json=as_json, plot=plot, prompt_tokens=prompt_tokens, ttft_target_s=ttft_target_s, quick=quick)
+    try:
+        levels = tuple(int(x) for x in ladder.split(","))
+        if not all(0 <= lvl <= 9 for lvl in levels):
+            raise ValueError("levels are 0..9")
+    except ValueError as e:
+        raise click.BadParameter(f"{ladder!r}: {e}", param_hint="--ladder") from None
+    run(as_json=as_json, plot=plot, prompt_tokens=prompt_tokens, ttft_target_s=ttft_target_s, quick=quick,
+        trace=trace or trace_only, trace_only=trace_only, ladder=levels, trace_s=trace_s)
 
 
 @bench.command("video")
