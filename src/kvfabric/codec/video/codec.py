@@ -124,6 +124,7 @@ class VideoCodec:
         g, target = st.geometry, Target(out, layout.torch_dtype)
         frames = B.decode_frames(st.backend, st.bits, g.width, g.rows, st.extradata, st.packets(), g.num_frames,
                                  self.threads, self.hardware_decoder(st.backend))
+        step = P.steps(st.e) if not st.is_lossless else None  # [S, C] float32
         for i, planes in enumerate(frames):  # frame-wise restore: each frame is in `out` before the next decodes
             s, a, b = g.frame(i)
             rows = unpack(g, planes, b - a)
@@ -132,7 +133,7 @@ class VideoCodec:
                 high = to_heads(g, P.unalign(rows, st.shift[s]))
                 target.put_bits(s, a, b, P.join_bytes(high, st.low[l, k, :, a:b], layout.itemsize))
             elif not st.raw[s]:
-                target.put_values(s, a, b, P.dequantize(to_heads(g, rows), st.center[s], st.e[s], st.bits))
+                target.put_values(s, a, b, P.dequantize(to_heads(g, rows), st.center[s], step[s], st.bits))
         if not st.is_lossless:
             for i, word in zip(st.exc_index, st.exc_words):  # token 0 outside its channel's range: exact
                 s, c = divmod(int(i), g.channels)

@@ -71,11 +71,11 @@ def quantize(x: np.ndarray, e_level: np.ndarray | None, level: int, bits: int
     return raw, center, e, q.astype(np.uint8 if bits == 8 else np.uint16), exceptions
 
 
-def dequantize(pixels: np.ndarray, center: np.ndarray, e: np.ndarray, bits: int) -> np.ndarray:
-    """pixels [H, n, D] of one segment -> float32 values [H, n, D] (center [C] fp16, e [C] int8, C = H * D)."""
+def dequantize(pixels: np.ndarray, center: np.ndarray, step: np.ndarray, bits: int) -> np.ndarray:
+    """pixels [H, n, D] of one segment -> float32 values [H, n, D] (center [C] fp16, step [C] float32, C = H * D)."""
     H, _, D = pixels.shape
-    step = steps(e).reshape(H, 1, D)
-    return (pixels.astype(np.float32) - np.float32(1 << (bits - 1))) * step + center.astype(np.float32).reshape(H, 1, D)
+    offset = np.float32(1 << (bits - 1))
+    return (pixels.astype(np.float32) - offset) * step.reshape(H, 1, D) + center.astype(np.float32).reshape(H, 1, D)
 
 
 def split_bytes(words: np.ndarray, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
