@@ -112,7 +112,7 @@ def test_sink_token_is_kept_exact_without_widening_its_channels():
     codec = VideoCodec(5, use_profile=False)
     out = torch.empty(kv.shape)
     blob = round_trip(codec, sunk, layout, out)
-    assert torch.equal(out[:, :, :, 0, :5], sunk[:, :, :, 0, :5].float())  # the exceptions: exact
+    assert torch.equal(out[:, :, :, 0], sunk[:, :, :, 0].float())  # token 0: exact
     assert bool(((out - sunk.float()).abs() <= codec.error_bound(sunk, blob, layout)).all())
     plain = codec.encode(kv, KEY, layout)
     assert len(blob) < len(plain) * 1.1, "the sink should not cost the whole chunk precision"

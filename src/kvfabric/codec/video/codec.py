@@ -3,7 +3,7 @@ byte planes (planes.py), coded by a real video codec through PyAV (backends.py);
 
 Levels: 0 is lossless (bit-identical in the layout dtype); 1-9 are near-lossless, with the CacheGen profile's
 steps of the same level (8-bit pixels by default; 10 with the x264 backend): every value decodes within half its
-channel's step (`error_bound`), token-0 exceptions and raw segments exactly. The video codec itself is run
+channel's step (`error_bound`), token 0 and raw segments exactly. The video codec itself is run
 lossless (Ut Video, or H.264 at qp 0): the only loss is the quantization, stated per channel in the stream.
 
 Decode is frame-wise: each frame is written into the caller's `out` as soon as the video decoder returns it, so
@@ -101,14 +101,14 @@ class VideoCodec:
             x = self._segments(kv.detach().float().numpy(), g)
         prof = CP.for_layout(layout) if self.use_profile else None
         e_level = prof.params(self.level)[0] if prof is not None else None
-        raw, center, e, grid, exc = P.quantize(x, e_level, self.level, self.bits)
+        raw, center, e, grid = P.quantize(x, e_level, self.level, self.bits)
         if e_level is not None:  # only the raised steps travel; the decoder has the profile
             bumped = np.flatnonzero((e.astype(np.int64) != P.level_exponents(e_level)) & ~raw[:, None])
             steps = counted(bumped.astype("<u4")) + [e.reshape(-1)[bumped]]
         else:
             steps = [e]
-        token0 = words[:, :, :, 0, :].reshape(-1)[exc]  # [S * C] in (segment, head, dim) order
-        blocks = [raw.astype(np.uint8), center.astype("<f2"), *steps, *counted(exc.astype("<u4")), token0,
+        head = np.ascontiguousarray(words[:, :, :, 0, :]).reshape(g.num_segments, g.channels)  # token 0, exact
+        blocks = [raw.astype(np.uint8), center.astype("<f2"), *steps, head,
                   words.reshape(g.num_segments, g.num_heads, g.num_tokens, g.head_dim)[raw]]
         return blocks, grid, FLAG_PROFILE if prof is not None else 0, prof.id if prof is not None else 0
 
@@ -134,10 +134,9 @@ class VideoCodec:
                 target.put_bits(s, a, b, P.join_bytes(high, st.low[l, k, :, a:b], layout.itemsize))
             elif not st.raw[s]:
                 target.put_values(s, a, b, P.dequantize(to_heads(g, rows), st.center[s], step[s], st.bits))
+                if a == 0:  # token 0: exact
+                    target.put_bits(s, 0, 1, st.head[s].reshape(g.num_heads, 1, g.head_dim))
         if not st.is_lossless:
-            for i, word in zip(st.exc_index, st.exc_words):  # token 0 outside its channel's range: exact
-                s, c = divmod(int(i), g.channels)
-                target.put_value(s, c // g.head_dim, 0, c % g.head_dim, word)
             for s, seg in zip(np.flatnonzero(st.raw), st.raw_segments):
                 target.put_bits(int(s), 0, g.num_tokens, seg)
 
@@ -160,7 +159,7 @@ class VideoCodec:
     # ---- contract helpers ------------------------------------------------------------------------------------
     def error_bound(self, kv: torch.Tensor, blob: bytes | bytearray | memoryview, layout: KVLayout) -> torch.Tensor:
         """Per-element bound on |decode(encode(kv)) - kv| stated by the stream: half the channel's step (0 for
-        token-0 exceptions and raw segments), plus rounding to the layout / output dtype and float32 arithmetic."""
+        token 0 and raw segments), plus rounding to the layout / output dtype and float32 arithmetic."""
         from kvfabric.codec.format import parse
         header = parse(blob)
         L, _, H, T, D = header.shape
@@ -172,7 +171,6 @@ class VideoCodec:
         half = torch.from_numpy(P.steps(st.e).astype(np.float64) / 2).reshape(L, 2, H, 1, D).expand(L, 2, H, T, D)
         half = half.clone()
         half[torch.from_numpy(st.raw).reshape(L, 2)] = 0.0
-        l, k, h, d = np.unravel_index(st.exc_index, (L, 2, H, D))
-        half[l, k, h, 0, d] = 0.0
+        half[:, :, :, 0, :] = 0.0
         qmax = (1 << (st.bits - 1)) - 1  # |x_hat| <= |x| + half: an fp16 / bf16 output rounds it by ulp / 2
         return half * (1 + 1e-5) + (x + half) * ulp + (x + half * 2 * qmax) * 2.0 ** -21 + 1e-30

@@ -116,12 +116,6 @@ class Target:
         self.put_values(s, a, b, bits_to_f32(words, self.layout_dtype))
 
 
-    def put_value(self, s: int, h: int, t: int, d: int, word: np.ndarray) -> None:
-        """One value: out[l, k, h, t, d] = the layout-dtype value with bit pattern `word`."""
-        l, k = divmod(s, 2)
-        self.out[l, k, h, t, d] = float(bits_to_f32(np.asarray(word).reshape(1), self.layout_dtype)[0])
-
-
 def bits_to_f32(words: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     """Layout-dtype bit patterns (uint16 / uint32) -> float32 values (exact)."""
     if dtype == torch.float16:

@@ -5,9 +5,9 @@ Near-lossless (levels 1-9): per (segment, channel) a step 2^(e/8) and a center; 
 the rounding to the output dtype). The step is the CacheGen profile's step for the level (its per-(layer, K/V,
 channel) sensitivity; without a profile, the channel's std scaled by the level), raised where the channel's
 range would not fit in `bits`: e >= e_fit, the smallest exponent with (range / 2) / step <= 2^(bits-1) - 1.
-The center is the channel's mid-range as fp16. Range and center are those of tokens 1..; a token-0 value outside
-them is kept exact beside the frames (an exception). A segment with a non-finite value, or whose range needs
-e > 127, is stored raw in the layout dtype (its frames are flat).
+The center is the channel's mid-range as fp16. Range and center are those of tokens 1..: token 0 is stored exactly
+beside the frames. A segment with a non-finite value, or whose range needs e > 127, is stored raw in the layout
+dtype (its frames are flat).
 
 Lossless (level 0): each value's layout-dtype bits as two byte planes. The high byte (sign, exponent, top mantissa
 bits) is the frame; the low bytes are stored as they are (measured: 7.998 bits of entropy a byte, nothing for a
@@ -38,11 +38,11 @@ def level_exponents(e_level: np.ndarray) -> np.ndarray:
 
 
 def quantize(x: np.ndarray, e_level: np.ndarray | None, level: int, bits: int
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """x [S, C, T] float32, a chunk's tokens. Returns (raw segments bool [S], centers fp16 [S, C], exponents int8
-    [S, C], grid [S, C, T] uint8 / uint16, exceptions: flat [S * C] indices of token-0 values that fall outside
-    the pixel range and are kept exact). Centers and steps fit tokens 1.. (token 0 too in a 1-token chunk):
-    a first chunk's token 0, the attention sink, would otherwise widen every channel it is an outlier in.
+    [S, C], grid [S, C, T] uint8 / uint16). Centers and steps fit tokens 1.. (token 0 too in a 1-token chunk):
+    token 0 is kept exact beside the frames (in a first chunk it is the attention sink, which the next tokens are
+    very sensitive to and which would widen every channel it is an outlier in); its pixels are clipped.
     e_level: the profile's exponents at `level`, or None for the heuristic (std * 2^((level - 1) / 2 - 4))."""
     S, C, T = x.shape
     qmax = (1 << (bits - 1)) - 1
@@ -65,10 +65,9 @@ def quantize(x: np.ndarray, e_level: np.ndarray | None, level: int, bits: int
     off = 1 << (bits - 1)
     with np.errstate(invalid="ignore", over="ignore"):
         q = np.nan_to_num(np.rint((x - c32[:, :, None]) / step[:, :, None]))
-    exceptions = np.flatnonzero((np.abs(q[:, :, 0]) > qmax) & ~raw[:, None])
     q = np.clip(q, -qmax, qmax) + off
     q[raw] = off
-    return raw, center, e, q.astype(np.uint8 if bits == 8 else np.uint16), exceptions
+    return raw, center, e, q.astype(np.uint8 if bits == 8 else np.uint16)
 
 
 def dequantize(pixels: np.ndarray, center: np.ndarray, step: np.ndarray, bits: int) -> np.ndarray:

@@ -12,8 +12,7 @@ All integers little-endian; every block starts 4-byte aligned except the extrada
                    flag 1: u32 n, indices u32 [n] into [S * C], exponents i8 [n] (the channels whose step was
                            raised above the profile's: the decoder takes the rest from the profile);
                    else:   exponents i8 [S, C];
-                   u32 n, indices u32 [n] into [S * C], token-0 values in the layout dtype [n] (exceptions);
-                   the raw segments in the layout dtype [raw, H, T, D]
+                   token 0 in the layout dtype [S, C]; the raw segments in the layout dtype [raw, H, T, D]
     then     u32 [frames] packet lengths; the codec's extradata; the packets, back to back, to the payload's end
 """
 from __future__ import annotations
@@ -65,7 +64,7 @@ def write_payload(offset: int, prelude: bytes, blocks: list[np.ndarray], extrada
 
 
 def counted(values: np.ndarray) -> list[np.ndarray]:
-    """A u32 count block, then the array (the form of the bumps and exceptions lists)."""
+    """A u32 count block, then the array (the form of the list of raised steps)."""
     return [np.array([len(values)], "<u4"), values]
 
 
@@ -124,13 +123,13 @@ class Stream:
             self.e.reshape(-1)[idx] = e
         else:
             self.e = self.array("i1", (S, C)).astype(np.int64)
-        self.exc_index, self.exc_words = self.listed(S * C, words)
+        self.head = self.array(words, (S, C))
         self.raw_segments = self.array(words, (int(self.raw.sum()), H, T, D))
         frames = ~self.raw
         if not np.isfinite(self.center[frames]).all():
             raise ChunkFormatError("video centers not finite")
-        if not np.isfinite(bits_to_f32(self.exc_words, layout.torch_dtype)).all():
-            raise ChunkFormatError("video exceptions not finite")
+        if not np.isfinite(bits_to_f32(self.head[frames], layout.torch_dtype)).all():
+            raise ChunkFormatError("video token 0 not finite")
 
     def take(self, nbytes: int, align: bool = True) -> np.ndarray:
         if nbytes < 0 or self.pos + nbytes > len(self.pay):
