@@ -95,7 +95,8 @@ def run_trace(model, layout, ids: list[int], kv: torch.Tensor, recompute, recomp
         rows.append({"link": "trace 1G/100M per 1s", "strategy": strategy, "option": option or "per chunk",
                      "mean_chunk_ms": round(1000 * sum(loads) / chunks, 1), "chunks": chunks,
                      "requests": len(requests), "options": " ".join(f"{o}x{c}" for o, c in picks.items()),
-                     "top1": round(float(torch.cat(top1s).mean()), 4), "kl_mean": round(float(torch.cat(kls).mean()), 5),
+                     "top1": round(float(torch.cat(top1s).mean()), 4),
+                     "kl_mean": round(float(torch.cat(kls).mean()), 5),
                      "decode_ms": {o: round(1000 * s, 1) for o, s in prompt.decode_s.items()},
                      "recompute_chunk_ms": round(1000 * recompute_s, 1), "tokens": n})
     fixed = [r for r in rows if r["strategy"] == "fixed"]

@@ -3,8 +3,9 @@
 `prepare(...)` encodes every chunk with the raw codec, at each cachegen level ("L<level>") and at each video
 level ("V<level>"), as a store that keeps chunks at several levels would (CacheGen stores each chunk at every
 level): the send loop only picks and sends bytes, so its timing is the link's. With `time_decode`, it also
-measures what one chunk of each option costs the receiver to decode (ResolutionPolicy needs it). `send_prompt(sock, prompt, policy)` sends HELLO, then each chunk as KV or TOKENS,
-then END, feeding the policy the measured seconds of each send.
+measures what one chunk of each option costs the receiver to decode (ResolutionPolicy needs it).
+`send_prompt(sock, prompt, policy)` sends HELLO, then each chunk as KV or TOKENS, then END, feeding the policy the
+measured seconds of each send.
 """
 from __future__ import annotations
 

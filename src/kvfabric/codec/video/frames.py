@@ -3,8 +3,8 @@
 A chunk [L, 2, H, T, D] has S = 2L segments (layer, K/V), each a [C = H*D channels, T tokens] picture: one row a
 channel, one column a token, so neighbouring tokens of a channel are neighbouring pixels (the token locality
 CacheGen measured) and a codec's left prediction is "the same channel one token earlier". Tokens are cut into
-tiles of at most `tile` columns (as even as possible); frame i is tile i // S of segment i % S (the layers, K and V, are successive
-frames; a long context adds tiles, never a larger frame). A frame's rows are spread over the backend's planes in
+tiles of at most `tile` columns (as even as possible); frame i is tile i // S of segment i % S (the layers, K and
+V, are successive frames; a long context adds tiles, never a larger frame). A frame's rows are spread over the backend's planes in
 bands of `rows` channels (three bands of 64 channels are SmolLM2's three heads), padded by repeating the last row
 and column (free to code). Frames are at most `planes * rows * tile` pixels whatever the context length.
 """
