@@ -109,3 +109,32 @@ def test_video_levels_stream_end_to_end():
             assert bool(((got - want.float()).abs() <= bound).all())
         else:
             assert torch.equal(got, want.float())
+
+
+def test_bench_stream_rejects_a_bad_ladder():
+    from click.testing import CliRunner
+
+    from kvfabric.cli import main
+    for ladder in ("0,x", "0,12"):
+        result = CliRunner().invoke(main, ["bench", "stream", "--trace-only", "--ladder", ladder])
+        assert result.exit_code == 2 and "--ladder" in result.output, result.output
+
+
+@pytest.mark.slow
+def test_bench_stream_trace_smoke():
+    """The fluctuating trace on the real model, briefly: adaptive and every fixed setting run and are compared."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kvfabric.cli import main
+    result = CliRunner().invoke(main, ["bench", "stream", "--json", "--trace-only", "--quick", "--trace-seconds", "2",
+                                       "--tokens", "512"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [(r["strategy"], r["option"]) for r in rows] == [("adaptive", "per chunk"), ("fixed", "raw"),
+                                                            ("fixed", "V0"), ("fixed", "V5"), ("fixed", "V6")]
+    assert all(r["mean_chunk_ms"] > 0 and r["chunks"] >= 2 for r in rows)
+    fixed = {r["option"]: r for r in rows if r["strategy"] == "fixed"}
+    assert fixed["raw"]["kl_mean"] == 0.0 and fixed["V0"]["kl_mean"] == 0.0 and fixed["V6"]["kl_mean"] > 0
+    assert rows[0]["best_fixed"] in fixed and rows[0]["vs_best_fixed"] < 1

@@ -232,3 +232,23 @@ def test_frames_of_another_size_or_count_are_refused():
         list(B.decode_frames(B.X264, 8, 20, 16, extradata, packets, 3))
     with pytest.raises(ChunkFormatError, match="expected 4"):
         list(B.decode_frames(B.X264, 8, 24, 16, extradata, packets, 4))
+
+
+@pytest.mark.slow
+def test_bench_video_smoke():
+    """`kvfabric bench video --quick --json` on the real model: every setting has the issue's fields, the lossless
+    modes are exact, and the video modes decode a 2k-token context with a small share of its size."""
+    from click.testing import CliRunner
+
+    from kvfabric.cli import main
+    result = CliRunner().invoke(main, ["bench", "video", "--quick", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    fields = {"codec", "mode", "ratio", "top1", "kl_mean", "enc_mbps", "dec_mbps", "dec_mbps_1t", "peak_mem_mb",
+              "context_tokens", "exact"}
+    assert rows and all(fields <= set(r) for r in rows)
+    assert {r["codec"] for r in rows} == {"video", "cachegen", "int8", "raw"}
+    lossless = [r for r in rows if r["mode"].startswith("lossless") or r["codec"] == "raw"]
+    assert len(lossless) == 3 and all(r["exact"] and r["kl_mean"] == 0.0 for r in lossless)
+    video = [r for r in rows if r["codec"] == "video"]
+    assert all(r["ratio"] > 1 and r["peak_mem_share"] < 0.25 for r in video)

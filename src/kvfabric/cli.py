@@ -204,7 +204,7 @@ def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int,
                    "every fixed setting.")
 @click.option("--trace-only", is_flag=True, help="Only the fluctuating link.")
 @click.option("--trace-seconds", "trace_s", default=10.0, show_default=True, help="Duration of each trace run.")
-@click.option("--ladder", default="0,5,7", show_default=True, metavar="L1,L2,..",
+@click.option("--ladder", default="0,5,6", show_default=True, metavar="L1,L2,..",
               help="Video levels on the trace (each within the quality floor), beside raw.")
 def bench_stream(as_json: bool, plot: str | None, prompt_tokens: int, ttft_target_s: float, quick: bool,
                  trace: bool, trace_only: bool, trace_s: float, ladder: str) -> None:

@@ -3,15 +3,17 @@ against every fixed setting, on a link that alternates between two rates (1 Gbit
 
 The options are raw and the video codec's levels in `ladder`, all of them within the quality floor (top-1 >= 99 %
 in `kvfabric bench video`); recompute is the policy's fallback. For each setting a fresh trace starts and the
-prompt's KV is requested again and again, back to back, for `duration_s`: each request is sent chunk by chunk
-through the throttled loopback socket and decoded by the receiver into its buffer while later chunks are on the
-wire. `mean_chunk_ms` is the time from each request's start to its last chunk in the buffer, summed over the
-requests and divided by their chunks. Quality (top-1 and KL of the next 64 tokens against the fp16 cache) is
-computed afterwards, off the clock, from the options each request actually used.
+prompt's KV is sent again and again, request after request on one throttled loopback connection, for
+`duration_s`. The receiver is another process (as a remote sender would be: no GIL shared with the decoder); it
+decodes each chunk into its buffer while later chunks are on the wire, and reports when each request's last chunk
+was in the buffer. `mean_chunk_ms` = (last chunk in the buffer - first chunk sent) / chunks. Quality (top-1 and KL
+of the next 64 tokens against the fp16 cache) is computed afterwards, off the clock, from the options each
+request actually used. Each setting runs `repeats` times, interleaved with the others; the row has the mean.
 """
 from __future__ import annotations
 
-import threading
+import multiprocessing
+import socket
 import time
 from collections import Counter
 
@@ -44,12 +46,12 @@ class TraceBucket(TokenBucket):
 
 
 def run_trace(model, layout, ids: list[int], kv: torch.Tensor, recompute, recompute_s: float,  # noqa: ANN001
-              ladder: tuple[int, ...], duration_s: float, model_id: str, chunk: int) -> list[dict]:
+              ladder: tuple[int, ...], duration_s: float, model_id: str, chunk: int, repeats: int = 2) -> list[dict]:
     """ids: the prompt and the tokens that follow it (the quality check); kv: the prompt's KV [L, 2, H, n, D]."""
     from kvfabric.bench.codec import compare, next_logprobs
     from kvfabric.codec.base import codec_for_id
     from kvfabric.codec.format import parse
-    from kvfabric.stream import FixedPolicy, Receiver, ThrottledSocket, loopback_pair, prepare, send_prompt
+    from kvfabric.stream import FixedPolicy, prepare
     from kvfabric.stream.policy import RAW, RECOMPUTE, ResolutionPolicy
     n = kv.shape[3]
     prompt = prepare(ids[:n], kv, layout, model_id, chunk, levels=(), video_levels=ladder, time_decode=True)
@@ -68,40 +70,78 @@ def run_trace(model, layout, ids: list[int], kv: torch.Tensor, recompute, recomp
             codec_for_id(header.codec_id).decode(header, memoryview(blob), layout, buf[:, :, :, s:e])
         return compare(ref, next_logprobs(model, buf, ids, n))
 
-    settings = [("adaptive", None)] + [("fixed", o) for o in options]
+    settings = [None] + options
+    runs: dict[str | None, list[tuple[float, list[list[str]]]]] = {o: [] for o in settings}
+    for r in range(repeats):  # each setting once a round, the order reversed every other round (load drifts)
+        for option in settings if r % 2 == 0 else settings[::-1]:
+            policy = ResolutionPolicy(options, dict(prompt.decode_s), recompute_s) if option is None \
+                else FixedPolicy(option)
+            start, last_done, requests = _stream(prompt, policy, layout, model_id, recompute, duration_s)
+            runs[option].append(((last_done - start) / sum(len(q) for q in requests), requests))
     rows = []
-    for strategy, option in settings:
-        policy = ResolutionPolicy(options, dict(prompt.decode_s), recompute_s) if option is None \
-            else FixedPolicy(option)
-        bucket = TraceBucket(TRACE, 256 * 1024)
-        loads, requests = [], []
-        while time.perf_counter() - bucket.t0 < duration_s:
-            buf = torch.zeros(layout.shape(n))
-            rx = Receiver(layout, model_id, buf, recompute)
-            cli, conn = loopback_pair()
-            box: dict = {}
-            t0 = time.perf_counter()
-            th = threading.Thread(target=lambda: box.setdefault("result", rx.receive(conn, t0)))
-            th.start()
-            report = send_prompt(ThrottledSocket(cli, bucket), prompt, policy, t0)
-            th.join()
-            for closeable in (cli, conn, rx):
-                closeable.close()
-            loads.append(box["result"].done_s)
-            requests.append([c.option for c in report.choices])
-        chunks = sum(len(r) for r in requests)
-        picks = Counter(o for r in requests for o in r)
-        kls, top1s = zip(*(quality(r) for r in (requests if option is None else requests[:1])))
-        rows.append({"link": "trace 1G/100M per 1s", "strategy": strategy, "option": option or "per chunk",
-                     "mean_chunk_ms": round(1000 * sum(loads) / chunks, 1), "chunks": chunks,
-                     "requests": len(requests), "options": " ".join(f"{o}x{c}" for o, c in picks.items()),
+    for option in settings:
+        requests = [q for _, reqs in runs[option] for q in reqs]
+        chunks = sum(len(q) for q in requests)
+        picks = Counter(o for q in requests for o in q)
+        kls, top1s = zip(*(quality(q) for q in (requests if option is None else requests[:1])))
+        per_run = [round(1000 * t, 1) for t, _ in runs[option]]
+        rows.append({"link": "trace 1G/100M per 1s", "strategy": "adaptive" if option is None else "fixed",
+                     "option": option or "per chunk", "mean_chunk_ms": round(sum(per_run) / len(per_run), 1),
+                     "runs_ms": per_run, "chunks": chunks, "requests": len(requests),
+                     "options": " ".join(f"{o}x{c}" for o, c in picks.items()),
                      "top1": round(float(torch.cat(top1s).mean()), 4),
                      "kl_mean": round(float(torch.cat(kls).mean()), 5),
                      "decode_ms": {o: round(1000 * s, 1) for o, s in prompt.decode_s.items()},
                      "recompute_chunk_ms": round(1000 * recompute_s, 1), "tokens": n})
-    fixed = [r for r in rows if r["strategy"] == "fixed"]
-    best = min(fixed, key=lambda r: r["mean_chunk_ms"])
+    best = min((r for r in rows if r["strategy"] == "fixed"), key=lambda r: r["mean_chunk_ms"])
     for r in rows:
         r["best_fixed"] = best["option"]
         r["vs_best_fixed"] = round(1 - r["mean_chunk_ms"] / best["mean_chunk_ms"], 3)  # > 0: faster than it
     return rows
+
+
+def _stream(prompt, policy, layout, model_id: str, recompute, duration_s: float  # noqa: ANN001
+            ) -> tuple[float, float, list[list[str]]]:
+    """Requests of `prompt`, back to back on one connection through a fresh trace, for duration_s; the receiver
+    in a forked process. Returns (first send, last chunk in the receiver's buffer, options of each request)."""
+    from kvfabric.stream import ThrottledSocket, send_prompt
+    ctx = multiprocessing.get_context("fork")  # the child inherits the model (recompute) without pickling
+    reports, child_end = ctx.Pipe(duplex=False)
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    proc = ctx.Process(target=_receive_all, args=(srv, layout, model_id, len(prompt.tokens), recompute, child_end),
+                       daemon=True)
+    proc.start()
+    cli = socket.create_connection(srv.getsockname())
+    cli.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    bucket = TraceBucket(TRACE, 256 * 1024)
+    requests = []
+    while time.perf_counter() - bucket.t0 < duration_s:
+        report = send_prompt(ThrottledSocket(cli, bucket), prompt, policy)
+        requests.append([c.option for c in report.choices])
+    cli.close()  # the receiver sees the end of the stream
+    done = [reports.recv() for _ in requests]
+    proc.join(60)
+    srv.close()
+    return bucket.t0, max(done), requests
+
+
+def _receive_all(srv: socket.socket, layout, model_id: str, num_tokens: int, recompute, reports) -> None:  # noqa: ANN001
+    """The receiving process: every request on the connection into one buffer; reports each request's end time
+    (perf_counter: the same monotonic clock in both processes)."""
+    from kvfabric.stream import Receiver
+    from kvfabric.stream.protocol import ProtocolError
+    torch.set_num_threads(1)
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rx = Receiver(layout, model_id, torch.zeros(layout.shape(num_tokens)), recompute)
+    try:
+        while True:
+            result = rx.receive(conn, 0.0)  # t0 = 0: done_s is the perf_counter time itself
+            reports.send(result.done_s)
+    except ProtocolError:  # the sender closed the connection: no more requests
+        pass
+    finally:
+        rx.close()
+        conn.close()
