@@ -138,3 +138,19 @@ def test_bench_stream_trace_smoke():
     fixed = {r["option"]: r for r in rows if r["strategy"] == "fixed"}
     assert fixed["raw"]["kl_mean"] == 0.0 and fixed["V0"]["kl_mean"] == 0.0 and fixed["V6"]["kl_mean"] > 0
     assert rows[0]["best_fixed"] in fixed and rows[0]["vs_best_fixed"] < 1
+
+
+def test_a_jumpy_link_prices_in_the_risk_of_big_chunks(monkeypatch):
+    """After rate jumps between 125 and 12.5 MB/s, a raw chunk's expected send time includes the chance of a
+    drop mid-send; on a steady link it is bytes / rate."""
+    clock = Clock()
+    monkeypatch.setattr(policy_module, "time", clock)
+    steady, jumpy = ResolutionPolicy([RAW, "V7"], DECODE), ResolutionPolicy([RAW, "V7"], DECODE)
+    for i in range(10):
+        clock.now += 0.5
+        steady.observe(V7_BYTES, V7_BYTES / 125e6)
+        jumpy.observe(V7_BYTES, V7_BYTES / (125e6 if i % 2 else 12.5e6))
+    assert steady.send_s(RAW_BYTES, 125e6) == pytest.approx(RAW_BYTES / 125e6)
+    risky = jumpy.send_s(RAW_BYTES, 125e6)
+    assert RAW_BYTES / 125e6 * 1.2 < risky < RAW_BYTES / 12.5e6
+    assert jumpy.send_s(V7_BYTES, 125e6) / (V7_BYTES / 125e6) < risky / (RAW_BYTES / 125e6)  # small chunks: less
