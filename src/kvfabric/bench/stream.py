@@ -134,7 +134,7 @@ def run(as_json: bool = False, plot: str | None = None, prompt_tokens: int = 204
     if trace:
         from kvfabric.bench.stream_trace import run_trace
         traced = run_trace(model, layout, following, kv, recompute, recompute_s, ladder, trace_s, MODEL_ID, CHUNK,
-                           repeats=1 if quick else 2)
+                           repeats=1 if quick else 3)
         emit(traced, as_json, f"{n}-token prompts requested back to back for {trace_s:.0f} s on a link alternating "
              f"1 Gbit/s and 100 Mbit/s every second: adaptive resolution vs fixed ({threads_note()})",
              ["strategy", "option", "mean_chunk_ms", "vs_best_fixed", "chunks", "options", "top1", "kl_mean"])

@@ -8,12 +8,13 @@ prompt's KV is sent again and again, request after request on one throttled loop
 decodes each chunk into its buffer while later chunks are on the wire, and reports when each request's last chunk
 was in the buffer. `mean_chunk_ms` = (last chunk in the buffer - first chunk sent) / chunks. Quality (top-1 and KL
 of the next 64 tokens against the fp16 cache) is computed afterwards, off the clock, from the options each
-request actually used. Each setting runs `repeats` times, interleaved with the others; the row has the mean.
+request actually used. Each setting runs `repeats` times, interleaved with the others; the row has the median.
 """
 from __future__ import annotations
 
 import multiprocessing
 import socket
+import statistics
 import time
 from collections import Counter
 
@@ -46,7 +47,7 @@ class TraceBucket(TokenBucket):
 
 
 def run_trace(model, layout, ids: list[int], kv: torch.Tensor, recompute, recompute_s: float,  # noqa: ANN001
-              ladder: tuple[int, ...], duration_s: float, model_id: str, chunk: int, repeats: int = 2) -> list[dict]:
+              ladder: tuple[int, ...], duration_s: float, model_id: str, chunk: int, repeats: int = 3) -> list[dict]:
     """ids: the prompt and the tokens that follow it (the quality check); kv: the prompt's KV [L, 2, H, n, D]."""
     from kvfabric.bench.codec import compare, next_logprobs
     from kvfabric.codec.base import codec_for_id
@@ -86,7 +87,7 @@ def run_trace(model, layout, ids: list[int], kv: torch.Tensor, recompute, recomp
         kls, top1s = zip(*(quality(q) for q in (requests if option is None else requests[:1])))
         per_run = [round(1000 * t, 1) for t, _ in runs[option]]
         rows.append({"link": "trace 1G/100M per 1s", "strategy": "adaptive" if option is None else "fixed",
-                     "option": option or "per chunk", "mean_chunk_ms": round(sum(per_run) / len(per_run), 1),
+                     "option": option or "per chunk", "mean_chunk_ms": statistics.median(per_run),
                      "runs_ms": per_run, "chunks": chunks, "requests": len(requests),
                      "options": " ".join(f"{o}x{c}" for o, c in picks.items()),
                      "top1": round(float(torch.cat(top1s).mean()), 4),
