@@ -112,6 +112,12 @@ def test_batches(tier) -> None:
     assert tier.contains_many(keys) == [True] * 8 + [False, False]
     with pytest.raises(ValueError):
         tier.get_many_into(keys, scratches[:2])
+    # a key repeated in a batch: Mooncake's batch_get_into would fill one buffer of the two (and say both)
+    again = tier.get_many_into([keys[0], keys[1], keys[0], keys[0]], scratches[:4])
+    assert [bytes(g) for g in again] == [blobs[0], blobs[1], blobs[0], blobs[0]]
+    assert len({id(g.obj) for g in again}) == 4  # each in its own scratch
+    assert tier.put_many([(keys[0], b"first"), (keys[0], b"second")]) == [True, True]
+    assert bytes(tier.get(keys[0])) == b"second"  # as two puts in a row
     tier.capacity_bytes = 1500
     assert tier.put_many([(keys[8], b"x" * 1501), (keys[9], b"y" * 10)]) == [False, True]
     assert tier.counters["put.too_large"] == 1
@@ -263,6 +269,9 @@ def test_built_from_config(mooncake_master: MooncakeMaster) -> None:
     finally:
         tier.close()
     assert Config.from_dict({"tiers": ["cpu", "mooncake"], "mooncake": {"segment": "1GiB"}}).mooncake.segment == 2**30
+    assert Config.from_dict({"mooncake": {"segment": 0}}).mooncake.segment == 0  # a pure client lends no memory
+    with pytest.raises(ConfigError, match="mooncake.buffer: must be positive"):
+        Config.from_dict({"mooncake": {"buffer": 0}})
     with pytest.raises(ConfigError, match="mooncake.protocol"):
         Config.from_dict({"mooncake": {"protocol": "udp"}})
     with pytest.raises(ConfigError, match="mooncake.timeout_s"):

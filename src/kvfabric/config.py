@@ -44,7 +44,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(value: Any, key: str) -> int:
+def parse_bytes(value: Any, key: str, allow_zero: bool = False) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         number = value
     else:
@@ -52,12 +52,13 @@ def parse_bytes(value: Any, key: str) -> int:
         if not match or match.group(2).lower() not in _UNITS:
             raise ConfigError(f"{key}: expected a byte size like 4GiB or 512MB, got {value!r}")
         number = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if number <= 0:
-        raise ConfigError(f"{key}: must be positive, got {value!r}")
+    if number < 0 or (number == 0 and not allow_zero):
+        raise ConfigError(f"{key}: must be {'0 or more' if allow_zero else 'positive'}, got {value!r}")
     return number
 
 
 ByteSize = typing.Annotated[int, "bytes"]
+ByteSizeOrZero = typing.Annotated[int, "bytes or 0"]
 
 
 def _check_codec(spec: str, key: str) -> None:
@@ -129,7 +130,7 @@ class MooncakeTierConfig:
     protocol: Literal["tcp", "rdma"] = "tcp"
     rdma_devices: str = ""  # with rdma: e.g. "mlx5_0"
     local_host: str = "127.0.0.1"  # this client's address (hostname <local_host>:<free port>, MC_TCP_BIND_ADDRESS)
-    segment: ByteSize = 2**30  # memory this client lends the store; its objects leave with it
+    segment: ByteSizeOrZero = 2**30  # memory this client lends the store (its objects leave with it); 0: none
     buffer: ByteSize = 64 * 2**20  # the client's own transfer buffer
     timeout_s: float = 1.0  # deadline of every call, set-up included; a dead master = misses within it
     capacity: ByteSize = 2**40  # informational: the master evicts by its own watermark
@@ -271,7 +272,7 @@ def _convert(hint: Any, value: Any, name: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, name + ".")
     if typing.get_origin(hint) is typing.Annotated:
-        return parse_bytes(value, name)
+        return parse_bytes(value, name, allow_zero=hint.__metadata__[0] == "bytes or 0")
     if typing.get_origin(hint) is Literal:
         choices = typing.get_args(hint)
         if value not in choices:

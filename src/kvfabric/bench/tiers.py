@@ -129,7 +129,7 @@ def run(as_json: bool = False, repeats: int = 3, quick: bool = False, redis_url:
         pass
     if mooncake:  # a private master and storage process on loopback (kvfabric.bench.tiers_mooncake)
         from kvfabric.bench.tiers_mooncake import bench_mooncake
-        rows += bench_mooncake(repeats=max(repeats, 5))
+        rows += bench_mooncake(repeats=max(repeats, 15))
     emit(rows, as_json, f"kvfabric bench tiers ({threads_note()}, {time.strftime('%H:%M:%S')})",
          ["tier", "op", "layout", "mb", "gbps", "baseline_gbps", "ratio", "baseline"])
     lookup = bench_lookup()

@@ -215,11 +215,18 @@ def _bench_size(tier, raw, name: str, size: int, repeats: int) -> list[dict]:
 
     sink, server = _Sink(size), RawServer([blob])
     client = RawClient(server.port, [size])
+
+    def send() -> None:
+        sink.send(blob)
+
+    def fetch() -> None:
+        client.fetch(fresh=False)
+
     try:
-        for fn in (put, raw_put, get, raw_get, lambda: sink.send(blob), lambda: client.fetch(fresh=False)):
+        for fn in (put, raw_put, get, raw_get, send, fetch):
             fn()  # warm up: connections, registrations, the storage side's pages
-        store_s, raw_store_s, sock_store_s = _medians([put, raw_put, lambda: sink.send(blob)], repeats)
-        get_s, raw_get_s, sock_get_s = _medians([get, raw_get, lambda: client.fetch(fresh=False)], repeats)
+        store_s, raw_store_s, sock_store_s = _medians([put, raw_put, send], repeats)
+        get_s, raw_get_s, sock_get_s = _medians([get, raw_get, fetch], repeats)
     finally:
         sink.close(), client.close(), server.close()
     if got[0] is None or bytes(got[0]) != blob or dst.tobytes() != blob:

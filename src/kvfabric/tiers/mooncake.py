@@ -4,10 +4,10 @@ segments hold the data; Mooncake's transfer engine moves it, over TCP or RDMA).
 Contract:
 - A chunk lives under the object key `kvf:<key hex>` (the chunk key already names model, layout and tenant).
   Writes are upserts (Mooncake's put keeps an existing object's old value) straight from the blob's memory
-  (`batch_upsert_from`: address and length, no staging copy). Reads go straight into the caller's scratch
-  buffer (`batch_get_into`), which is registered with the client the first time it is seen; the most recent
+  (`upsert_from`: address and length, no staging copy). Reads go straight into the caller's scratch buffer
+  (`get_into`), which is registered with the client the first time it is seen; the most recent
   `MAX_REGISTERED` scratch buffers stay registered and referenced, so registered memory is never freed under the
-  client. `put_many` / `get_many_into` move many chunks in one batch call; `put` / `get_into` are batches of one.
+  client. `put_many` / `get_many_into` move many chunks in one batch call (`batch_upsert_from` / `batch_get_into`).
   `get` (no scratch) reads into a fresh buffer. Transient buffers (blobs being put, `get`'s fresh buffer) are
   registered for the call only with RDMA: the TCP transport reads and writes any memory of this process, and
   registering costs ~1.6 ms per 32 MB.
@@ -119,6 +119,7 @@ class MooncakeTier(TierBase):
             raise ImportError("the mooncake tier needs the Mooncake client: pip install 'kvfabric[mooncake]' "
                               "(mooncake-transfer-engine-non-cuda) and Debian's libibverbs1") from exc
         self._make_store = MooncakeDistributedStore
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_host)  # read by the transfer engine at client set-up
         self.master, self.metadata_url = master, metadata_url
         self.metrics_url = (metrics_url or f"http://{master.rsplit(':', 1)[0]}:9003").rstrip("/")
         self.protocol, self.rdma_devices, self.local_host = protocol, rdma_devices, local_host
@@ -145,7 +146,6 @@ class MooncakeTier(TierBase):
     # ---- the client, and calls to it under a deadline and the breaker -------------------------------------
     def _connect(self) -> Any:
         """Runs on a worker: make and set up the client (talks to the master; ~4 s to fail when it is down)."""
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.local_host)
         store = self._make_store()
         hostname = f"{self.local_host}:{_free_port(self.local_host)}"
         code = store.setup(hostname, self.metadata_url, self.segment_bytes, self.buffer_bytes, self.protocol,
@@ -241,7 +241,17 @@ class MooncakeTier(TierBase):
     def get_many_into(self, keys: Sequence[bytes], scratches: Sequence[Scratch]) -> list[Blob | None]:
         if len(keys) != len(scratches):
             raise ValueError(f"{len(keys)} keys but {len(scratches)} scratch buffers")
-        return self._read(keys, scratches, register=True) if keys else []
+        if not keys:
+            return []
+        first = {key: i for i, key in reversed(list(enumerate(keys)))}
+        if len(first) == len(keys):
+            return self._read(keys, scratches, register=True)
+        # A key twice in one batch_get_into fills only one of its buffers (and reports both filled): read the
+        # first occurrences, then the repeats in another batch.
+        repeats = [i for i, key in enumerate(keys) if first[key] != i]
+        out = dict(zip(first.values(), self._read(list(first), [scratches[i] for i in first.values()], True)))
+        out.update(zip(repeats, self.get_many_into([keys[i] for i in repeats], [scratches[i] for i in repeats])))
+        return [out[i] for i in range(len(keys))]
 
     def _read(self, keys: Sequence[bytes], scratches: Sequence[Scratch], register: bool) -> list[Blob | None]:
         """One batch_get_into of every key into its scratch; an object larger than the buffer is read again
@@ -254,14 +264,17 @@ class MooncakeTier(TierBase):
             bufs, new, old = self._scratch_buffers(scratches, size)
         else:
             bufs, new, old = [scratch.view(size).obj for scratch in scratches], [], []
-        addresses, sizes = [address_of(buf) for buf in bufs], [len(buf) for buf in bufs]
+        sizes = [len(buf) for buf in bufs]
 
-        def run(store: Any) -> list[int]:
+        def run(store: Any) -> list[int]:  # holds `bufs`: a read that outlives its deadline writes into live memory
+            addresses = [address_of(buf) for buf in bufs]
             for address in old:
                 store.unregister_buffer(address)
             for address in new:  # a failed registration is not fatal: TCP reads unregistered memory too
                 store.register_buffer(address, sizes[addresses.index(address)])
             with self._transient(store, [] if register else addresses, sizes):
+                if len(names) == 1:  # the single call: no batch bookkeeping for one object
+                    return _checked([store.get_into(names[0], addresses[0], sizes[0])])
                 return _checked(store.batch_get_into(names, addresses, sizes))
 
         try:
@@ -312,6 +325,8 @@ class MooncakeTier(TierBase):
         def run(store: Any) -> list[int]:
             addresses = [data.ctypes.data for data in arrays]
             with self._transient(store, addresses, sizes):
+                if len(names) == 1:
+                    return _checked([store.upsert_from(names[0], addresses[0], sizes[0])])
                 return _checked(store.batch_upsert_from(names, addresses, sizes))
 
         try:
