@@ -179,6 +179,44 @@ def bench_tiers(as_json: bool, repeats: int, quick: bool, redis_url: str | None,
     run(as_json=as_json, repeats=repeats, quick=quick, redis_url=redis_url, mooncake=mooncake)
 
 
+@bench.command("trace")
+@click.option("--trace", "traces", multiple=True, metavar="NAME|FILE",
+              help="conversation, synthetic (../shared/data) or a JSONL path; repeatable (default: both).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per (trace, tiers, capacity, policy).")
+@click.option("--plot", default=None, metavar="PNG", help="Hit ratio and TTFT vs capacity per policy.")
+@click.option("--capacities", default="0.01,0.03,0.1,0.3", show_default=True,
+              help="Fast-tier capacities as shares of the distinct blocks.")
+@click.option("--policies", default=None, help="One-tier policies, EVICTION[+ADMISSION] comma-separated.")
+@click.option("--tiers", default="1,2", show_default=True, help="Set-ups to run: 1, 2 or both.")
+@click.option("--limit", default=None, type=int, help="Only the first N requests of each trace.")
+@click.option("--bounds", is_flag=True, help="Also run oracle-informed policies (what knowing the future is worth).")
+@click.option("--quick", is_flag=True, help="First 2000 requests, capacities 3 and 10 % (a smoke run).")
+@click.option("--prefill-tps", default=2000.0, show_default=True, help="TTFT model: prefill tokens/s at empty context.")
+@click.option("--fast-gbps", default=5.0, show_default=True, help="TTFT model: fast tier read GB/s.")
+@click.option("--slow-gbps", default=1.0, show_default=True, help="TTFT model: slow tier read GB/s.")
+def bench_trace(traces: tuple[str, ...], as_json: bool, plot: str | None, capacities: str, policies: str | None,
+                tiers: str, limit: int | None, bounds: bool, quick: bool, prefill_tps: float, fast_gbps: float,
+                slow_gbps: float) -> None:
+    """Cache policies over the Mooncake traces: prefix hit ratio and modelled TTFT vs LRU and Belady."""
+    from kvfabric.bench import trace
+    from kvfabric.bench.trace_sim import TTFTModel
+    try:
+        fracs = tuple(float(x) for x in capacities.split(","))
+        tier_set = tuple(int(x) for x in tiers.split(","))
+    except ValueError:
+        raise click.BadParameter("comma-separated numbers expected") from None
+    if not all(0 < f <= 1 for f in fracs) or not set(tier_set) <= {1, 2}:
+        raise click.BadParameter("capacities must be in (0, 1] and tiers 1 and/or 2")
+    model = TTFTModel(fast_bytes_per_s=fast_gbps * 1e9, slow_bytes_per_s=slow_gbps * 1e9,
+                      prefill_tokens_per_s=prefill_tps)
+    try:
+        trace.run(traces=traces or tuple(trace.TRACE_FILES), capacities=(0.03, 0.1) if quick else fracs,
+                  policies=tuple(policies.split(",")) if policies else trace.ONE_TIER, tiers=tier_set,
+                  as_json=as_json, plot=plot, limit=2000 if quick else limit, bounds=bounds, model=model)
+    except (FileNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 @bench.command("p2p")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--repeats", default=5, show_default=True)
