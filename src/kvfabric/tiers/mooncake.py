@@ -148,8 +148,12 @@ class MooncakeTier(TierBase):
         """Runs on a worker: make and set up the client (talks to the master; ~4 s to fail when it is down)."""
         store = self._make_store()
         hostname = f"{self.local_host}:{_free_port(self.local_host)}"
-        code = store.setup(hostname, self.metadata_url, self.segment_bytes, self.buffer_bytes, self.protocol,
-                           self.rdma_devices, self.master)
+        try:
+            code = store.setup(hostname, self.metadata_url, self.segment_bytes, self.buffer_bytes, self.protocol,
+                               self.rdma_devices, self.master)
+        except BaseException:
+            store.close()
+            raise
         with self._lock:
             if code == 0 and not self._closed:
                 self._store = store
