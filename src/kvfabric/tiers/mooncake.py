@@ -209,14 +209,15 @@ class MooncakeTier(TierBase):
             for address in addresses:
                 store.unregister_buffer(address)
 
-    def _scratch_buffers(self, scratches: Sequence[Scratch], size: int) -> tuple[list[bytearray], list[int], list[int]]:
-        """Each scratch's whole buffer (at least `size` bytes); the addresses to register with the client (first
-        seen) and to unregister (pushed out of the MAX_REGISTERED most recent)."""
+    def _scratch_buffers(self, scratches: Sequence[Scratch], size: int) -> tuple[list[bytearray], list[int], list[int],
+                                                                                 list[int]]:
+        """Each scratch's whole buffer (at least `size` bytes) and its address; the addresses to register with the
+        client (first seen) and to unregister (pushed out of the MAX_REGISTERED most recent)."""
         bufs = [scratch.view(size).obj for scratch in scratches]
+        addresses = [address_of(buf) for buf in bufs]
         new: list[int] = []
         with self._lock:
-            for buf in bufs:
-                address = address_of(buf)
+            for buf, address in zip(bufs, addresses):
                 if address in self._registered:
                     self._registered.move_to_end(address)
                 else:
@@ -224,7 +225,7 @@ class MooncakeTier(TierBase):
                     new.append(address)
                     self.counters.add("buffers.registered")
             old = [self._registered.popitem(last=False)[0] for _ in range(len(self._registered) - MAX_REGISTERED)]
-        return bufs, new, old
+        return bufs, addresses, new, old
 
     # ---- Tier protocol -----------------------------------------------------------------------------------
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -265,20 +266,21 @@ class MooncakeTier(TierBase):
         if size <= 0:
             return [None] * len(keys)
         if register:
-            bufs, new, old = self._scratch_buffers(scratches, size)
+            bufs, addresses, new, old = self._scratch_buffers(scratches, size)
         else:
-            bufs, new, old = [scratch.view(size).obj for scratch in scratches], [], []
+            bufs = [scratch.view(size).obj for scratch in scratches]
+            addresses, new, old = [address_of(buf) for buf in bufs], [], []
         sizes = [len(buf) for buf in bufs]
 
-        def run(store: Any) -> list[int]:  # holds `bufs`: a read that outlives its deadline writes into live memory
-            addresses = [address_of(buf) for buf in bufs]
+        def run(store: Any, bufs: list[bytearray] = bufs) -> list[int]:
+            # holds `bufs`: a read that outlives its deadline still writes into live memory
             for address in old:
                 store.unregister_buffer(address)
             for address in new:  # a failed registration is not fatal: TCP reads unregistered memory too
                 store.register_buffer(address, sizes[addresses.index(address)])
+            if len(names) == 1 and (register or self.protocol == "tcp"):  # the single call, nothing to register
+                return _checked([store.get_into(names[0], addresses[0], sizes[0])])
             with self._transient(store, [] if register else addresses, sizes):
-                if len(names) == 1:  # the single call: no batch bookkeeping for one object
-                    return _checked([store.get_into(names[0], addresses[0], sizes[0])])
                 return _checked(store.batch_get_into(names, addresses, sizes))
 
         try:
