@@ -171,10 +171,12 @@ def bench() -> None:
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--quick", is_flag=True, help="Fewer chunks (a smoke run).")
 @click.option("--redis-url", default=None, help="Also measure the redis tier against raw redis-py on this server.")
-def bench_tiers(as_json: bool, repeats: int, quick: bool, redis_url: str | None) -> None:
+@click.option("--mooncake", is_flag=True, help="Also measure the mooncake tier against raw Mooncake and a loopback "
+              "socket (starts a private mooncake_master and a storage process on loopback).")
+def bench_tiers(as_json: bool, repeats: int, quick: bool, redis_url: str | None, mooncake: bool) -> None:
     """Tier store/retrieve throughput vs raw copy / file I/O of the same bytes."""
     from kvfabric.bench.tiers import run
-    run(as_json=as_json, repeats=repeats, quick=quick, redis_url=redis_url)
+    run(as_json=as_json, repeats=repeats, quick=quick, redis_url=redis_url, mooncake=mooncake)
 
 
 @bench.command("trace")
