@@ -21,7 +21,8 @@ Contract for every tier (tests/tier_contract.py runs one suite on each implement
   `new_blob(size)` is a buffer for a blob that will be put here (the cpu tier recycles the buffers of chunks it
   dropped once nothing else references them, so a store does not page-fault fresh memory in).
   `TierBase` gives the defaults: get_into returns get(key), prefetch does nothing, file_of is None, new_blob is
-  fresh memory, `is_policy_driven` is False.
+  fresh memory, `is_policy_driven` is False, and the batch calls `put_many(items)` / `get_many_into(keys,
+  scratches)` loop over put / get_into (a remote tier overrides them with one round trip).
 - `is_policy_driven` (a `PolicyTier`: cpu, disk): eviction and admission are pluggable policies; `get`,
   `get_into` and `put` take a keyword `meta` (`AccessMeta`: the chunk's position in its prompt, its miss cost),
   `put` may refuse a chunk its admission policy rejects (False), and `set_evict_listener` hands evicted chunks
@@ -51,6 +52,11 @@ class Scratch:
         if len(self._buf) < size:
             self._buf = bytearray(size)
         return memoryview(self._buf)[:size]
+
+    def discard(self) -> None:
+        """Let go of the buffer: a read that gave up waiting may still write into it. The next `view` allocates a
+        fresh one (the abandoned one lives on for as long as that late writer holds it)."""
+        self._buf = bytearray()
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +120,14 @@ class TierBase:
         """By default `get(key)`: a blob of its own is valid for longer than the contract asks, and copying it
         into the scratch would only add a copy (process memory, Redis and peers hand out fresh objects)."""
         return self.get(key)  # type: ignore[attr-defined]
+
+    def put_many(self, items: Sequence[tuple[bytes, Blob]]) -> list[bool]:
+        """`put` of each (key, blob); by default one by one."""
+        return [self.put(key, blob) for key, blob in items]  # type: ignore[attr-defined]
+
+    def get_many_into(self, keys: Sequence[bytes], scratches: Sequence[Scratch]) -> list[Blob | None]:
+        """`get_into(key, scratch)` for each pair (one scratch per key); by default one by one."""
+        return [self.get_into(key, scratch) for key, scratch in zip(keys, scratches, strict=True)]
 
     def prefetch(self, keys: Sequence[bytes]) -> None:
         """A hint that `get` will soon ask for these keys; by default nothing to do."""
