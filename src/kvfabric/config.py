@@ -82,7 +82,8 @@ def _check_tier_codec(spec: str, key: str) -> None:
 class CpuTierConfig:
     capacity: ByteSize = 4 * 2**30
     codec: str = ""  # "" = the top-level codec; e.g. "cachegen:6" keeps this tier's copy compressed
-    eviction: EvictionName = "lru"  # which chunk leaves when the tier is full
+    eviction: EvictionName = "lru"  # which chunk leaves when the tier is full (heat: best on the Mooncake
+    # traces, +1.6 to +5 points of prefix hits, but its bookkeeping costs ~2x LRU's: over 2 us/access here)
     admission: AdmissionName = "always"  # whether a new chunk is stored at all ("second": on its second miss)
 
     def __post_init__(self) -> None:
