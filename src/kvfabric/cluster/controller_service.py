@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +25,9 @@ from kvfabric.cluster.controller_models import (
     CommandResponse,
     EventsRequest,
     HeartbeatRequest,
+    HistoryEvent,
+    HistoryPoint,
+    HistoryResponse,
     InstanceHit,
     InstanceResult,
     InstancesResponse,
@@ -46,6 +51,10 @@ from kvfabric.hashing import chunk_keys
 log = logging.getLogger(__name__)
 
 CONTROL_BATCH = 4096  # keys per control message to a worker (stays under the P2P request bound)
+HISTORY_POINTS = 1800  # points kept per instance (an hour at the 2 s spacing)
+HISTORY_SPACING_S = 2.0  # at most one point per instance this often
+RECENT_EVENTS = 200
+EVENT_KINDS = ("evictions", "errors")
 
 
 class Controller:
@@ -60,6 +69,11 @@ class Controller:
         self.metrics = Metrics()
         self.peers = PeerPool(self.token, connect_timeout_s=connect_timeout_s, io_timeout_s=control_timeout_s,
                               pool_size=2)
+        # the status page's memory (this process only; a restarted controller starts a new history)
+        self._history: dict[str, deque[HistoryPoint]] = {}
+        self._recent: deque[HistoryEvent] = deque(maxlen=RECENT_EVENTS)
+        self._latest: dict[str, dict[str, int]] = {}
+        self._history_lock = threading.Lock()
 
     # ---- helpers ---------------------------------------------------------------------------------------------
     def alive(self, exclude: Sequence[str] = ()) -> list[InstanceInfo]:
@@ -152,8 +166,36 @@ class Controller:
 
     def heartbeat(self, instance_id: str, req: HeartbeatRequest) -> KnownResponse:
         tiers = None if req.tiers is None else [TierInfo(**t.model_dump()) for t in req.tiers]
-        known = self.index.heartbeat(instance_id, tiers, time.time())
+        now = time.time()
+        known = self.index.heartbeat(instance_id, tiers, now)
+        if known and req.stats is not None:
+            self._record(instance_id, dict(req.stats), now)
         return KnownResponse(ok=known, known=known)
+
+    def _record(self, instance_id: str, stats: dict[str, int], now: float) -> None:
+        with self._history_lock:
+            prev = self._latest.get(instance_id)
+            for kind in EVENT_KINDS if prev is not None else ():
+                grew = stats.get(kind, 0) - prev.get(kind, 0)
+                if grew > 0:
+                    self._recent.append(HistoryEvent(t=now, instance_id=instance_id, kind=kind, count=grew))
+            self._latest[instance_id] = stats
+            points = self._history.setdefault(instance_id, deque(maxlen=HISTORY_POINTS))
+            if not points or now - points[-1].t >= HISTORY_SPACING_S:
+                points.append(HistoryPoint(t=now, stats=stats))
+
+    def history(self) -> HistoryResponse:
+        alive = {info.instance_id for info in self.alive()}
+        with self._history_lock:
+            for gone in [i for i in self._history if i not in alive]:
+                del self._history[gone]
+                self._latest.pop(gone, None)
+            return HistoryResponse(instances={i: list(p) for i, p in self._history.items()},
+                                   events=list(self._recent))
+
+    def latest_stats(self, instance_id: str) -> dict[str, int]:
+        with self._history_lock:
+            return dict(self._latest.get(instance_id, {}))
 
     def events(self, instance_id: str, req: EventsRequest) -> KnownResponse:
         admit = {t: [bytes.fromhex(k) for k in keys] for t, keys in req.admit.items()}
@@ -252,7 +294,7 @@ class Controller:
                 tiers=[TierModel(**vars_of(t)) for t in info.tiers],
                 namespaces=[NamespaceModel(**vars_of(n)) for n in info.namespaces],
                 indexed_chunks=counts, registered_at=info.registered_at, last_seen=info.last_seen,
-                age_s=max(0.0, now - info.last_seen)))
+                age_s=max(0.0, now - info.last_seen), stats=self.latest_stats(info.instance_id)))
         self.metrics.instances.set(len(views))
         for tier, n in totals.items():
             self.metrics.indexed.labels(tier).set(n)

@@ -102,6 +102,7 @@ class TierStack:
             self.counters.add(f"hit.{tier.name}")
             self.counters.add(f"bytes_read.{tier.name}", len(blob))
             if level > 0:
+                self.counters.add("promoted")
                 self._write(key, blob, tuple(i for i in self._writable if i < level))
             return StackHit(blob, header, tier.name)
         self.counters.add("miss")
@@ -176,6 +177,15 @@ class TierStack:
                     self._pending.pop(key, None)
                 self._queue.task_done()
         self._queue.task_done()
+
+    @property
+    def queue_depth(self) -> int:
+        """Writes waiting for the background writer (a metric)."""
+        return self._queue.qsize()
+
+    @property
+    def queue_capacity(self) -> int:
+        return self._queue.maxsize
 
     def flush(self) -> None:
         self._queue.join()
