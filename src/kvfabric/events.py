@@ -194,6 +194,7 @@ class EventPublisher:
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
+        self._lock = threading.Lock()  # publish_now may also be called by the owner (close, tests)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvfabric-kv-events", daemon=True)
         self._thread.start()
@@ -212,13 +213,14 @@ class EventPublisher:
 
     def publish_now(self) -> None:
         self.events.sweep(self.contains)
-        batch = self.events.take()
-        if not batch:
-            return
-        payload = self._encoder.encode(self._types["EventBatch"](ts=time.time(), events=batch))
-        seq, self._seq = self._seq, self._seq + 1
-        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-        self._buffer.append((seq, payload))
+        with self._lock:
+            batch = self.events.take()
+            if not batch:
+                return
+            payload = self._encoder.encode(self._types["EventBatch"](ts=time.time(), events=batch))
+            seq, self._seq = self._seq, self._seq + 1
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self._buffer.append((seq, payload))
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()
@@ -226,7 +228,9 @@ class EventPublisher:
             return
         client, _, start = frames
         first = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
+        with self._lock:
+            buffered = list(self._buffer)
+        for seq, payload in buffered:
             if seq >= first:
                 self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", END_SEQ, b""))

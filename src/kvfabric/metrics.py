@@ -248,6 +248,8 @@ def engine_families(stats: Any, hists: Mapping[tuple[str, str], HistogramSnapsho
     for tier, n in tier_misses(hits, names, counters.get("miss", 0), hits.get("pending", 0)).items():
         out.add("kvfabric_tier_misses_total", n, tier)
     for usage in stats.tiers:
+        if f"failed_writes.{usage.name}" not in counters:
+            out.add("kvfabric_write_failures_total", 0, usage.name)
         out.add("kvfabric_tier_usage_bytes", usage.num_bytes, usage.name)
         out.add("kvfabric_tier_capacity_bytes", usage.capacity_bytes, usage.name)
         out.add("kvfabric_tier_chunks", usage.num_chunks, usage.name)

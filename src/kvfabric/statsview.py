@@ -137,7 +137,6 @@ def _ms(seconds: float | None) -> str:
 def panel(stats: InstanceStats, recent: InstanceStats | None = None, interval_s: float = 0.0) -> Panel:
     if stats.error:
         return Panel(Text(stats.error, style="red"), title=stats.url, border_style="red")
-    head = Table.grid(padding=(0, 3))
     row = [f"hit rate [bold]{100 * stats.hit_rate:.1f} %[/]",
            f"tokens saved [bold]{stats.tokens_saved:,.0f}[/]",
            f"stored chunks {stats.value('kvfabric_stored_chunks_total'):,.0f}",
@@ -147,7 +146,7 @@ def panel(stats: InstanceStats, recent: InstanceStats | None = None, interval_s:
            f"corrupt {stats.value('kvfabric_corrupt_chunks_total'):,.0f}"]
     if recent is not None and interval_s > 0:
         row.append(f"requests/s {recent.value('kvfabric_requests_total') / interval_s:,.1f}")
-    head.add_row(*row)
+    head = Text.from_markup("   ".join(row))
     tiers = Table(box=None, padding=(0, 1))
     for name in ("tier", "usage", "", "chunks", "hits", "evictions", "breaker"):
         tiers.add_column(name)
