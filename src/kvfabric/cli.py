@@ -267,6 +267,20 @@ def bench_trace(traces: tuple[str, ...], as_json: bool, plot: str | None, capaci
         raise click.ClickException(str(exc)) from None
 
 
+@bench.command("soak")
+@click.option("--duration", default=600.0, show_default=True, help="Seconds of load.")
+@click.option("--threads", "num_threads", default=3, show_default=True, help="Load threads in each of the two processes.")
+@click.option("--json", "as_json", is_flag=True, help="One final JSON object.")
+@click.option("--plot", default=None, metavar="PNG", help="RSS, fds, threads, shm, Redis memory, hit ratio over time.")
+@click.option("--redis-url", default=None, help="Use this Redis (default: a private redis-server with maxmemory).")
+def bench_soak(duration: float, num_threads: int, as_json: bool, plot: str | None, redis_url: str | None) -> None:
+    """Sustained mixed load over cpu + shm + disk + redis from two processes: bounded resources, no wrong bytes,
+    no hangs, a stable hit ratio (exit status 1 if any of that fails)."""
+    from kvfabric.bench.soak import run
+    if not run(duration_s=duration, num_threads=num_threads, as_json=as_json, plot=plot, redis_url=redis_url).ok:
+        sys.exit(1)
+
+
 @bench.command("p2p")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--repeats", default=5, show_default=True)
