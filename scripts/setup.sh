@@ -35,11 +35,13 @@ echo "[setup] model"
 
 if [ "$with_test" = 1 ]; then
   # redis-server: the redis tier's tests; chromium: the controller's status page in a headless browser;
-  # prometheus: the deploy example's Prometheus scraping a demo instance (tests/test_deploy.py)
+  # prometheus: the deploy example's Prometheus scraping a demo instance (tests/test_deploy.py); faketime:
+  # clock jumps under a running redis-server and controller (tests/reliability)
   missing=()
   command -v redis-server >/dev/null || missing+=(redis-server)
   command -v chromium >/dev/null || missing+=(chromium)
   command -v prometheus >/dev/null || missing+=(prometheus)
+  command -v faketime >/dev/null || missing+=(faketime)
   if [ ${#missing[@]} -gt 0 ]; then
     echo "[setup] installing ${missing[*]} (Debian)"
     export DEBIAN_FRONTEND=noninteractive

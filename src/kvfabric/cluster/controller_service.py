@@ -1,7 +1,8 @@
 """`Controller`: the state and logic behind the controller's HTTP routes (usable without HTTP in tests).
 
 - An instance whose last heartbeat is older than `instance_ttl_s` is gone for every operation, even before
-  `sweep` drops it and its entries from the index.
+  `sweep` drops it and its entries from the index; so is one whose heartbeat is stamped more than that in the
+  future (the wall clock was set back since).
 - A lookup keys the prompt once per distinct namespace and locates all keys in one index call; each instance's
   hit is its longest cached prefix, each chunk read from its fastest tier.
 - Commands that need a worker (pin, unpin, delete, clear, fetch for move) go over the P2P control channel in
@@ -76,13 +77,19 @@ class Controller:
         self._history_lock = threading.Lock()
 
     # ---- helpers ---------------------------------------------------------------------------------------------
+    def is_live(self, info: InstanceInfo, now: float) -> bool:
+        """Seen within the TTL. A last_seen more than a TTL in the future was stamped before the wall clock was
+        set back: stale too, else an instance that died just before the jump would look alive until the clock
+        caught up (a live one heartbeats again within the TTL and gets a fresh stamp)."""
+        return now - self.instance_ttl_s <= info.last_seen <= now + self.instance_ttl_s
+
     def alive(self, exclude: Sequence[str] = ()) -> list[InstanceInfo]:
-        cutoff = time.time() - self.instance_ttl_s
-        return [i for i in self.index.instances() if i.last_seen >= cutoff and i.instance_id not in exclude]
+        now = time.time()
+        return [i for i in self.index.instances() if self.is_live(i, now) and i.instance_id not in exclude]
 
     def instance(self, instance_id: str) -> InstanceInfo:
         info = self.index.get_instance(instance_id)
-        if info is None or info.last_seen < time.time() - self.instance_ttl_s:
+        if info is None or not self.is_live(info, time.time()):
             raise HTTPException(404, f"no live instance {instance_id!r}")
         return info
 
@@ -301,7 +308,11 @@ class Controller:
         return InstancesResponse(instances=sorted(views, key=lambda v: v.instance_id))
 
     def sweep(self) -> list[str]:
-        gone = self.index.expire(time.time() - self.instance_ttl_s)
+        now = time.time()
+        gone = self.index.expire(now - self.instance_ttl_s)
+        for info in self.index.instances():  # stamped before the clock was set back (see is_live)
+            if info.last_seen > now + self.instance_ttl_s and self.index.unregister(info.instance_id):
+                gone.append(info.instance_id)
         if gone:
             log.info("dropped instances that missed their heartbeats: %s", ", ".join(gone))
             self.metrics.expired.inc(len(gone))
