@@ -135,7 +135,7 @@ class CacheEngine:
             if ev.endpoint:
                 try:
                     self._publisher = EventPublisher(
-                        self.events, lambda keys: self.stack.contains_many(keys, writable_only=True), ev.endpoint,
+                        self.events, self._holds, ev.endpoint,
                         topic=ev.topic, replay_endpoint=ev.replay_endpoint, buffer_steps=ev.buffer_steps,
                         interval_s=ev.interval_s)
                 except Exception as exc:  # noqa: BLE001 - e.g. the port is taken: events are optional
@@ -397,6 +397,15 @@ class CacheEngine:
                            tier_counters, breakers, self.stack.queue_depth, self.stack.queue_capacity,
                            self.node.server.counters.snapshot() if self.node is not None else {},
                            self.events.counters.snapshot() if self.events is not None else {})
+
+    def sweep_events(self) -> None:
+        """Queue removal events for tracked chunks that no writable tier holds any more (evicted, expired, deleted
+        elsewhere); the engine's own publisher does this by itself, a caller that takes `events` calls it."""
+        if self.events is not None:
+            self.events.sweep(self._holds)
+
+    def _holds(self, keys: list[bytes]) -> list[bool]:
+        return self.stack.contains_many(keys, writable_only=True)
 
     def summary(self) -> dict[str, int]:
         """A few cumulative counts (the cluster node sends them with its heartbeats, for the controller's page)."""

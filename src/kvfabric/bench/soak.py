@@ -117,6 +117,8 @@ def run_load(config, duration_s: float, num_threads: int, seed: int, totals: Tot
             if per_second is not None:
                 with lock:
                     per_second.append((totals.asked_tokens, totals.hit_tokens))
+        if per_second is not None:
+            per_second.append(None)  # the end: the samples stop here, before the engine closes
         stop.set()
         for thread in threads:
             thread.join(timeout=OP_DEADLINE_S * 3)
@@ -253,8 +255,8 @@ def run(duration_s: float = 600.0, num_threads: int = 3, as_json: bool = False, 
                     threads.append(proc.num_threads())
                 except psutil.Error:
                     pass
-            if len(rss) < len(procs):  # the other process has finished: the run is ending
-                continue
+            if len(rss) < len(procs) or 0.0 in rss or (per_second and per_second[-1] is None):
+                continue  # a process has finished its load: the run is ending
             asked, hit = per_second[-1] if per_second else (0, 0)
             ratio = (hit - last[1]) / (asked - last[0]) if asked > last[0] else None
             last = (asked, hit)
