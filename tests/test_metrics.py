@@ -200,3 +200,20 @@ def test_cluster_engines_export_p2p_traffic(tmp_path):
     finally:
         controller.stop()
     time.sleep(0)  # nothing left running
+
+
+@pytest.mark.slow
+def test_reference_engine_serves_metrics(tmp_path):
+    """The HF reference engine on the real model, configured with metrics.port: a cold and a warm generate."""
+    from kvfabric.engines.hf import HFEngine
+    from kvfabric.engines.model import ensure_model
+    config = engine_config(tmp_path, chunk_size=32)
+    prompt = "The keeper of the lighthouse wrote down the weather every evening. " * 12
+    with HFEngine(ensure_model(), config=config, num_threads=1) as llm:
+        cold = llm.generate(prompt, max_new_tokens=2)
+        warm = llm.generate(prompt, max_new_tokens=2)
+        samples = scrape(llm.cache.metrics_endpoint.url)
+    assert cold.hit_tokens == 0 and warm.hit_tokens > 0
+    assert value(samples, "kvfabric_hit_tokens_total", op="retrieve") == warm.hit_tokens
+    assert value(samples, "kvfabric_stored_chunks_total") == cold.stored_chunks > 0
+    assert value(samples, "kvfabric_requested_tokens_total", op="lookup") == 2 * cold.prompt_tokens
