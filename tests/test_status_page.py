@@ -1,12 +1,11 @@
 """The controller's status page (/ui): the same token as the API, and, in a real headless browser (Debian's
 chromium), the page of a running two-instance cluster shows both instances with the numbers /v1/instances gives.
-A screenshot is kept under the test's tmp dir (its path is printed)."""
+A screenshot is kept as a test artifact (tests/artifacts.py; its path is printed)."""
 from __future__ import annotations
 
 import html.parser
 import shutil
 import subprocess
-import time
 
 import httpx
 import pytest
@@ -16,6 +15,7 @@ from kvfabric import CacheEngine, Config
 from kvfabric.cluster.controller_app import create_app
 from kvfabric.config import ClusterConfig, CpuTierConfig
 from tests.cluster_scripts.helpers import LAYOUT, ControllerThread, wait_for
+from tests.artifacts import keep_artifact
 
 TOKEN = "page-token"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -96,9 +96,13 @@ class Rows(html.parser.HTMLParser):
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (scripts/setup.sh --test installs it)")
 def test_page_in_a_headless_browser_matches_the_api(cluster, tmp_path):
     controller, engines = cluster
-    time.sleep(2.5)  # a second history point per instance (points are 2 s apart), for a line in the chart
-    for engine in engines:
-        assert engine.node.flush_reports()
+    ctl = controller.controller
+
+    def two_points() -> bool:  # a line in the chart needs a second history point per instance (2 s apart)
+        for engine in engines:
+            assert engine.node.flush_reports()
+        return all(len(points) >= 2 for points in ctl.history().instances.values())
+    assert wait_for(two_points, 20, 0.1)
     url = controller.url.replace("http://", f"http://viewer:{TOKEN}@") + "/ui"
     profile = tmp_path / "chromium-profile"
     dom = subprocess.run([CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom", url],
@@ -124,4 +128,4 @@ def test_page_in_a_headless_browser_matches_the_api(cluster, tmp_path):
     subprocess.run([CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--window-size=1280,900",
                     f"--screenshot={shot}", url], capture_output=True, timeout=120, check=True)
     assert shot.stat().st_size > 10_000
-    print(f"status page screenshot: {shot}")
+    print(f"status page screenshot: {keep_artifact(shot)}")

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from tests.artifacts import keep_artifact
 from tests.redis_fixtures import needs_redis
 from tests.reliability.harness import report
 
@@ -28,7 +29,7 @@ def test_soak(tmp_path):
     for name in ("duration_s", "ops", "wrong", "hangs", "rss_start_mb", "rss_max_mb", "rss_end_mb", "fds_max",
                  "threads_max"):
         assert name in result
-    print(f"soak plot: {plot}")
+    print(f"soak plot: {keep_artifact(plot)}")
     report(f"soak {DURATION_S} s: two processes x 3 threads over cpu + shm + disk + redis", None,
            **{k: v for k, v in result.items() if k not in ("bounds", "within_bounds")},
            bounds=result["bounds"])

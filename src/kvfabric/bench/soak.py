@@ -1,11 +1,9 @@
 """`kvfabric bench soak`: sustained mixed load over cpu + shm + disk + redis from several threads in two processes,
 with resources sampled every second and every retrieved chunk checked.
 
-What runs: `--threads` threads in this process and as many in a second process, all on the same `Workload`
-prompts (kvfabric.node), so the processes hit each other's chunks in shm, disk and Redis; each operation is a
-lookup + retrieve of the hit + store of the rest, or (2 %) a delete. Every retrieved chunk is compared with
-`chunk_kv(key)` (a chunk read back with any other bytes is a wrong output), and every operation must finish within
-`OP_DEADLINE_S` (a watchdog counts the ones that do not: hangs).
+What runs (`soak_load.py`): `--threads` threads in this process and as many in a second process, all on the same
+`Workload` prompts, so the processes hit each other's chunks in shm, disk and Redis; every retrieved chunk is
+checked (wrong outputs) and every operation must finish within `OP_DEADLINE_S` (hangs).
 
 Sampled every second, per process: RSS, open file descriptors, threads; and the shm pool's used bytes, Redis'
 used_memory, the disk tier's bytes, the hit ratio of that second. Bounds (stated in the output, checked at the
@@ -34,96 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
-OP_DEADLINE_S = 10.0
+from kvfabric.bench.soak_load import (DISK_BYTES, OP_DEADLINE_S, REDIS_BYTES, SHM_BYTES, Totals, run_load,
+                                     soak_config)
+
 WARMUP_SHARE = 0.2
 RSS_SLACK_MB = 64.0
 FD_SLACK = 16
 THREAD_SLACK = 4
 HIT_DRIFT = 0.15
-CPU_BYTES, SHM_BYTES, DISK_BYTES, REDIS_BYTES = 8 << 20, 16 << 20, 32 << 20, 24 << 20
-
-
-@dataclass
-class Totals:
-    ops: int = 0
-    deletes: int = 0
-    wrong: int = 0
-    checked: int = 0
-    hangs: int = 0
-    errors: int = 0
-    asked_tokens: int = 0
-    hit_tokens: int = 0
-
-
-def soak_config(workdir: Path, shm_name: str, redis_url: str):
-    from kvfabric.config import Config
-    return Config.from_dict({
-        "chunk_size": 32, "tiers": ["cpu", "shm", "disk", "redis"], "write_queue_chunks": 64,
-        "cpu": {"capacity": CPU_BYTES}, "shm": {"name": shm_name, "capacity": SHM_BYTES},
-        "disk": {"path": str(workdir / "chunks"), "capacity": DISK_BYTES},
-        "redis": {"url": redis_url, "timeout_s": 1.0}})
-
-
-def run_load(config, duration_s: float, num_threads: int, seed: int, totals: Totals,
-             per_second: list[tuple[int, int]] | None = None, on_ready=None) -> None:
-    """Drive the workload from `num_threads` threads for `duration_s` (one shared engine), adding into `totals`."""
-    from kvfabric.engine import CacheEngine
-    from kvfabric.node import MODEL_ID, SMALL_LAYOUT, Workload
-    lock = threading.Lock()
-    started_at: dict[int, float] = {}
-    stop = threading.Event()
-    with CacheEngine(config, SMALL_LAYOUT, MODEL_ID) as engine:
-        workload = Workload(engine, seed=0, num_prompts=3000)  # the same prompts in every process
-        if on_ready is not None:
-            on_ready()
-
-        def worker(i: int) -> None:
-            rng = np.random.default_rng((seed, i))
-            while not stop.is_set():
-                started_at[i] = time.monotonic()
-                try:
-                    result = workload.step(rng)
-                except Exception:  # noqa: BLE001 - counted: the engine must not raise for cache faults
-                    with lock:
-                        totals.errors += 1
-                    continue
-                finally:
-                    started_at.pop(i, None)
-                with lock:
-                    totals.ops += 1
-                    totals.deletes += result.op == "delete"
-                    totals.wrong += result.num_wrong
-                    totals.checked += result.num_checked
-                    totals.asked_tokens += result.num_tokens if result.op == "request" else 0
-                    totals.hit_tokens += result.num_loaded
-
-        def watchdog() -> None:
-            flagged: set[tuple[int, float]] = set()
-            while not stop.wait(0.5):
-                now = time.monotonic()
-                for i, t0 in list(started_at.items()):
-                    if now - t0 > OP_DEADLINE_S and (i, t0) not in flagged:
-                        flagged.add((i, t0))
-                        with lock:
-                            totals.hangs += 1
-
-        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(num_threads)]
-        threads.append(threading.Thread(target=watchdog, daemon=True))
-        for thread in threads:
-            thread.start()
-        end = time.monotonic() + duration_s
-        while time.monotonic() < end:
-            time.sleep(min(1.0, max(0.0, end - time.monotonic())))
-            if per_second is not None:
-                with lock:
-                    per_second.append((totals.asked_tokens, totals.hit_tokens))
-        if per_second is not None:
-            per_second.append(None)  # the end: the samples stop here, before the engine closes
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=OP_DEADLINE_S * 3)
-            if thread.is_alive():
-                totals.hangs += 1
 
 
 def _free_port() -> int:
@@ -231,16 +147,23 @@ def run(duration_s: float = 600.0, num_threads: int = 3, as_json: bool = False, 
     config = soak_config(workdir, shm_name, url)
     totals, per_second = Totals(), []
     shm_view = ShmTier(shm_name, SHM_BYTES)
-    other = subprocess.Popen([sys.executable, "-m", "kvfabric.bench.soak", "--worker", str(workdir), shm_name, url,
-                              str(duration_s), str(num_threads)], stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen([sys.executable, "-m", "kvfabric.bench.soak_load", str(workdir), shm_name, url,
+                              str(duration_s), str(num_threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
     ready = threading.Event()
+
+    def both_ready() -> None:  # both engines are open: both processes start their load now
+        other.stdin.write("go\n")
+        other.stdin.flush()
+        ready.set()
+
     load = threading.Thread(target=run_load, args=(config, duration_s, num_threads, 1, totals, per_second,
-                                                   ready.set), daemon=True)
+                                                   both_ready), daemon=True)
     procs = [psutil.Process(), psutil.Process(other.pid)]
     samples: list[Sample] = []
     last = (0, 0)
     try:
-        if other.stdout.readline().strip() != "ready":  # both processes load from the same moment on
+        if other.stdout.readline().strip() != "ready":
             raise RuntimeError("the second soak process did not start")
         load.start()
         ready.wait(120)
@@ -285,6 +208,8 @@ def run(duration_s: float = 600.0, num_threads: int = 3, as_json: bool = False, 
 
 
 def summarize(samples: list[Sample], totals: Totals, duration_s: float) -> Report:
+    if not samples:
+        raise RuntimeError("no resource samples: the run was shorter than a second of load in both processes")
     warm = [s for s in samples if s.t <= duration_s * WARMUP_SHARE] or samples[:1]
     rss_total = [sum(s.rss_mb) for s in samples]
     warm_rss = max(sum(s.rss_mb) for s in warm)
@@ -378,17 +303,3 @@ def plot_samples(samples: list[Sample], report: Report, path: str) -> None:
     fig.suptitle(f"kvfabric bench soak: {report.ops} ops, wrong {report.wrong}, hangs {report.hangs}")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
-
-
-def _worker(argv: list[str]) -> None:
-    """The second process: the same load on the same shm pool, disk directory and Redis; prints its totals."""
-    workdir, shm_name, url, duration_s, num_threads = argv
-    totals = Totals()
-    run_load(soak_config(Path(workdir), shm_name, url), float(duration_s), int(num_threads), 2, totals,
-             on_ready=lambda: print("ready", flush=True))
-    print(json.dumps(asdict(totals)), flush=True)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        _worker(sys.argv[2:])
