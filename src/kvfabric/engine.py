@@ -362,9 +362,7 @@ class CacheEngine:
 
     def delete(self, tokens: Tokens) -> int:
         """Remove the chunks of `tokens` from every tier; returns how many chunks some tier held."""
-        self.stack.flush()  # a queued write must not land after the delete
-        keys = self.keys(tokens)
-        held = [key for key in keys if any([tier.delete(key) for tier in self.stack.tiers])]
+        held = self.stack.delete(self.keys(tokens))  # queued writes of these keys are cancelled
         if self.events is not None:
             self.events.removed(held)
         return len(held)

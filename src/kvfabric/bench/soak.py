@@ -106,6 +106,7 @@ class Report:
     hangs: int
     errors: int
     checked_chunks: int
+    slowest_op_s: float
     rss_start_mb: float
     rss_max_mb: float
     rss_end_mb: float
@@ -200,6 +201,7 @@ def run(duration_s: float = 600.0, num_threads: int = 3, as_json: bool = False, 
         shutil.rmtree(workdir, ignore_errors=True)
     for name in ("ops", "wrong", "hangs", "errors", "checked"):
         setattr(totals, name, getattr(totals, name) + theirs[name])
+    totals.slowest_s = max(totals.slowest_s, theirs["slowest_s"])
     report = summarize(samples, totals, duration_s)
     show(report, as_json)
     if plot:
@@ -224,7 +226,7 @@ def summarize(samples: list[Sample], totals: Totals, duration_s: float) -> Repor
     last_ratio = float(np.mean(last)) if last else 0.0
     report = Report(
         duration_s=duration_s, ops=totals.ops, wrong=totals.wrong, hangs=totals.hangs, errors=totals.errors,
-        checked_chunks=totals.checked, rss_start_mb=round(rss_total[0], 1), rss_max_mb=round(max(rss_total), 1),
+        checked_chunks=totals.checked, slowest_op_s=round(totals.slowest_s, 2), rss_start_mb=round(rss_total[0], 1), rss_max_mb=round(max(rss_total), 1),
         rss_end_mb=round(rss_total[-1], 1), fds_max=max(max(s.fds) for s in samples),
         threads_max=max(max(s.threads) for s in samples), shm_max_mb=round(max(s.shm_mb for s in samples), 2),
         redis_max_mb=round(max(s.redis_mb for s in samples), 2), hit_ratio_middle=round(mid_ratio, 3),
@@ -252,7 +254,8 @@ def show(report: Report, as_json: bool) -> None:
     for col in ("figure", "measured", "bound", "ok"):
         table.add_column(col)
     rows = [("wrong outputs (of %d chunks checked)" % report.checked_chunks, report.wrong, 0, report.wrong == 0),
-            ("hangs (ops past %.0f s)" % OP_DEADLINE_S, report.hangs, 0, report.hangs == 0),
+            ("hangs (ops past %.0f s; slowest %.2f s)" % (OP_DEADLINE_S, report.slowest_op_s), report.hangs, 0,
+             report.hangs == 0),
             ("errors raised", report.errors, 0, report.errors == 0),
             ("RSS, both processes (MB): start / max / end",
              f"{report.rss_start_mb} / {report.rss_max_mb} / {report.rss_end_mb}", report.bounds["rss_mb"],

@@ -12,6 +12,7 @@ import json
 import sys
 import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ class Totals:
     errors: int = 0
     asked_tokens: int = 0
     hit_tokens: int = 0
+    slowest_s: float = 0.0  # the longest operation
 
 
 def soak_config(workdir: Path, shm_name: str, redis_url: str):
@@ -49,6 +51,7 @@ def run_load(config, duration_s: float, num_threads: int, seed: int, totals: Tot
     from kvfabric.node import MODEL_ID, SMALL_LAYOUT, Workload
     lock = threading.Lock()
     started_at: dict[int, float] = {}
+    idents: dict[int, int] = {}
     stop = threading.Event()
     with CacheEngine(config, SMALL_LAYOUT, MODEL_ID) as engine:
         workload = Workload(engine, seed=0, num_prompts=3000)  # the same prompts in every process
@@ -57,8 +60,9 @@ def run_load(config, duration_s: float, num_threads: int, seed: int, totals: Tot
 
         def worker(i: int) -> None:
             rng = np.random.default_rng((seed, i))
+            idents[i] = threading.get_ident()
             while not stop.is_set():
-                started_at[i] = time.monotonic()
+                t0 = started_at[i] = time.monotonic()
                 try:
                     result = workload.step(rng)
                 except Exception:  # noqa: BLE001 - counted: the engine must not raise for cache faults
@@ -67,6 +71,8 @@ def run_load(config, duration_s: float, num_threads: int, seed: int, totals: Tot
                     continue
                 finally:
                     started_at.pop(i, None)
+                    with lock:
+                        totals.slowest_s = max(totals.slowest_s, time.monotonic() - t0)
                 with lock:
                     totals.ops += 1
                     totals.deletes += result.op == "delete"
@@ -84,6 +90,7 @@ def run_load(config, duration_s: float, num_threads: int, seed: int, totals: Tot
                         flagged.add((i, t0))
                         with lock:
                             totals.hangs += 1
+                        _print_stack(i, idents.get(i), now - t0)
 
         threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(num_threads)]
         threads.append(threading.Thread(target=watchdog, daemon=True))
@@ -102,6 +109,13 @@ def run_load(config, duration_s: float, num_threads: int, seed: int, totals: Tot
             thread.join(timeout=OP_DEADLINE_S * 3)
             if thread.is_alive():
                 totals.hangs += 1
+
+
+def _print_stack(thread_num: int, ident: int | None, seconds: float) -> None:
+    """Where a hung operation is (stderr): what a hang report needs."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    stack = "".join(traceback.format_stack(frame)[-8:]) if frame is not None else "(finished)\n"
+    print(f"soak: thread {thread_num} in one operation for {seconds:.1f} s:\n{stack}", file=sys.stderr, flush=True)
 
 
 def _worker(argv: list[str]) -> None:
