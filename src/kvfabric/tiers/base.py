@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from kvfabric.counters import Counters
 from kvfabric.tiers.policies import IndexStats, PolicyIndex
 
 Blob = bytes | bytearray | memoryview
@@ -148,6 +149,7 @@ class PolicyTier(TierBase):
     name: str
     capacity_bytes: int
     _index: PolicyIndex
+    _events: Counters
     _evict_listener: EvictListener | None = None
 
     def set_evict_listener(self, listener: EvictListener | None) -> None:
@@ -157,6 +159,12 @@ class PolicyTier(TierBase):
 
     def keys(self) -> list[bytes]:
         return self._index.keys()
+
+    @property
+    def counters(self) -> Counters:
+        """The tier's own counters (metrics), a snapshot: its events (`_events`, made by the tier) and "evicted"
+        (the index's evictions)."""
+        return Counters({**self._events.snapshot(), "evicted": self._index.num_evicted})
 
     def usage(self) -> TierUsage:
         return TierUsage(self.name, len(self._index), self._index.num_bytes, self.capacity_bytes)

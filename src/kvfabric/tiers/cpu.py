@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvfabric.codec.format import HEADER_BYTES
+from kvfabric.counters import Counters
 from kvfabric.tiers.base import Blob, PolicyTier
 from kvfabric.tiers.policies import NO_META, AccessMeta, EvictionPolicy, make_index
 from kvfabric.tiers.pool import BlobPool
@@ -29,6 +30,7 @@ class CpuTier(PolicyTier):
                  admission: str = "always") -> None:
         self._index = make_index(capacity_bytes, eviction, admission, on_evict=self._evicted)
         self._blobs: dict[bytes, Blob] = {}
+        self._events = Counters()
         self.capacity_bytes = capacity_bytes
         # Free buffers: what the chunks leave of the capacity, and at least an eighth of it, so that a full tier
         # recycles its victims (a store takes its buffer before the put that evicts one).

@@ -14,6 +14,8 @@ Contract:
   bytes this process keeps on disk never exceed `capacity_bytes`, and a refused chunk is never written.
   Pinned keys are never evicted. An evicted chunk is read back for the evict listener (demotion) only when
   one is set.
+- A directory deleted while running is made again by the next put (the index starts over); a full file system
+  makes puts fail (False, counted by the stack) until there is room again.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from kvfabric.counters import Counters
 from kvfabric.tiers.base import Blob, PolicyTier, Scratch
 from kvfabric.tiers.policies import NO_META, AccessMeta, EvictionPolicy, make_index
 
@@ -63,6 +66,7 @@ class DiskTier(PolicyTier):
         self._index = make_index(capacity_bytes, eviction, admission, on_evict=self._evicted)
         self._writing: set[bytes] = set()  # booked in the index, file not yet in place
         self._dropped: set[bytes] = set()  # of those, evicted or deleted meanwhile: unlinked once written
+        self._events = Counters()
         self._rebuild()
 
     def path(self, key: bytes) -> Path:
@@ -164,6 +168,23 @@ class DiskTier(PolicyTier):
                     self._unlink(key)
                 return False
             self._writing.add(key)
+        is_written = self._write(key, blob)
+        if not is_written and not self._tmp.is_dir() and self._recreate():
+            with self._index.lock:  # the cache directory was deleted under us: booked again, written once more
+                self._dropped.discard(key)
+                is_written = self._index.add(key, len(blob), meta)
+            is_written = is_written and self._write(key, blob)
+        with self._index.lock:
+            self._writing.discard(key)
+            if key in self._dropped:  # evicted or deleted while we wrote it: the index forgot it already
+                self._dropped.discard(key)
+                self._unlink(key)
+                return False
+            if not is_written:
+                self._index.remove(key)
+        return is_written
+
+    def _write(self, key: bytes, blob: Blob) -> bool:
         path = self.path(key)
         tmp = self._tmp / f"{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
@@ -174,19 +195,20 @@ class DiskTier(PolicyTier):
                     f.flush()
                     os.fsync(f.fileno())
             os.replace(tmp, path)
-            is_written = True
         except OSError:
             tmp.unlink(missing_ok=True)
-            is_written = False
-        with self._index.lock:
-            self._writing.discard(key)
-            if key in self._dropped:  # evicted or deleted while we wrote it: the index forgot it already
-                self._dropped.discard(key)
-                self._unlink(key)
-                return False
-            if not is_written:
-                self._index.remove(key)
-        return is_written
+            return False
+        return True
+
+    def _recreate(self) -> bool:
+        """The directory is gone (deleted while running): make it again; the index forgets what was in it."""
+        try:
+            self._tmp.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return False
+        self._index.clear()
+        self._events.add("directory_recreated")
+        return True
 
     def _unlink(self, key: bytes) -> None:
         try:

@@ -19,6 +19,9 @@ Contract:
   tier evicts is queued for the next one unchanged (demotion: same blob, no re-encoding; a demoted blob keeps
   its codec even when the next tier's config names another, blobs are self-describing). At `close`, what only
   process memory holds is written down too, so a restart finds it (exclusive's cost: a write at exit).
+- `delete(keys)` removes chunks from every tier. Queued writes of those keys are cancelled and a write in
+  progress is waited for (only that one): a delete never waits for the whole queue, which other threads may keep
+  full (a flush there made deletes under load wait for seconds).
 - Queued writes are readable before they land (`pending`), so a store is visible to lookups at once.
 - Blobs for process memory may be unsealed (codec.format): the stack fills their checksums in before it writes
   them to any untrusted tier, and parses blobs of trusted tiers and queued writes without checksums.
@@ -79,7 +82,10 @@ class TierStack:
         self._promotions = PromotionCounter(placement.promote_after)
         self._slow_reads = SlowReads(placement.max_slow_reads, placement.slow_read_wait_s)
         self._pending: dict[bytes, tuple[Blob, int]] = {}
+        self._cancelled: dict[bytes, int] = {}  # key -> queued items of it to skip (deleted while queued)
+        self._writing: bytes | None = None  # the key the writer thread is putting now
         self._lock = threading.Lock()
+        self._written = threading.Condition(self._lock)  # notified when the writer finishes a key
         self._queue: queue.Queue[_Write | None] = queue.Queue(write_queue_size)
         for level, tier in enumerate(self.tiers):
             down = self.levels.demote_to(level)
@@ -161,6 +167,7 @@ class TierStack:
         levels = self.levels.promote_to(level)
         if not levels or not self._promotions.is_due(key):
             return
+        self.counters.add("promoted")
         is_placed = self._write(key, blob, levels, "promoted", meta)
         if self.levels.is_exclusive and is_placed and len(levels) == 1:
             self.tiers[level].delete(key)  # the faster tier holds it now: the slower one lets it go
@@ -247,6 +254,18 @@ class TierStack:
 
     def _write_loop(self) -> None:
         while (job := self._queue.get()) is not None:
+            with self._lock:
+                skip = self._cancelled.get(job.key, 0)
+                if skip:
+                    if skip == 1:
+                        del self._cancelled[job.key]
+                    else:
+                        self._cancelled[job.key] = skip - 1
+                else:
+                    self._writing = job.key
+            if skip:
+                self._queue.task_done()
+                continue
             try:
                 levels = list(job.levels)
                 for level in levels:
@@ -261,8 +280,31 @@ class TierStack:
             finally:
                 with self._lock:
                     self._pending.pop(job.key, None)
+                    self._writing = None
+                    self._written.notify_all()
                 self._queue.task_done()
         self._queue.task_done()
+
+    def delete(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Remove `keys` from every tier (queued writes of them cancelled); returns the keys some tier held."""
+        queued = set()
+        with self._lock:
+            for key in keys:
+                if self._writing is not None and key == self._writing:
+                    self._written.wait_for(lambda k=key: self._writing != k)
+                if self._pending.pop(key, None) is not None:
+                    self._cancelled[key] = self._cancelled.get(key, 0) + 1
+                    queued.add(key)
+        return [key for key in keys if any([tier.delete(key) for tier in self.tiers]) or key in queued]
+
+    @property
+    def queue_depth(self) -> int:
+        """Writes waiting for the background writer (a metric)."""
+        return self._queue.qsize()
+
+    @property
+    def queue_capacity(self) -> int:
+        return self._queue.maxsize
 
     def flush(self) -> None:
         self._queue.join()
