@@ -41,7 +41,12 @@ class ObservedTier:
         self.is_trusted, self.is_read_only, self.is_persistent = inner.is_trusted, inner.is_read_only, inner.is_persistent
         self.is_shared, self.honors_capacity, self.honors_pins = inner.is_shared, inner.honors_capacity, inner.honors_pins
         self.is_policy_driven = inner.is_policy_driven
-        self.counters, self.breaker = getattr(inner, "counters", None), getattr(inner, "breaker", None)  # metrics
+        self.breaker = getattr(inner, "breaker", None)  # metrics
+
+    @property
+    def counters(self) -> Counters | None:
+        """The inner tier's counters (metrics), read at each call: a policy tier's are a snapshot."""
+        return getattr(self.inner, "counters", None)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         return self.inner.contains_many(keys)
