@@ -160,6 +160,28 @@ def profile_cachegen(texts: str, model_name: str, first: int, count: int, ctx_to
     click.echo(f"{path}: profile {prof.id:#018x}, delta channels {int(prof.dflag.sum())}/{prof.dflag.size}")
 
 
+@profile.command("flexicache")
+@click.option("--model", "model_name", default="smollm2-135m-instruct", show_default=True)
+@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
+@click.option("--steps", default=256, show_default=True, help="Greedy decode steps per prompt.")
+@click.option("--threshold", default=None, type=float, help="Stability below which a head is unstable.")
+@click.option("--out", default=None, type=click.Path(dir_okay=False),
+              help="Write here instead of over the shipped table.")
+@click.option("--json", "as_json", is_flag=True, help="Print the study's figures as one JSON object.")
+def profile_flexicache(model_name: str, data: str | None, steps: int, threshold: float | None, out: str | None,
+                       as_json: bool) -> None:
+    """Rebuild FlexiCache's head table: top-K page overlap between decode steps t and t+16 per (layer, KV head),
+    on the demo document and MuSiQue prompts (tens of minutes on a CPU)."""
+    from pathlib import Path
+
+    from kvfabric.bench.common import emit_summary
+    from kvfabric.engines.flexicache.study import DEFAULT_THRESHOLD, profile, report
+    path, table = profile(model_name, DEFAULT_THRESHOLD if threshold is None else threshold,
+                          Path(out) if out else None, data=data, steps=steps,
+                          progress=lambda m: click.echo(m, err=True))
+    emit_summary(report(table), as_json, f"head table {path}")
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks: each speed is printed beside a baseline measured in the same run."""
@@ -267,6 +289,37 @@ def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers
             raise click.BadParameter(f"{check_layers!r}: {e}", param_hint="--check-layers") from None
     blend.run(as_json=as_json, limit=limit, start=start, stride=stride, check_layers=layers, passages=passages,
               data=data, auto=auto, oracle=oracle)
+
+
+@bench.command("flexicache")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per (method, budget), then a summary.")
+@click.option("--plot", default=None, metavar="PNG", help="Write agreement and KL vs resident fraction.")
+@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
+@click.option("--steps", default=256, show_default=True, help="Teacher-forced decode steps per prompt.")
+@click.option("--budgets", default="10,20,30,50", show_default=True, help="Resident KV budgets, in percent.")
+@click.option("--methods", default="flexicache,quest,streaming,h2o,shuffled", show_default=True)
+@click.option("--musique", "num_musique", default=2, show_default=True, help="MuSiQue prompts (besides the document).")
+@click.option("--study", "run_study", is_flag=True, help="Run the head-stability study instead.")
+@config_option
+def bench_flexicache(as_json: bool, plot: str | None, data: str | None, steps: int, budgets: str, methods: str,
+                     num_musique: int, run_study: bool, config_path: str | None) -> None:
+    """FlexiCache decode KV memory vs dense KV, quest, streaming, h2o and a shuffled-split control (the config's
+    flexicache section sets page size, re-rank interval, slow pool ...; its kv_budget is ignored)."""
+    from kvfabric.bench import flexicache
+    if run_study:
+        flexicache.study(as_json=as_json, data=data, steps=steps)
+        return
+    try:
+        fractions = tuple(float(b) / 100 for b in budgets.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{budgets!r}: expected percentages like 10,20,30", param_hint="--budgets") from None
+    chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
+    unknown = set(chosen) - set(flexicache.METHODS)
+    if unknown or any(not 0 < f <= 1 for f in fractions):
+        raise click.BadParameter(f"methods from {', '.join(flexicache.METHODS)}, budgets in (0, 100]",
+                                 param_hint="--methods/--budgets")
+    flexicache.run(as_json=as_json, plot=plot, data=data, steps=steps, budgets=fractions, methods=chosen,
+                   num_musique=num_musique, config=_load(config_path).flexicache)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -142,6 +142,30 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FlexiCacheConfig:
+    """Head-aware decode KV memory of the reference engine (engines.flexicache); off while kv_budget is 0."""
+    kv_budget: float = 0.0  # fraction of the decode KV held in the fast pool; 0 = off (dense KV), 1 = all of it
+    page_size: int = 16  # tokens per KV page (per layer and KV head)
+    rerank_interval: int = 16  # stable heads re-rank their resident pages every N steps; unstable ones every step
+    recent_pages: int = 2  # the newest pages of every paged head stay resident (the one being written and before)
+    max_full_share: float = 0.9  # unstable heads kept whole take at most this share of the budget
+    radar_margin: float = 0.0  # between re-ranks, promote a page whose logit bound beats the K-th resident by this
+    slow_pool: Literal["memory", "shm"] = "memory"  # where offloaded pages live: process memory or /dev/shm
+    head_table: str = ""  # a head table file; "" = the one shipped for the model (kvfabric profile flexicache)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.kv_budget <= 1.0:
+            raise ConfigError(f"flexicache.kv_budget: expected a fraction in [0, 1], got {self.kv_budget}")
+        for name in ("page_size", "rerank_interval", "recent_pages"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"flexicache.{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.max_full_share <= 1.0:
+            raise ConfigError(f"flexicache.max_full_share: expected a fraction in (0, 1], got {self.max_full_share}")
+        if self.radar_margin < 0.0:
+            raise ConfigError(f"flexicache.radar_margin: must be >= 0, got {self.radar_margin}")
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     chunk_size: int = 256
     hash: Literal["sha256", "blake3"] = "sha256"
@@ -155,6 +179,7 @@ class Config:
     shm: ShmTierConfig = field(default_factory=ShmTierConfig)
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    flexicache: FlexiCacheConfig = field(default_factory=FlexiCacheConfig)
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:

@@ -34,28 +34,12 @@ import torch.nn.functional as F
 from rich.console import Console
 
 from kvfabric.bench.common import emit, threads_note
+from kvfabric.data import find_musique
 
-DATA_NAME = "musique_s.json"
 SYSTEM = "You are a helpful assistant. Answer the question using the passages."
 PLACEHOLDER = "\x00KVFABRIC\x00"
 COLUMNS = ["setting", "questions", "ttft_s", "speedup", "recompute_frac", "kl", "gap_closed", "gap_closed_q", "kl_ans",
            "gap_ans", "top1", "f1"]
-
-
-def find_data(path: str | os.PathLike | None = None) -> Path:
-    """The MuSiQue file: ``path``, $KVFABRIC_BLEND_DATA, or ../shared/data/musique_s.json next to the repo/cwd."""
-    if path:
-        return Path(path)
-    env = os.environ.get("KVFABRIC_BLEND_DATA")
-    if env:
-        return Path(env)
-    candidates = [Path.cwd() / ".." / "shared" / "data" / DATA_NAME,
-                  Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / DATA_NAME]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate.resolve()
-    raise FileNotFoundError(f"{DATA_NAME} not found (looked at {', '.join(map(str, candidates))}); "
-                            "pass data=... or set KVFABRIC_BLEND_DATA")
 
 
 # ---- answer F1 (SQuAD normalisation) --------------------------------------------------------------------
@@ -151,7 +135,7 @@ def run(as_json: bool = False, limit: int = 5, passages: int = 10, ratios: tuple
     from kvfabric.engines.model import DEFAULT_MODEL, load_model
     from kvfabric.engines.runtime import default_num_threads
 
-    examples = json.loads(find_data(data).read_text())[start:start + limit * stride:stride]
+    examples = json.loads(find_musique(data).read_text())[start:start + limit * stride:stride]
     blend_config = BlendConfig(check_layers=check_layers) if check_layers else BlendConfig()  # validates
     torch.set_num_threads(default_num_threads())
     name = model or DEFAULT_MODEL

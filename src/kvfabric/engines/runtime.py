@@ -5,6 +5,8 @@ Contract:
   ``buf [L, 2, H, T, D]`` with a fill pointer: a forward writes K/V in place (no cat, no reallocation) and a
   full buffer raises RuntimeError.
 - `use_fast_attention(model)`: switches an sdpa model to the same attention math with native GQA under a mask.
+  A forward called with ``kv_attention=obj`` hands every layer's attention to ``obj.attend(module, query, key,
+  value, scaling) -> [B, q, Hq, D]`` instead (paged decode KV, attention probes), with the cache's own K/V.
 - `layout_for(model_config, kv_dtype)`: the KVLayout of a HF decoder config.
 - `default_num_threads()`: $OMP_NUM_THREADS, else every core this process may run on.
 - `load_for_inference(name)`: an fp32 eval model and its tokenizer, threads set, fast attention on.
@@ -85,6 +87,9 @@ def sdpa_gqa_attention(module: Any, query: torch.Tensor, key: torch.Tensor, valu
     """Stock sdpa, but with native GQA also under a mask (CPU kernels support it): stock sdpa copies
     the whole past per layer (repeat_kv) for every masked suffix prefill. q [B,Hq,q,D], k/v [B,Hkv,kv,D]."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    hook = kwargs.pop("kv_attention", None)
+    if hook is not None:  # the KV lives elsewhere (engines.flexicache) or the caller records attention
+        return hook.attend(module, query, key, value, scaling), None
     q_len = query.shape[2]
     if (query.device.type != "cpu" or q_len == 1 or key.shape[1] == query.shape[1]
             or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):
