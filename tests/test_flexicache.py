@@ -117,7 +117,7 @@ def test_page_bound_is_an_upper_bound_of_every_logit_in_the_page():
 
 # ---- plans -------------------------------------------------------------------------------------------------
 def test_plans_split_the_budget_as_documented():
-    cfg = FlexiCacheConfig(max_full_share=0.9, rerank_interval=16)
+    cfg = FlexiCacheConfig(max_full_share=0.9, rerank_interval=16, head_order="stability")
     heads = table(4, 3, unstable=[(0, 0), (1, 1), (3, 2)])
     plan = make_plan("flexicache", 0.5, 4, 3, cfg, heads)
     assert plan.num_full == 3 and plan.roles[0, 0] == Role.FULL and plan.roles[3, 2] == Role.FULL
@@ -128,6 +128,9 @@ def test_plans_split_the_budget_as_documented():
     shuffled = make_plan("shuffled", 0.5, 4, 3, cfg, heads, seed=3)
     assert shuffled.num_full == 3 and not np.array_equal(shuffled.roles, plan.roles)
     assert make_plan("quest", 0.3, 4, 3, cfg).intervals.max() == 1
+    leaky = dataclasses.replace(heads, miss=np.where(np.arange(12).reshape(4, 3) == 7, 0.95, 0.0).astype(np.float32))
+    by_retention = make_plan("flexicache", 0.1, 4, 3, dataclasses.replace(cfg, head_order="retention"), leaky)
+    assert by_retention.roles[2, 1] == Role.FULL  # leaks 95 % of its attention: kept whole first
     assert make_plan("h2o", 0.3, 4, 3, cfg).page_size == 1
     with pytest.raises(BudgetError):
         make_plan("quest", 0.0, 4, 3, cfg)
@@ -148,12 +151,15 @@ def test_config_section_is_typed_and_validated():
 
 def test_head_table_round_trip_and_errors(tmp_path):
     heads = HeadTable("m", np.random.default_rng(0).random((4, 3)).astype(np.float32), 0.4,
-                      kinds={"a": np.zeros((4, 3), np.float32), "b": np.ones((4, 3), np.float32)}, meta={"lag": 16})
+                      kinds={"a": np.zeros((4, 3), np.float32), "b": np.ones((4, 3), np.float32)},
+                      miss=np.full((4, 3), 0.25, np.float32), meta={"lag": 16})
     path = tmp_path / "t.npz"
     save_table(heads, path)
     back = read_table(path)
     assert back.model_id == "m" and back.threshold == 0.4 and back.meta["lag"] == 16
     assert np.array_equal(back.stability, heads.stability) and set(back.kinds) == {"a", "b"}
+    assert np.array_equal(back.miss, heads.miss)
+    assert np.allclose(back.retention(), 0.75 * heads.stability)
     assert load_table("m", 4, 3, path).shape == (4, 3)
     with pytest.raises(HeadTableError):
         load_table("m", 5, 3, path)

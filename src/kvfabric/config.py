@@ -148,7 +148,8 @@ class FlexiCacheConfig:
     page_size: int = 16  # tokens per KV page (per layer and KV head)
     rerank_interval: int = 16  # stable heads re-rank their resident pages every N steps; unstable ones every step
     recent_pages: int = 2  # the newest pages of every paged head stay resident (the one being written and before)
-    max_full_share: float = 0.9  # unstable heads kept whole take at most this share of the budget
+    max_full_share: float = 0.25  # heads kept whole take at most this share of the budget
+    head_order: Literal["retention", "stability"] = "retention"  # which heads are kept whole first (heads.py)
     radar_margin: float = 0.0  # between re-ranks, promote a page whose logit bound beats the K-th resident by this
     slow_pool: Literal["memory", "shm"] = "memory"  # where offloaded pages live: process memory or /dev/shm
     head_table: str = ""  # a head table file; "" = the one shipped for the model (kvfabric profile flexicache)

@@ -3,9 +3,11 @@
 Contract:
 - `HeadTable` holds, per (layer, KV head), `stability`: the mean overlap of the head's top-K pages (by attention
   mass) between decode step t and t + lag, measured offline on long prompts (engines/flexicache/study.py), and the
-  same per prompt kind; `threshold`: heads below it are unstable.
-- `unstable_order()`: every head, most unstable first (what a budget that cannot hold all unstable heads drops
-  last); `unstable()`: the [L, H] mask at the threshold.
+  same per prompt kind; `threshold`: heads below it are unstable; `miss`: the mean share of the head's attention
+  outside the pages a radar-ranked resident set would hold (study.head_steps).
+- `unstable()`: the [L, H] mask at the threshold. `full_order(by)`: every head as a flat index (layer * H + head),
+  the first to keep whole first: by "stability" (least stable first, FlexiCache as published) or by "retention"
+  (lowest (1 - miss) * stability first: the share of its attention a top-K set holds and keeps over `lag` steps).
 - Tables ship as `tables/heads_<model id>.npz` (plain arrays, loaded with allow_pickle=False) and are rebuilt by
   `kvfabric profile flexicache`. `load_table(model_id, num_layers, num_kv_heads, path="")` returns the shipped one
   (or the file at `path`) and raises HeadTableError when it is missing or its shape does not fit the model.
@@ -32,6 +34,7 @@ class HeadTable:
     stability: np.ndarray  # float32 [L, H]: mean top-K page overlap between step t and t + lag, all prompts
     threshold: float  # heads with stability < threshold are unstable
     kinds: dict[str, np.ndarray] = field(default_factory=dict)  # prompt kind -> float32 [L, H]
+    miss: np.ndarray | None = None  # float32 [L, H]: attention outside a radar-ranked resident set (None: unknown)
     meta: dict = field(default_factory=dict)  # how it was measured (top_k, lag, page size, prompts, steps)
 
     @property
@@ -42,9 +45,16 @@ class HeadTable:
         """bool [L, H]: heads whose stability (default: over all prompts) is below the threshold."""
         return (self.stability if stability is None else stability) < self.threshold
 
-    def unstable_order(self) -> np.ndarray:
-        """int [L*H]: flat head indices (layer * H + head), most unstable first (ties: lower index first)."""
-        return np.argsort(self.stability.reshape(-1), kind="stable")
+    def retention(self) -> np.ndarray:
+        """float [L, H]: (1 - miss) * stability."""
+        return (1.0 - (self.miss if self.miss is not None else 0.0)) * self.stability
+
+    def full_order(self, by: str = "retention") -> np.ndarray:
+        """int [L*H]: flat head indices, the first to keep whole first (ties: lower index first)."""
+        if by not in ("retention", "stability"):
+            raise ValueError(f"head order {by!r}: expected retention or stability")
+        key = self.retention() if by == "retention" else self.stability
+        return np.argsort(key.reshape(-1), kind="stable")
 
 
 def save_table(table: HeadTable, path: Path) -> None:
@@ -54,6 +64,7 @@ def save_table(table: HeadTable, path: Path) -> None:
         threshold=np.array([table.threshold], dtype=np.float64),
         kinds=np.stack([table.kinds[k] for k in kinds]).astype(np.float32) if kinds
         else np.zeros((0, *table.shape), np.float32),
+        miss=(table.miss if table.miss is not None else np.full(table.shape, np.nan)).astype(np.float32),
         meta=np.frombuffer(json.dumps({**table.meta, "model_id": table.model_id, "kinds": kinds}).encode(),
                            dtype=np.uint8))
 
@@ -66,16 +77,18 @@ def read_table(path: Path) -> HeadTable:
             meta = json.loads(z["meta"].tobytes().decode() or "{}")
             stability = z["stability"].astype(np.float32)
             kinds_arr = z["kinds"].astype(np.float32)
+            miss = z["miss"].astype(np.float32)
             threshold = float(z["threshold"][0])
     except (OSError, KeyError, ValueError) as exc:
         if isinstance(exc, HeadTableError):
             raise
         raise HeadTableError(f"{path}: not a head table ({exc})") from None
     names = meta.pop("kinds", [])
-    if stability.ndim != 2 or kinds_arr.shape[1:] != stability.shape or len(names) != kinds_arr.shape[0]:
+    if (stability.ndim != 2 or kinds_arr.shape[1:] != stability.shape or len(names) != kinds_arr.shape[0]
+            or miss.shape != stability.shape):
         raise HeadTableError(f"{path}: malformed head table arrays")
     return HeadTable(model_id=str(meta.pop("model_id", "")), stability=stability, threshold=threshold,
-                     kinds=dict(zip(names, kinds_arr)), meta=meta)
+                     kinds=dict(zip(names, kinds_arr)), miss=None if np.isnan(miss).any() else miss, meta=meta)
 
 
 def table_path(model_id: str) -> Path:

@@ -137,7 +137,7 @@ class PagedKV(Cache):
         q = query[0, :, 0]  # [Hq, D]
         group = q.shape[0] // self.num_kv_heads
         start = time.perf_counter()
-        pages.select(q.view(self.num_kv_heads, group, q.shape[-1]), self.step)
+        pages.select(q.view(self.num_kv_heads, group, q.shape[-1]), self.step, scaling)
         self._manage_s += time.perf_counter() - start
         full, paged = pages.rows[Role.FULL], pages.paged
         if pages.all_resident():  # every page of every head: one dense call, as dense KV makes it (bit for bit)

@@ -211,13 +211,14 @@ class LayerPages:
             else:
                 self.counts.dropped += r.numel()
 
-    def select(self, q: torch.Tensor, step: int) -> None:
-        """q [H, G, D] (this step's queries by KV head): re-rank due TOPK heads, radar-check the others, move."""
+    def select(self, q: torch.Tensor, step: int, scaling: float) -> None:
+        """q [H, G, D] (this step's queries by KV head): re-rank due TOPK heads, radar-check the others, move.
+        Bounds are in logits (q.k * scaling), so `radar_margin` is in nats."""
         topk = self.rows[Role.TOPK]
         if not topk.numel():
             return
         num_pages = self.num_pages
-        bounds = page_bounds(q[topk], self.kmin[:, :num_pages], self.kmax[:, :num_pages])  # [R, n]
+        bounds = page_bounds(q[topk], self.kmin[:, :num_pages], self.kmax[:, :num_pages]) * scaling  # [R, n]
         self.score[:, :num_pages] = bounds
         resident = self.block[topk, :num_pages] >= 0
         free = ~self._pinned(num_pages)  # [n] pages open to ranking

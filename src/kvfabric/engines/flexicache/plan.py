@@ -3,9 +3,9 @@
 Contract: `make_plan(method, budget, num_layers, num_heads, config, table, seed)` -> HeadPlan, a per-(layer, head)
 role and re-rank interval:
 - `full`: every head FULL (dense KV: the reference);
-- `flexicache`: the table's unstable heads (most unstable first) FULL while they fit in `max_full_share` of the
-  budget; unstable heads that do not fit are TOPK re-ranked every step; stable heads are TOPK re-ranked every
-  `rerank_interval` steps, with the radar checking them every step in between;
+- `flexicache`: as many heads as the table calls unstable are FULL while they fit in `max_full_share` of the
+  budget, taken in the table's `full_order(config.head_order)`; the rest of those are TOPK re-ranked every step;
+  the others (stable) are TOPK re-ranked every `rerank_interval` steps, the radar checking them in between;
 - `shuffled`: flexicache's counts (FULL heads, every-step heads) on randomly chosen heads (seeded): the control;
 - `quest`: every head TOPK, re-ranked every step;
 - `streaming`: every head WINDOW: the sink page and the newest pages; the rest is dropped;
@@ -94,7 +94,7 @@ def make_plan(method: str, budget: float, num_layers: int, num_heads: int, confi
     elif method in ("flexicache", "shuffled"):
         if table is None:
             raise ValueError(f"method {method} needs a head table")
-        order = table.unstable_order()  # flat head ids, most unstable first
+        order = table.full_order(config.head_order)  # flat head ids, the first to keep whole first
         num_unstable = int(table.unstable().sum())
         num_full = min(num_unstable, math.floor(config.max_full_share * budget * roles.size + 1e-9))
         if method == "shuffled":

@@ -6,6 +6,8 @@ queries in chunks of CHUNK so a 6k-token prefill never holds a [T, T] matrix) fr
 the same output sdpa would (up to float rounding). It records, per layer:
 - `page_mass[layer]`: after a one-token (decode) forward, float32 [H, pages]: the attention probability each KV
   page of `page_size` tokens receives, summed over the query heads of its group;
+- `page_bound[layer]` (with `record_bounds=True`): after a decode forward, float32 [H, pages]: the radar's score
+  of every page for this query (radar.page_bounds over the pages' min/max keys), what a paged head ranks by;
 - `prompt_mass[layer]` (with `record_prompt=True`): float32 [H, T]: the attention each key received from every
   query of a multi-token (prefill) forward, summed over queries and group heads (H2O's accumulated score).
 """
@@ -15,14 +17,18 @@ from typing import Any
 
 import torch
 
+from kvfabric.engines.flexicache.radar import page_bounds, summarize
+
 CHUNK = 256  # queries per block of the explicit prefill attention: [H, G, CHUNK, T] floats at a time
 
 
 class AttentionProbe:
-    def __init__(self, num_layers: int, page_size: int, record_prompt: bool = False) -> None:
+    def __init__(self, num_layers: int, page_size: int, record_prompt: bool = False,
+                 record_bounds: bool = False) -> None:
         self.page_size = page_size
-        self.record_prompt = record_prompt
+        self.record_prompt, self.record_bounds = record_prompt, record_bounds
         self.page_mass: list[torch.Tensor | None] = [None] * num_layers
+        self.page_bound: list[torch.Tensor | None] = [None] * num_layers
         self.prompt_mass: list[torch.Tensor | None] = [None] * num_layers
 
     def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -51,6 +57,9 @@ class AttentionProbe:
             self.prompt_mass[layer] = mass
         if num_q == 1:
             self.page_mass[layer] = self._pages(probs[:, :, 0].sum(1))
+            if self.record_bounds:
+                kmin, kmax = summarize(key[0], num_keys, self.page_size)
+                self.page_bound[layer] = page_bounds(q[:, :, 0], kmin, kmax)
         return out.unsqueeze(0)  # [1, q, Hq, D]
 
     def _pages(self, token_mass: torch.Tensor) -> torch.Tensor:

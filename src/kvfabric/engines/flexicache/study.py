@@ -3,13 +3,15 @@
 Contract:
 - `study_prompts(tok, data, doc_questions, musique)`: long chat prompts of two kinds: `doc` (the shipped demo
   document, ~4k tokens, with a question) and `musique` (10 retrieved passages and a multi-hop question, ~6k tokens).
-- `top_pages(model, ids, steps, ...)`: prefill, then `steps` greedy decode steps on full KV (end-of-sequence banned,
-  so every prompt runs all steps); at each step, per (layer, KV head), the indices of the `top_k` pages with the
-  most attention mass (AttentionProbe), leaving out the sink page and the `recent` newest pages, which every
-  method keeps resident anyway. Returns int32 [steps, L, H, top_k].
+- `head_steps(model, ids, steps, ...)`: prefill, then `steps` greedy decode steps on full KV (end-of-sequence
+  banned, so every prompt runs all steps); at each step, per (layer, KV head), the indices of the `top_k` pages with
+  the most attention mass (AttentionProbe), leaving out the sink page and the `recent` newest pages, which every
+  method keeps resident anyway (int32 [steps, L, H, top_k]); and `miss` [L, H]: the mean share of the head's
+  attention that falls outside the pages the radar would keep at `share` of its pages (sink + recent + the best by
+  min/max bound): how much a top-K resident set leaks even before time moves its focus.
 - `overlap(tops, lag)`: float [L, H]: mean over t of |top(t) ∩ top(t + lag)| / top_k.
-- `run_study(...)` -> `Study` (per-prompt overlaps); `Study.table(threshold)` -> HeadTable; `profile(...)` measures
-  and saves the table (default: over the shipped one of the model). Deterministic (greedy, no sampling).
+- `run_study(...)` -> `Study` (per-prompt overlaps and misses); `Study.table(threshold)` -> HeadTable; `profile(...)`
+  measures and saves the table (default: over the shipped one of the model). Deterministic (greedy, no sampling).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ DOC_QUESTIONS = (
     "Who are the people named in the document, and what did each of them do?",
     "Which dates and numbers appear in the document, and what does each one refer to?",
 )
-DEFAULT_THRESHOLD = 0.5  # overlap at lag 16 below which a head is unstable (see the study in the README)
+DEFAULT_THRESHOLD = 0.63  # overlap at lag 16 below which a head is unstable: no natural gap, ~the lower quartile
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,30 +78,39 @@ def banned_ids(model: Any, tok: Any) -> list[int]:
 
 
 @torch.inference_mode()
-def top_pages(model: Any, tok: Any, ids: Sequence[int], steps: int, page_size: int = 16, top_k: int = 32,
-              recent: int = 2) -> np.ndarray:
-    """int32 [steps, L, H, top_k]: each step's top pages per (layer, KV head) on full KV (see module doc)."""
+def head_steps(model: Any, tok: Any, ids: Sequence[int], steps: int, page_size: int = 16, top_k: int = 32,
+               recent: int = 2, share: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy decode on full KV, watching every (layer, KV head) (see the module doc). Returns
+    (int32 [steps, L, H, top_k]: each step's top pages by attention mass, sink and recent pages left out;
+     float [L, H]: the mean share of attention outside the pages a radar-ranked head would keep resident at `share`
+     of its pages: the sink, the recent pages and the best by bound)."""
     n = len(ids) - 1  # the prefill stops one short: step 0 feeds the last prompt token and sees all the prompt
     buf = prefill(model, list(ids[:n]), n + steps)  # [L, 2, H, n + steps, D]
     cache = BufferCache(buf, n)
     num_layers, heads = buf.shape[0], buf.shape[2]
-    probe = AttentionProbe(num_layers, page_size)
+    group = model.config.num_attention_heads // heads
+    probe = AttentionProbe(num_layers, page_size, record_bounds=True)
     banned = banned_ids(model, tok)
     tops = np.zeros((steps, num_layers, heads, top_k), np.int32)
+    miss = np.zeros((num_layers, heads))
     token = int(ids[-1])
     for step in range(steps):
-        pos = n + step
-        out = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[pos]]), cache=cache,
+        out = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[n + step]]), cache=cache,
                     use_cache=True, logits_to_keep=1, kv_attention=probe)
         logits = out.logits[0, -1].float()
         logits[banned] = float("-inf")
         token = int(torch.argmax(logits))
-        for layer, mass in enumerate(probe.page_mass):  # [H, pages]
-            mass = mass.clone()
-            mass[:, 0] = float("-inf")
-            mass[:, max(1, mass.shape[1] - recent):] = float("-inf")
-            tops[step, layer] = torch.topk(mass, top_k, dim=1).indices.numpy()
-    return tops
+        for layer, (mass, bound) in enumerate(zip(probe.page_mass, probe.page_bound)):  # [H, pages] each
+            num_pages = mass.shape[1]
+            pinned = torch.zeros(num_pages, dtype=torch.bool)
+            pinned[0] = True
+            pinned[max(1, num_pages - recent):] = True
+            tops[step, layer] = torch.topk(mass.masked_fill(pinned, float("-inf")), top_k, dim=1).indices.numpy()
+            keep = max(int(pinned.sum()), round(share * num_pages)) - int(pinned.sum())
+            picked = torch.topk(bound.masked_fill(pinned, float("-inf")), keep, dim=1).indices
+            kept = mass[:, pinned].sum(1) + mass.gather(1, picked).sum(1)
+            miss[layer] += (1.0 - kept / group).numpy()
+    return tops, miss / steps
 
 
 def overlap(tops: np.ndarray, lag: int) -> np.ndarray:
@@ -118,10 +129,12 @@ class Study:
     model_id: str
     prompts: tuple[tuple[str, str, int], ...]  # (kind, name, prompt tokens)
     overlaps: np.ndarray  # float [prompts, L, H]
+    misses: np.ndarray  # float [prompts, L, H]
     steps: int
     lag: int
     top_k: int
     page_size: int
+    share: float
 
     def by_kind(self) -> dict[str, np.ndarray]:
         kinds = sorted({k for k, _, _ in self.prompts})
@@ -129,24 +142,27 @@ class Study:
 
     def table(self, threshold: float = DEFAULT_THRESHOLD) -> HeadTable:
         meta = {"steps": self.steps, "lag": self.lag, "top_k": self.top_k, "page_size": self.page_size,
-                "prompts": [list(p) for p in self.prompts]}
+                "miss_share": self.share, "prompts": [list(p) for p in self.prompts]}
         return HeadTable(model_id=self.model_id, stability=self.overlaps.mean(0).astype(np.float32),
                          threshold=threshold, kinds={k: v.astype(np.float32) for k, v in self.by_kind().items()},
-                         meta=meta)
+                         miss=self.misses.mean(0).astype(np.float32), meta=meta)
 
 
 def run_study(model_name: str = DEFAULT_MODEL, data: str | Path | None = None, steps: int = 256, lag: int = 16,
-              top_k: int = 32, page_size: int = 16, doc_questions: Sequence[int] = (0, 1),
+              top_k: int = 32, page_size: int = 16, share: float = 0.1, doc_questions: Sequence[int] = (0, 1),
               musique: Sequence[int] = (0, 1, 2), progress: Callable[[str], None] | None = None) -> Study:
     model, tok = load_for_inference(model_name)
     prompts = study_prompts(tok, data, doc_questions, musique)
-    overlaps = []
+    overlaps, misses = [], []
     for p in prompts:
         if progress is not None:
             progress(f"{p.name}: {len(p.ids)} tokens, {steps} steps")
-        overlaps.append(overlap(top_pages(model, tok, p.ids, steps, page_size, top_k), lag))
+        tops, miss = head_steps(model, tok, p.ids, steps, page_size, top_k, share=share)
+        overlaps.append(overlap(tops, lag))
+        misses.append(miss)
     return Study(model_id=model_name, prompts=tuple((p.kind, p.name, len(p.ids)) for p in prompts),
-                 overlaps=np.stack(overlaps), steps=steps, lag=lag, top_k=top_k, page_size=page_size)
+                 overlaps=np.stack(overlaps), misses=np.stack(misses), steps=steps, lag=lag, top_k=top_k,
+                 page_size=page_size, share=share)
 
 
 def profile(model_name: str = DEFAULT_MODEL, threshold: float = DEFAULT_THRESHOLD, out: Path | None = None,
@@ -174,7 +190,13 @@ def report(table: HeadTable, share: float = 0.25) -> dict[str, Any]:
         "stability_mean": float(table.stability.mean()),
         "stability_quartiles": [round(float(x), 3) for x in np.quantile(table.stability, [0.25, 0.5, 0.75])],
         "layer_stability": [round(float(x), 3) for x in table.stability.mean(1)],
-        **{k: table.meta[k] for k in ("steps", "lag", "top_k", "page_size") if k in table.meta}}
+        **{k: table.meta[k] for k in ("steps", "lag", "top_k", "page_size", "miss_share") if k in table.meta}}
+    if table.miss is not None:
+        heads = table.shape[1]
+        out.update({"miss_mean": float(table.miss.mean()),
+                    "layer_miss": [round(float(x), 3) for x in table.miss.mean(1)],
+                    "stability_miss_corr": float(np.corrcoef(table.stability.ravel(), table.miss.ravel())[0, 1]),
+                    "kept_whole_first": [f"{i // heads}.{i % heads}" for i in table.full_order("retention")[:12]]})
     kinds = sorted(table.kinds)
     if len(kinds) == 2:
         a, b = (table.unstable(table.kinds[k]) for k in kinds)
