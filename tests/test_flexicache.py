@@ -106,9 +106,9 @@ def test_slow_pool_round_trip_is_exact_and_counted(kind):
 def test_page_bound_is_an_upper_bound_of_every_logit_in_the_page():
     gen = torch.Generator().manual_seed(1)
     keys = torch.randn(3, 37, 16, generator=gen)  # [H, T, D], the last page partial
-    kmin, kmax = summarize(keys, 37, 8)
+    summary = summarize(keys, 37, 8)  # [H, 2D, pages]
     q = torch.randn(3, 2, 16, generator=gen)  # [H, G, D]
-    bounds = page_bounds(q, kmin, kmax)  # [H, pages]
+    bounds = page_bounds(q, summary)  # [H, pages]
     logits = torch.einsum("hgd,htd->hgt", q, keys).amax(1)  # [H, T]: best over the group
     for page in range(bounds.shape[1]):
         best = logits[:, page * 8:(page + 1) * 8].amax(1)

@@ -151,13 +151,14 @@ class FlexiCacheConfig:
     max_full_share: float = 0.25  # heads kept whole take at most this share of the budget
     head_order: Literal["retention", "stability"] = "retention"  # which heads are kept whole first (heads.py)
     radar_margin: float = 0.0  # between re-ranks, promote a page whose logit bound beats the K-th resident by this
+    radar_promotions: int = 1  # ... at most this many per head and step (the best first)
     slow_pool: Literal["memory", "shm"] = "memory"  # where offloaded pages live: process memory or /dev/shm
     head_table: str = ""  # a head table file; "" = the one shipped for the model (kvfabric profile flexicache)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.kv_budget <= 1.0:
             raise ConfigError(f"flexicache.kv_budget: expected a fraction in [0, 1], got {self.kv_budget}")
-        for name in ("page_size", "rerank_interval", "recent_pages"):
+        for name in ("page_size", "rerank_interval", "recent_pages", "radar_promotions"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"flexicache.{name}: must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.max_full_share <= 1.0:

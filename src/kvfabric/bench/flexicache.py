@@ -5,7 +5,8 @@ Prompts (held out from the head study): the demo document with a question the st
 Per prompt: one prefill (explicit attention, which also records the prompt attention H2O starts from), then dense
 KV decodes `steps` greedy tokens (end-of-sequence banned): the reference tokens and distributions, and its step
 time. Every method then decodes the same tokens teacher-forced on paged KV (engines.flexicache.PagedKV), so every
-step compares against the same reference: top-1 agreement, KL(reference || method) (mean and p99 over all steps),
+step compares against the same reference: top-1 agreement (also `top1_clear`: on the steps where the reference's
+best token leads by >= TIE_GAP, i.e. leaving out near-ties), KL(reference || method) (mean and p99 over all steps),
 resident KV (peak bytes, mean fraction of dense KV), page moves and bytes copied between the pools per step, and
 the step time as a ratio to dense KV's (dense is timed before and after the methods; the mean of both medians).
 Methods at each budget: flexicache, quest (top-K pages of every head, re-ranked every step), streaming (sink +
@@ -39,9 +40,10 @@ from kvfabric.engines.model import DEFAULT_MODEL
 from kvfabric.engines.runtime import BufferCache, layout_for, load_for_inference
 
 BUDGETS = (0.1, 0.2, 0.3, 0.5)
+TIE_GAP = 0.05  # steps where dense KV's top two tokens are closer than this are near-ties (reported apart)
 METHODS = ("flexicache", "quest", "streaming", "h2o", "shuffled")
-COLUMNS = ["method", "budget", "resident_frac", "top1", "kl_mean", "kl_p99", "tpot_ratio", "resident_mb_peak",
-           "moves_per_step", "moved_kb_per_step", "manage_ms_per_step", "num_full_heads"]
+COLUMNS = ["method", "budget", "resident_frac", "top1", "top1_clear", "kl_mean", "kl_p99", "tpot_ratio",
+           "resident_mb_peak", "moves_per_step", "moved_kb_per_step", "manage_ms_per_step", "num_full_heads"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,12 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[np.ndarray, np.ndarra
     return (ref.argmax(-1) == got.argmax(-1)).numpy(), kl.numpy()
 
 
+def clear_steps(ref: torch.Tensor) -> np.ndarray:
+    """bool [steps]: the reference's best token leads the second by at least TIE_GAP in probability."""
+    top2 = ref.exp().topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1] >= TIE_GAP).numpy()
+
+
 def run_method(model: Any, buf: torch.Tensor, n: int, mass: torch.Tensor, first: int, ref: Decode, plan: Any,
                slow_pool: str) -> tuple[Decode, Any]:
     layout = layout_for(model.config)
@@ -116,13 +124,16 @@ def run_method(model: Any, buf: torch.Tensor, n: int, mass: torch.Tensor, first:
         kv.close()
 
 
-def _aggregate(method: str, budget: float, results: list[tuple[np.ndarray, np.ndarray, float, Any]]) -> dict:
+def _aggregate(method: str, budget: float, results: list[tuple[np.ndarray, np.ndarray, float, Any, np.ndarray]]
+               ) -> dict:
     top1 = np.concatenate([r[0] for r in results])
     kl = np.concatenate([r[1] for r in results])
+    clear = np.concatenate([r[4] for r in results])
     stats = [r[3] for r in results]
     return {
         "method": method, "budget": budget, "resident_frac": float(np.mean([s.resident_frac for s in stats])),
         "top1": float(top1.mean()), "kl_mean": float(kl.mean()), "kl_p99": float(np.quantile(kl, 0.99)),
+        "top1_clear": float(top1[clear].mean()), "tie_steps": float(1.0 - clear.mean()),
         "tpot_ratio": float(np.mean([r[2] for r in results])),
         "resident_bytes_peak": max(s.resident_bytes_peak for s in stats),
         "resident_mb_peak": max(s.resident_bytes_peak for s in stats) / 2**20,
@@ -142,7 +153,7 @@ def run(as_json: bool = False, plot: str | None = None, data: str | None = None,
         variants: bool = True, model_name: str = DEFAULT_MODEL, config: FlexiCacheConfig | None = None,
         log: Any = None) -> list[dict]:
     config = config or FlexiCacheConfig()
-    console = Console(stderr=True)
+    console = Console(stderr=True, emoji=False, highlight=False)
     say = log or (lambda msg: console.print(f"[dim]{msg}[/]"))
     model, tok = load_for_inference(model_name)
     layout = layout_for(model.config)
@@ -170,8 +181,9 @@ def run(as_json: bool = False, plot: str | None = None, data: str | None = None,
         again = decode(model, BufferCache(buf, n), n, prompt.ids[-1], steps, feed=ref.tokens)
         dense_s = (ref.step_s + again.step_s) / 2
         say(f"  dense step {ref.step_s * 1000:.0f} / {again.step_s * 1000:.0f} ms (before / after)")
+        clear = clear_steps(ref.logprobs)
         for name, budget, top1, kl, step_s, stats in done:
-            runs.setdefault((name, budget), []).append((top1, kl, step_s / dense_s, stats))
+            runs.setdefault((name, budget), []).append((top1, kl, step_s / dense_s, stats, clear))
         runs.setdefault(("full", 1.0), []).append((np.ones(steps, bool), np.zeros(steps), again.step_s / ref.step_s,
                                                    None))
         del buf, mass
@@ -184,7 +196,8 @@ def run(as_json: bool = False, plot: str | None = None, data: str | None = None,
 
 
 def _full_row(results: list, layout: Any, steps: int) -> dict:
-    return {"method": "full", "budget": 1.0, "resident_frac": 1.0, "top1": 1.0, "kl_mean": 0.0, "kl_p99": 0.0,
+    return {"method": "full", "budget": 1.0, "resident_frac": 1.0, "top1": 1.0, "top1_clear": 1.0, "kl_mean": 0.0,
+            "kl_p99": 0.0,
             "tpot_ratio": 1.0, "dense_drift": float(np.mean([r[2] for r in results])),  # after / before
             "moves_per_step": 0.0, "bytes_moved_per_step": 0.0, "prompts": len(results), "steps": steps * len(results)}
 
@@ -207,7 +220,8 @@ def summary(rows: list[dict], table: Any) -> dict:
         out["shuffled_kl_over_flexicache"] = shuffled["kl_mean"] / max(flexi["kl_mean"], 1e-12)
     published = by.get(("flexicache@stability", 0.3))
     if published is not None:
-        out.update({"stability_order_top1_at_30": published["top1"], "stability_order_kl_mean_at_30": published["kl_mean"]})
+        out.update({"stability_order_top1_at_30": published["top1"],
+                    "stability_order_kl_mean_at_30": published["kl_mean"]})
     every = by.get(("flexicache@rerank1", 0.3))
     if every is not None:
         out.update({"rerank16_manage_ms": flexi["manage_ms_per_step"], "rerank1_manage_ms": every["manage_ms_per_step"],
@@ -243,7 +257,7 @@ def study(as_json: bool = False, data: str | None = None, steps: int = 256, thre
           model_name: str = DEFAULT_MODEL) -> dict:
     """Run the head study on the profiler's prompts and print its figures (the shipped table is not touched)."""
     from kvfabric.engines.flexicache.study import DEFAULT_THRESHOLD
-    console = Console(stderr=True)
+    console = Console(stderr=True, emoji=False, highlight=False)
     result = run_study(model_name, data, steps=steps, progress=lambda m: console.print(f"[dim]{m}[/]"))
     figures = report(result.table(DEFAULT_THRESHOLD if threshold is None else threshold))
     emit_summary(figures, as_json, "FlexiCache head study")

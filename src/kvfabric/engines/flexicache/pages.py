@@ -10,11 +10,12 @@ Contract (`LayerPages`, one per layer, driven by PagedKV):
 - `append(k, v)` writes one token ``[H, D]`` into the tail; opening a new page first evicts down to the plan's cap
   (TOPK: lowest last score; WINDOW: oldest after the sink; HEAVY: lightest outside the recent half), so resident
   blocks never exceed the budget. A TOPK page is copied to the slow pool once, when it is full.
-- `select(q, step)`: TOPK heads score every page with the radar bound; a head due (step 0, then every `interval`
-  steps, staggered) re-ranks: its resident set becomes the sink, the recent pages and the top pages by bound; a head
-  not due promotes only offloaded pages whose bound beats its K-th resident page by `radar_margin`, in place of its
-  lowest. Only pages whose residency changes move; evicted TOPK pages still have their slow copy, so eviction is
-  freeing a block. Returns nothing; counts moves in `counts`.
+- `select(q, step, scaling)`: TOPK heads score every page with the radar bound; a head due (step 0, then every
+  `interval` steps, staggered) re-ranks: its resident set becomes the sink, the recent pages and the top pages by
+  bound; a head not due promotes only offloaded pages whose bound beats its K-th resident page by `radar_margin`
+  (at most `radar_promotions` a step, the best first), each in place of its lowest. Only pages whose residency
+  changes move; evicted TOPK pages still have their slow copy, so eviction is freeing a block. Moves are counted
+  in `counts`.
 """
 from __future__ import annotations
 
@@ -56,8 +57,7 @@ class LayerPages:
         topk = self.rows[Role.TOPK]
         self.intervals = torch.from_numpy(plan.intervals[layer].astype("int64"))[topk]
         self.phase = (layer * num_heads + topk) % self.intervals  # stagger re-ranks over steps
-        self.kmin = torch.empty(topk.numel(), max_pages, head_dim)  # radar of TOPK heads, [R, pages, D]
-        self.kmax = torch.empty(topk.numel(), max_pages, head_dim)
+        self.summary = torch.empty(topk.numel(), 2 * head_dim, max_pages)  # radar of TOPK heads [R, 2D, pages]
         self.score = torch.zeros(topk.numel(), max_pages)  # last bound of every page
         self.mass = torch.zeros(self.rows[Role.HEAVY].numel(), max_pages)  # HEAVY heads' accumulated attention
 
@@ -107,7 +107,7 @@ class LayerPages:
         if topk.numel():
             grid_h, grid_p = topk.repeat_interleave(num_pages), every.repeat(topk.numel())
             self.slow.write(self.layer, grid_h, grid_p, kp[grid_h, grid_p], vp[grid_h, grid_p])
-            self.kmin[:, :num_pages], self.kmax[:, :num_pages] = summarize(k[topk], num_tokens, size)
+            self.summary[:, :, :num_pages] = summarize(k[topk], num_tokens, size)
             keep[Role.TOPK] = self._pinned(num_pages).nonzero().flatten()
         keep[Role.WINDOW] = torch.cat([every[:1], every[max(1, num_pages - cap + 1):]])
         for role in (Role.TOPK, Role.WINDOW):
@@ -139,10 +139,10 @@ class LayerPages:
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every head's K and V gathered in position order: [H, num_tokens, D] (all pages must be resident)."""
-        heads = self.block.shape[0]
-        blocks = self.block[:, :self.num_pages]
-        k = self.fast.k[blocks].view(heads, -1, self.fast.k.shape[-1])[:, :self.num_tokens]
-        return k, self.fast.v[blocks].view(heads, -1, self.fast.v.shape[-1])[:, :self.num_tokens]
+        heads, dim = self.block.shape[0], self.fast.k.shape[-1]
+        blocks = self.block[:, :self.num_pages].flatten()
+        k = self.fast.k.index_select(0, blocks).view(heads, -1, dim)[:, :self.num_tokens]
+        return k, self.fast.v.index_select(0, blocks).view(heads, -1, dim)[:, :self.num_tokens]
 
     def _pinned(self, num_pages: int) -> torch.Tensor:
         """bool [num_pages]: the sink page and the recent_pages newest (resident in every TOPK head)."""
@@ -163,7 +163,7 @@ class LayerPages:
         self.num_tokens += 1
         topk = self.rows[Role.TOPK]
         if topk.numel():
-            update_summary(self.kmin[:, page], self.kmax[:, page], k[topk], first=slot == 0)
+            update_summary(self.summary[:, :, page], k[topk], first=slot == 0)
             if slot == self.page_size - 1:  # full: its one copy to the slow pool
                 tail = blocks[topk]
                 self.slow.write(self.layer, topk, torch.full_like(topk, page), self.fast.k[tail], self.fast.v[tail])
@@ -218,7 +218,7 @@ class LayerPages:
         if not topk.numel():
             return
         num_pages = self.num_pages
-        bounds = page_bounds(q[topk], self.kmin[:, :num_pages], self.kmax[:, :num_pages]) * scaling  # [R, n]
+        bounds = page_bounds(q[topk], self.summary[:, :, :num_pages]) * scaling  # [R, n]
         self.score[:, :num_pages] = bounds
         resident = self.block[topk, :num_pages] >= 0
         free = ~self._pinned(num_pages)  # [n] pages open to ranking
@@ -227,6 +227,9 @@ class LayerPages:
         kth = torch.where(open_res, bounds, float("inf")).amin(1)  # [R] the K-th (lowest) resident page's bound
         hits = ~resident & free & ~due[:, None] & (bounds > (kth + self.plan.radar_margin)[:, None])
         any_due, any_hit = bool(due.any()), bool(hits.any())
+        if any_hit and self.plan.radar_promotions < hits.shape[1]:  # only the best few hits of each head
+            best = torch.topk(torch.where(hits, bounds, float("-inf")), self.plan.radar_promotions, dim=1)
+            hits = torch.zeros_like(hits).scatter_(1, best.indices, best.values > float("-inf"))
         if not (any_due or any_hit):
             return  # the common step of a stable head: nothing to move
         self.counts.reranks += int(due.sum())

@@ -4,8 +4,8 @@ Contract: `make_plan(method, budget, num_layers, num_heads, config, table, seed)
 role and re-rank interval:
 - `full`: every head FULL (dense KV: the reference);
 - `flexicache`: as many heads as the table calls unstable are FULL while they fit in `max_full_share` of the
-  budget, taken in the table's `full_order(config.head_order)`; the rest of those are TOPK re-ranked every step;
-  the others (stable) are TOPK re-ranked every `rerank_interval` steps, the radar checking them in between;
+  budget, taken in the table's `full_order(config.head_order)`; unstable heads not kept whole are TOPK re-ranked
+  every step; the stable ones are TOPK re-ranked every `rerank_interval` steps, the radar checking them between;
 - `shuffled`: flexicache's counts (FULL heads, every-step heads) on randomly chosen heads (seeded): the control;
 - `quest`: every head TOPK, re-ranked every step;
 - `streaming`: every head WINDOW: the sink page and the newest pages; the rest is dropped;
@@ -46,6 +46,7 @@ class HeadPlan:
     page_size: int
     recent_pages: int
     radar_margin: float
+    radar_promotions: int
     roles: np.ndarray  # int8 [L, H] of Role
     intervals: np.ndarray  # int32 [L, H]: TOPK heads re-rank every this many steps
     num_full: int = field(init=False)
@@ -94,14 +95,17 @@ def make_plan(method: str, budget: float, num_layers: int, num_heads: int, confi
     elif method in ("flexicache", "shuffled"):
         if table is None:
             raise ValueError(f"method {method} needs a head table")
-        order = table.full_order(config.head_order)  # flat head ids, the first to keep whole first
-        num_unstable = int(table.unstable().sum())
-        num_full = min(num_unstable, math.floor(config.max_full_share * budget * roles.size + 1e-9))
-        if method == "shuffled":
+        unstable = table.unstable().reshape(-1)
+        num_full = min(int(unstable.sum()), math.floor(config.max_full_share * budget * roles.size + 1e-9))
+        full = table.full_order(config.head_order)[:num_full]  # flat head ids
+        every_step = np.flatnonzero(unstable & ~np.isin(np.arange(roles.size), full))  # unstable, not whole
+        if method == "shuffled":  # the same counts on random heads
             order = np.random.default_rng(seed).permutation(roles.size)
+            full, every_step = order[:num_full], order[num_full:num_full + every_step.size]
         flat_roles, flat_intervals = roles.reshape(-1), intervals.reshape(-1)
         flat_intervals[:] = config.rerank_interval
-        flat_roles[order[:num_full]] = Role.FULL
-        flat_intervals[order[num_full:num_unstable]] = 1
+        flat_roles[full] = Role.FULL
+        flat_intervals[every_step] = 1
     return HeadPlan(method=method, budget=budget, page_size=page_size, recent_pages=config.recent_pages,
-                    radar_margin=config.radar_margin, roles=roles, intervals=intervals)
+                    radar_margin=config.radar_margin, radar_promotions=config.radar_promotions, roles=roles,
+                    intervals=intervals)

@@ -86,6 +86,8 @@ class SlowPool:
             self.pages = self._shm_tensor(shape)
         else:
             raise ValueError(f"slow pool kind {kind!r}: expected memory or shm")
+        self.num_heads, self.num_pages = num_heads, num_pages
+        self._flat = self.pages.view(-1, 2, page_size * head_dim)  # [L * H * pages, 2, P*D]: one row per slot
         self.page_bytes = 2 * page_size * head_dim * FP32
         self.transfers = Transfers()
 
@@ -101,25 +103,29 @@ class SlowPool:
             os.unlink(path)  # the mapping keeps the memory; no file outlives the process
         return torch.frombuffer(self._map, dtype=torch.float32).view(shape)
 
+    def _slots(self, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        return (layer * self.num_heads + heads) * self.num_pages + pages
+
     def write(self, layer: int, heads: torch.Tensor, pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy pages in: k / v [n, P, D] for the (heads[i], pages[i]) slots of `layer`."""
         start = time.perf_counter()
-        self.pages[layer, heads, pages, 0] = k
-        self.pages[layer, heads, pages, 1] = v
+        slots = self._slots(layer, heads, pages)
+        self._flat[:, 0].index_copy_(0, slots, k.reshape(slots.numel(), -1))
+        self._flat[:, 1].index_copy_(0, slots, v.reshape(slots.numel(), -1))
         self.transfers.seconds += time.perf_counter() - start
         self.transfers.to_slow_bytes += heads.numel() * self.page_bytes
 
     def read(self, layer: int, heads: torch.Tensor, pages: torch.Tensor, fast: FastPool, blocks: torch.Tensor) -> None:
         """Copy the (heads[i], pages[i]) pages of `layer` into fast blocks[i]."""
         start = time.perf_counter()
-        src = self.pages[layer, heads, pages]  # [n, 2, P, D]
-        fast.k[blocks] = src[:, 0]
-        fast.v[blocks] = src[:, 1]
+        src = self._flat.index_select(0, self._slots(layer, heads, pages))  # [n, 2, P*D]
+        fast.k.view(fast.num_blocks, -1).index_copy_(0, blocks, src[:, 0])
+        fast.v.view(fast.num_blocks, -1).index_copy_(0, blocks, src[:, 1])
         self.transfers.seconds += time.perf_counter() - start
         self.transfers.to_fast_bytes += heads.numel() * self.page_bytes
 
     def close(self) -> None:
-        self.pages = torch.empty(0)
+        self.pages = self._flat = torch.empty(0)
         if self._map is not None:
             try:
                 self._map.close()

@@ -58,8 +58,7 @@ class AttentionProbe:
         if num_q == 1:
             self.page_mass[layer] = self._pages(probs[:, :, 0].sum(1))
             if self.record_bounds:
-                kmin, kmax = summarize(key[0], num_keys, self.page_size)
-                self.page_bound[layer] = page_bounds(q[:, :, 0], kmin, kmax)
+                self.page_bound[layer] = page_bounds(q[:, :, 0], summarize(key[0], num_keys, self.page_size))
         return out.unsqueeze(0)  # [1, q, Hq, D]
 
     def _pages(self, token_mass: torch.Tensor) -> torch.Tensor:
