@@ -372,10 +372,11 @@ def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers
 @click.option("--budgets", default="10,20,30,50", show_default=True, help="Resident KV budgets, in percent.")
 @click.option("--methods", default="flexicache,quest,streaming,h2o,shuffled", show_default=True)
 @click.option("--musique", "num_musique", default=2, show_default=True, help="MuSiQue prompts (besides the document).")
+@click.option("--prompt", "only", multiple=True, help="Run only these prompts (doc:q2, musique:100, ...); repeatable.")
 @click.option("--study", "run_study", is_flag=True, help="Run the head-stability study instead.")
 @config_option
 def bench_flexicache(as_json: bool, plot: str | None, data: str | None, steps: int, budgets: str, methods: str,
-                     num_musique: int, run_study: bool, config_path: str | None) -> None:
+                     num_musique: int, only: tuple[str, ...], run_study: bool, config_path: str | None) -> None:
     """FlexiCache decode KV memory vs dense KV, quest, streaming, h2o and a shuffled-split control (the config's
     flexicache section sets page size, re-rank interval, slow pool ...; its kv_budget is ignored)."""
     from kvfabric.bench import flexicache
@@ -392,7 +393,7 @@ def bench_flexicache(as_json: bool, plot: str | None, data: str | None, steps: i
         raise click.BadParameter(f"methods from {', '.join(flexicache.METHODS)}, budgets in (0, 100]",
                                  param_hint="--methods/--budgets")
     flexicache.run(as_json=as_json, plot=plot, data=data, steps=steps, budgets=fractions, methods=chosen,
-                   num_musique=num_musique, config=_load(config_path).flexicache)
+                   num_musique=num_musique, only=only, config=_load(config_path).flexicache)
 
 
 if __name__ == "__main__":  # pragma: no cover

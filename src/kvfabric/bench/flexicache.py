@@ -151,7 +151,8 @@ def _aggregate(method: str, budget: float, results: list[tuple[np.ndarray, np.nd
 def run(as_json: bool = False, plot: str | None = None, data: str | None = None, steps: int = 256,
         budgets: tuple[float, ...] = BUDGETS, methods: tuple[str, ...] = METHODS, num_musique: int = 2,
         variants: bool = True, model_name: str = DEFAULT_MODEL, config: FlexiCacheConfig | None = None,
-        log: Any = None) -> list[dict]:
+        only: tuple[str, ...] = (), log: Any = None) -> list[dict]:
+    """`only`: run just the prompts of these names (e.g. one per process); empty = all."""
     config = config or FlexiCacheConfig()
     console = Console(stderr=True, emoji=False, highlight=False)
     say = log or (lambda msg: console.print(f"[dim]{msg}[/]"))
@@ -160,7 +161,10 @@ def run(as_json: bool = False, plot: str | None = None, data: str | None = None,
     table = load_table(model_name, layout.num_layers, layout.num_kv_heads, config.head_table)
     banned = banned_ids(model, tok)
     runs: dict[tuple[str, float], list] = {}
-    for prompt in bench_prompts(tok, data, num_musique):
+    prompts = [p for p in bench_prompts(tok, data, num_musique) if not only or p.name in only]
+    if not prompts:
+        raise ValueError(f"no bench prompt named {', '.join(only)}")
+    for prompt in prompts:
         n = len(prompt.ids) - 1  # the prefill stops one short: step 0 feeds the last prompt token
         t0 = time.perf_counter()
         buf, mass = prefill_with_mass(model, prompt.ids[:n], n + steps + 1)
