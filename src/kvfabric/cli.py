@@ -133,6 +133,26 @@ def controller(ctx: click.Context) -> None:
     sys.exit(controller_main(ctx.args))
 
 
+@main.command("server")
+@config_option
+@click.option("--socket", "socket_path", default=None, metavar="PATH",
+              help="Control socket (default: config server.socket, else $KVFABRIC_HOME/server.sock).")
+@click.option("--cpus", default=None, metavar="LIST", help="Cores to pin the server to, e.g. 1 or 2-3 (default: config "
+              "server.cpus, else not pinned); its threads are sized to them.")
+@click.option("--metrics-port", type=int, default=None, help="Prometheus metrics on 127.0.0.1:PORT (default: config "
+              "server.metrics_port; 0 = off).")
+def server_cmd(config_path: str | None, socket_path: str | None, cpus: str | None, metrics_port: int | None) -> None:
+    """Run the host's cache process: tiers, codecs and streaming receives for every engine with `mode: server`."""
+    from kvfabric.remote.pool import PoolError
+    from kvfabric.server import serve
+    from kvfabric.server.listener import ServerError
+    config = _load(config_path)
+    try:
+        serve(config, socket_path, cpus, metrics_port, ready=click.echo)
+    except (ValueError, OSError, ServerError, PoolError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 @main.group()
 def profile() -> None:
     """Offline calibration of a model's codec tables (runs the model)."""

@@ -77,6 +77,29 @@ class EngineStats:
 _MISSING = ChunkMiss("missing")
 
 
+def chunks_to_store(layout: KVLayout, chunk_size: int, num_tokens: int, num_keys: int, kv: torch.Tensor,
+                    start: int) -> list[int]:
+    """`store`'s argument checks (shared by every cache with this seam): the chunk indices whose tokens kv
+    [L, 2, H, T, D], holding tokens [start, start + T) of a prompt of num_tokens, covers entirely."""
+    if start % chunk_size or not 0 <= start <= num_tokens:
+        raise ValueError(f"start must be a multiple of chunk_size={chunk_size} within the prompt, got {start}")
+    layout.check(kv)
+    end = start + kv.shape[3]
+    if end > num_tokens:
+        raise ValueError(f"kv holds {kv.shape[3]} tokens from {start}, beyond the prompt's {num_tokens} tokens")
+    return [i for i in range(start // chunk_size, num_keys) if min((i + 1) * chunk_size, num_tokens) <= end]
+
+
+def retrieve_buffer(layout: KVLayout, num_tokens: int, out: torch.Tensor | None) -> torch.Tensor:
+    """`retrieve`'s destination: `out` checked ([L, 2, H, >= num_tokens, D], any float dtype), or a new tensor."""
+    if out is None:
+        return torch.empty(layout.shape(num_tokens), dtype=layout.torch_dtype)
+    if out.dim() != 5 or out.shape[3] < num_tokens or tuple(out.shape[:3]) + (out.shape[4],) != \
+            layout.shape(0)[:3] + (layout.head_dim,):
+        raise ValueError(f"out must be {layout.shape(num_tokens)} or longer in dim 3, got {tuple(out.shape)}")
+    return out
+
+
 class CacheEngine:
     def __init__(self, config: Config | None, layout: KVLayout, model_id: str,
                  tiers: Sequence[Tier] | None = None) -> None:
@@ -137,15 +160,8 @@ class CacheEngine:
 
     def store(self, tokens: Tokens, kv: torch.Tensor, start: int = 0) -> int:
         num_tokens = len(tokens)
-        if start % self.chunk_size or not 0 <= start <= num_tokens:
-            raise ValueError(f"start must be a multiple of chunk_size={self.chunk_size} within the prompt, got {start}")
-        self.layout.check(kv)
-        end = start + kv.shape[3]
-        if end > num_tokens:
-            raise ValueError(f"kv holds {kv.shape[3]} tokens from {start}, beyond the prompt's {num_tokens} tokens")
         keys = self.keys(tokens)
-        first = start // self.chunk_size
-        wanted = [i for i in range(first, len(keys)) if self._span(i, num_tokens)[1] <= end]
+        wanted = chunks_to_store(self.layout, self.chunk_size, num_tokens, len(keys), kv, start)
         present = self.stack.contains_many([keys[i] for i in wanted], writable_only=True)
         num_stored = 0
         for i, is_present in zip(wanted, present):
@@ -219,11 +235,7 @@ class CacheEngine:
     def retrieve(self, tokens: Tokens, out: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = len(tokens)
         keys = self.keys(tokens)
-        if out is None:
-            out = torch.empty(self.layout.shape(num_tokens), dtype=self.layout.torch_dtype)
-        elif out.dim() != 5 or out.shape[3] < num_tokens or tuple(out.shape[:3]) + (out.shape[4],) != \
-                self.layout.shape(0)[:3] + (self.layout.head_dim,):
-            raise ValueError(f"out must be {self.layout.shape(num_tokens)} or longer in dim 3, got {tuple(out.shape)}")
+        out = retrieve_buffer(self.layout, num_tokens, out)
         num_done = 0
         started = time.perf_counter()
         with self.stack.pinned(keys):
