@@ -2,7 +2,8 @@
 a sender and decodes each chunk straight into a pool slot while the next one is on the wire.
 
 Contract:
-- The server connects to host:port (the sender listens) and reads the stream under the request's deadline. The
+- The server connects to host:port (the sender listens; host an IP address: name resolution cannot be bounded by
+  a deadline) and reads the stream under the request's deadline. The
   stream must be for the client's namespace (model, layout, chunk size; stream keys use the default hash and no
   salt). Every KV chunk is checked (key, checksums) on a decode worker, decoded into a slot that becomes READY
   (an unleased cached chunk: the client's `retrieve` then leases it) and stored as received in the tiers, so
@@ -14,6 +15,7 @@ Contract:
 """
 from __future__ import annotations
 
+import ipaddress
 import socket
 import time
 from concurrent.futures import Future
@@ -35,6 +37,10 @@ def fetch_stream(service: Service, client: Client, body: dict[str, Any], deadlin
     from kvfabric.server.service import Refusal
     host = P.text_of(body, "host")
     port = P.int_of(body, "port", upper=1 << 16)
+    try:
+        ipaddress.ip_address(host)  # no name resolution on the data plane: it cannot be bounded by a deadline
+    except ValueError:
+        raise Refusal(f"host must be an IP address, got {host!r}") from None
     until = min(deadline, time.monotonic() + P.int_of(body, "timeout_ms", 60_000) / 1000)
     space = client.space
     if space.ident.hash != "sha256" or space.ident.salt:
