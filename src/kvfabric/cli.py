@@ -256,6 +256,24 @@ def bench_vllm(ctx: click.Context) -> None:
     sys.exit(vllm_main(ctx.args))
 
 
+@bench.command("interference")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per (setup, link), then the sharing and copy rows.")
+@click.option("--steps", default=256, show_default=True, help="Decode steps of request A.")
+@click.option("--tokens", "b_tokens", default=4096, show_default=True, help="Prompt tokens of the fetched request B.")
+@click.option("--links", default="100,1000", show_default=True, help="Link rates in Mbit/s.")
+@click.option("--engine-cpu", default=0, show_default=True, help="The engine's core.")
+@click.option("--server-cpu", default=1, show_default=True, help="The server's core (set-up c).")
+def bench_interference(as_json: bool, steps: int, b_tokens: int, links: str, engine_cpu: int, server_cpu: int) -> None:
+    """TPOT of a decoding request while another's prompt KV is fetched and decoded: none / in-process / in
+    `kvfabric server` on its own core; B's TTFT; two engines sharing a server; retrieve vs memcpy."""
+    from kvfabric.bench.interference import run
+    try:
+        rates = tuple(int(x) for x in links.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{links!r}: comma-separated Mbit/s", param_hint="--links") from None
+    run(as_json=as_json, steps=steps, b_tokens=b_tokens, links=rates, engine_cpu=engine_cpu, server_cpu=server_cpu)
+
+
 @bench.command("long-doc-qa")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per request, then a summary object.")
 @click.option("--docs", "num_docs", default=3, show_default=True)
