@@ -30,7 +30,7 @@ if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
 fi
 
 # kvfabric itself, editable, without its heavy pins (torch/transformers come from vllm)
-"${PIP[@]}" install -q numpy pyyaml xxhash blake3 click rich \
+"${PIP[@]}" install -q numpy pyyaml xxhash blake3 click rich "msgpack>=1.0" \
   "pytest>=8" "pytest-timeout>=2.3"
 "${PIP[@]}" install -q --no-deps -e "$ROOT"
 

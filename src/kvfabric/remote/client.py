@@ -173,14 +173,18 @@ class RemoteCache:
 
     # ---- API ---------------------------------------------------------------------------------------------
     def lookup(self, tokens: Tokens) -> int:
-        keys = self.keys(tokens)
+        num_hit = self.lookup_keys(self.keys(tokens))
+        return self._span(num_hit - 1, len(tokens))[1] if num_hit else 0
+
+    def lookup_keys(self, keys: Sequence[bytes]) -> int:
+        """How many leading chunks of `keys` the server holds (any key scheme in this namespace: a connector's
+        own keys too); 0 when it is down."""
         self._counters.add("lookups")
         try:
             with self._session() as conn:
-                num_hit = P.int_of(conn.call(P.LOOKUP, {"keys": keys}), "chunks", upper=len(keys) + 1)
+                return P.int_of(conn.call(P.LOOKUP, {"keys": list(keys)}), "chunks", upper=len(keys) + 1)
         except _Down:
             return 0
-        return self._span(num_hit - 1, len(tokens))[1] if num_hit else 0
 
     def retrieve(self, tokens: Tokens, out: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = len(tokens)

@@ -5,7 +5,8 @@ Contract:
   or vLLM's block hashes, see key_mode in ``config``) and counts the leading chunks present, in (a) a mirror of the
   keys the worker reported stored in its process-memory tier (the reports ride back on the worker metadata), or
   (b) a shared tier opened read-only in this process (disk: an index miss re-checks the filesystem, so stores by
-  any process are seen; shm; redis). No chunk data is read here. The answer is chunk-aligned, minus what vLLM
+  any process are seen; shm; redis), or (c) with ``mode: server``, the host's ``kvfabric server`` (LOOKUP: it holds
+  the worker's stores, so no mirror is needed; a server that is down answers 0). No chunk data is read here. The answer is chunk-aligned, minus what vLLM
   already has; a hit covering the whole prompt leaves its last token to compute.
 - Loads are synchronous (the connector answers ``is_async=False``), so vLLM sets ``has_sync_kv_loads`` for that
   step and the runner calls ``start_load_kv`` BEFORE the forward (it calls it after the forward only in steps
@@ -31,6 +32,7 @@ from kvfabric.connectors.vllm.config import PARAMS_KEY
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, RequestStats, SaveSpec
 from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
+from kvfabric.remote import RemoteCache
 from kvfabric.tiers.factory import build_tiers
 
 if TYPE_CHECKING:
@@ -76,9 +78,11 @@ class ChunkLookup:
         self.root = root_key(model_id, layout, config.chunk_size, config.salt, config.hash)
         # process memory is per process; a peer tier would make the scheduler a cluster member (not supported:
         # chunks that only peers hold are not reported as hits yet)
-        shared = tuple(name for name in config.tiers if name not in ("cpu", "peer"))
+        # mode: server = the host's `kvfabric server` answers, and it sees the worker's stores: no mirror needed
+        self.server = RemoteCache(config, layout, model_id, name="vllm-scheduler") if config.mode == "server" else None
+        shared = () if self.server else tuple(name for name in config.tiers if name not in ("cpu", "peer"))
         self.tiers = build_tiers(config, shared)
-        self.has_memory_tier = "cpu" in config.tiers
+        self.has_memory_tier = "cpu" in config.tiers and self.server is None
         self.mirror: set[bytes] = set()  # keys the worker reported in its process-memory tier
 
     def keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
@@ -93,6 +97,8 @@ class ChunkLookup:
                          .digest()) for i in range(num)]
 
     def prefix(self, keys: Sequence[bytes]) -> PrefixHit:
+        if self.server is not None:
+            return PrefixHit(self.server.lookup_keys(keys), 0)
         in_memory = [key in self.mirror for key in keys]
         present = list(in_memory)
         for tier in self.tiers:
@@ -107,6 +113,8 @@ class ChunkLookup:
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()
+        if self.server is not None:
+            self.server.close()
 
 
 @dataclass

@@ -16,7 +16,8 @@ forward):
 - `end_step()`: a load not scattered into every layer has its blocks reported (recompute), a save not gathered
   from every layer is dropped; complete saves go to the ``Saver`` (dropped and counted when its queue is full).
 - `worker_meta()`: per-request ``RequestStats`` of the step, and the keys that entered or left the process-memory
-  tier (the scheduler mirrors them for its lookups).
+  tier (the scheduler mirrors them for its lookups; with ``mode: server`` the cache is the host's ``kvfabric server``
+  and the scheduler asks it instead).
 Paged layout: ``kvfabric.connectors.paged``; the K/V region layouts are measured at first use
 (``detect_cpu_kv_layout``), so stored chunks are true [layers, 2, heads, tokens, head_dim] KV.
 """
@@ -41,8 +42,9 @@ from kvfabric.connectors.vllm.config import detect_cpu_kv_layout
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, RequestStats
 from kvfabric.connectors.vllm.reads import ChunkReader
 from kvfabric.connectors.vllm.saver import ActiveSave, Saver
-from kvfabric.engine import CacheEngine, ChunkMiss
+from kvfabric.engine import ChunkMiss
 from kvfabric.layout import KVLayout
+from kvfabric.remote import open_cache
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -65,7 +67,9 @@ class WorkerSide:
         self.layout = layout
         self.chunk_size = config.chunk_size
         self.block_size = block_size
-        self.engine = CacheEngine(config, layout, model_id)  # tiers per config (a cluster node wires its own)
+        # tiers per config (a cluster node wires its own); mode: server = the host's `kvfabric server`
+        self.engine = open_cache(config, layout, model_id, name=f"vllm-worker-{os.getpid()}")
+        self.mirrored = "cpu" in config.tiers and config.mode != "server"  # a process-memory tier of ours
         self.layers: dict[str, tuple[int, CpuPagedLayer]] = {}
         self.region_layouts: tuple[str, str] | None = None  # (K, V), measured on first use
         self.counters = Counters()
@@ -73,7 +77,7 @@ class WorkerSide:
         self.reader = ChunkReader(self.engine, self.counters)
         # the scheduler mirrors the keys stored in our process-memory tier (it cannot see that tier)
         self.saver = Saver(self.engine, self.counters, int(options.get("save_queue_bytes") or 2**30),
-                           track_stored="cpu" in config.tiers,
+                           track_stored=self.mirrored,
                            on_stored=self.write_stats if self.stats_path else None)
         # per step
         self.meta: KVFabricMetadata | None = None
@@ -230,7 +234,7 @@ class WorkerSide:
     def worker_meta(self) -> KVFabricWorkerMetadata | None:
         stored = self.saver.take_stored()
         removed: list[bytes] = []
-        if "cpu" in self.config.tiers:
+        if self.mirrored:
             self._reported.update(stored)
             if stored or self._tier_touched or self.engine.tier_usage("cpu").num_chunks < len(self._reported):
                 present = set(self.engine.tier_keys("cpu"))
