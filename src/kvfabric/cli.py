@@ -263,7 +263,11 @@ def bench_vllm(ctx: click.Context) -> None:
 @click.option("--links", default="100,1000", show_default=True, help="Link rates in Mbit/s.")
 @click.option("--engine-cpu", default=0, show_default=True, help="The engine's core.")
 @click.option("--server-cpu", default=1, show_default=True, help="The server's core (set-up c).")
-def bench_interference(as_json: bool, steps: int, b_tokens: int, links: str, engine_cpu: int, server_cpu: int) -> None:
+@click.option("--vllm", "with_vllm", is_flag=True, help="Also the vLLM connector's miss-path overhead with mode: "
+              "server (paired runs; needs .venv-vllm or --vllm-python).")
+@click.option("--vllm-python", default=None, help="Python with vLLM installed (default: .venv-vllm).")
+def bench_interference(as_json: bool, steps: int, b_tokens: int, links: str, engine_cpu: int, server_cpu: int,
+                       with_vllm: bool, vllm_python: str | None) -> None:
     """TPOT of a decoding request while another's prompt KV is fetched and decoded: none / in-process / in
     `kvfabric server` on its own core; B's TTFT; two engines sharing a server; retrieve vs memcpy."""
     from kvfabric.bench.interference import run
@@ -272,6 +276,12 @@ def bench_interference(as_json: bool, steps: int, b_tokens: int, links: str, eng
     except ValueError:
         raise click.BadParameter(f"{links!r}: comma-separated Mbit/s", param_hint="--links") from None
     run(as_json=as_json, steps=steps, b_tokens=b_tokens, links=rates, engine_cpu=engine_cpu, server_cpu=server_cpu)
+    if with_vllm:
+        from kvfabric.bench.common import emit
+        from kvfabric.bench.interference_vllm import run as run_vllm
+        row = run_vllm(vllm_python, num_tokens=b_tokens)
+        emit([row], as_json, "vLLM connector, mode: server: miss-path overhead (paired cold runs)",
+             ["tokens", "num_pairs", "off_s", "ttft_s", "miss_overhead_paired", "target_met"])
 
 
 @bench.command("long-doc-qa")

@@ -77,9 +77,10 @@ def _engine(mode: str, params: dict[str, Any]) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def _start_server(config: dict[str, Any], path: Path, cpu: int) -> subprocess.Popen:
+def _start_server(config: dict[str, Any], path: Path, cpu: int | None) -> subprocess.Popen:
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen([sys.executable, "-m", "kvfabric.cli", "server", "--config", str(path), "--cpus", str(cpu)],
+    pinned = ["--cpus", str(cpu)] if cpu is not None else []
+    proc = subprocess.Popen([sys.executable, "-m", "kvfabric.cli", "server", "--config", str(path), *pinned],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline() if proc.stdout else ""
     if "ready" not in line:
