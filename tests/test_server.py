@@ -92,6 +92,21 @@ def test_a_client_holds_at_most_its_slot_cap(tmp_path) -> None:
         assert torch.equal(c.retrieve(tokens), kv)
 
 
+def test_a_stalled_client_cannot_block_another(tmp_path) -> None:
+    data = server_config(tmp_path, pool_capacity="256KiB", max_slots_per_client=3)  # 4 slots in all
+    tokens, kv = tokens_of(6 * CHUNK, 9), random_kv(6 * CHUNK, 9)
+    with server_in_thread(tmp_path, data) as service, _client(data, "a") as a, _client(data, "b") as b:
+        assert a.store(tokens, kv) == 6
+        a.flush()
+        keys = a.keys(tokens)
+        held = [Scratch(), Scratch()]
+        views = [a.read_chunk(key, scratch=s) for key, s in zip(keys, held)]  # a keeps its leases and stalls
+        assert service.slots.usage()["referenced"] == 2
+        assert torch.equal(b.retrieve(tokens), kv)  # b gets all six chunks through the two slots left
+        assert b.stats().counters.get("server.retrieve_stop.pool_full", 0) >= 1
+        assert all(torch.equal(v.kv, kv[:, :, :, i * CHUNK:(i + 1) * CHUNK]) for i, v in enumerate(views))
+
+
 def test_token_and_socket_mode_refuse_others(tmp_path) -> None:
     data = server_config(tmp_path, token="s3cret")
     tokens, kv = tokens_of(512, 5), random_kv(512, 5)

@@ -195,10 +195,10 @@ class RemoteCache:
             while num_done < len(keys):
                 with self._session() as conn:
                     batch = keys[num_done:num_done + max(1, self._room(conn))]
-                    got = self._read_into(conn, batch, num_done, num_tokens, out)
+                    got, stop = self._read_into(conn, batch, num_done, num_tokens, out)
                 num_done += got
-                if got < len(batch):
-                    break
+                if got < len(batch) and not (got and stop in ("pool_full", "busy")):
+                    break  # a miss; a pool short of slots (others hold them) only shrinks the batch
         except _Down:
             pass
         end = self._span(num_done - 1, num_tokens)[1] if num_done else 0
@@ -207,8 +207,9 @@ class RemoteCache:
         return out[:, :, :, :end, :]
 
     def _read_into(self, conn: Connection, keys: Sequence[bytes], first: int, num_tokens: int,
-                   out: torch.Tensor) -> int:
-        """RETRIEVE `keys` (chunks first, first + 1, ...) and copy each slot into `out` as its answer arrives."""
+                   out: torch.Tensor) -> tuple[int, str]:
+        """RETRIEVE `keys` (chunks first, first + 1, ...) and copy each slot into `out` as its answer arrives: the
+        chunks copied, and why the server stopped."""
         leased: list[int] = []
         copied = 0
 
@@ -223,12 +224,13 @@ class RemoteCache:
             copied += 1
 
         try:
-            conn.call(P.RETRIEVE, {"keys": list(keys), "tokens": self._counts(first, len(keys), num_tokens)}, on_chunk)
+            reply = conn.call(P.RETRIEVE, {"keys": list(keys), "tokens": self._counts(first, len(keys), num_tokens)},
+                              on_chunk)
         finally:
             conn.release(leased)
             with contextlib.suppress(OSError):
                 conn.flush_releases()
-        return copied
+        return copied, str(reply.get("miss", ""))
 
     def read_chunk(self, key: bytes, out: torch.Tensor | None = None, *, num_tokens: int | None = None,
                    scratch: Scratch | None = None) -> ChunkHit | ChunkMiss:
