@@ -43,11 +43,13 @@ def run(python: str | None = None, num_tokens: int = 4096, num_pairs: int = 3, t
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+        log = Path(tempfile.gettempdir()) / f"kvfabric-interference-vllm-{os.getpid()}.log"  # kept: vLLM's are long
         try:
-            done = subprocess.run([python, "-m", "kvfabric.bench.interference_vllm", f"{tmp}/spec.json"],
-                                  capture_output=True, text=True, env=env, timeout=timeout)
+            with open(log, "w") as out:
+                done = subprocess.run([python, "-m", "kvfabric.bench.interference_vllm", f"{tmp}/spec.json"],
+                                      stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout)
             if done.returncode or not Path(spec["out"]).exists():
-                raise RuntimeError(f"vLLM engine failed (rc={done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+                raise RuntimeError(f"vLLM engine failed (rc={done.returncode}); its log: {log}")
             pairs = json.loads(Path(spec["out"]).read_text())["pairs"]
         finally:
             proc.terminate()
@@ -67,7 +69,7 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
     from kvfabric.connectors.vllm import kv_transfer_config
     prompts = json.loads(Path(spec["prompts"]).read_text())
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=8192, seed=0,
-              kv_cache_memory_bytes=2 << 30, max_num_seqs=4, kv_transfer_config=kv_transfer_config(spec["config"]))
+              kv_cache_memory_bytes=512 << 20, max_num_seqs=2, kv_transfer_config=kv_transfer_config(spec["config"]))
     on = SamplingParams(temperature=0.0, max_tokens=1)
     off = SamplingParams(temperature=0.0, max_tokens=1,
                          extra_args={"kv_transfer_params": {"kvfabric": {"load": False, "store": False}}})
