@@ -96,8 +96,11 @@ def test_a_stalled_client_cannot_block_another(tmp_path) -> None:
     data = server_config(tmp_path, pool_capacity="256KiB", max_slots_per_client=3)  # 4 slots in all
     tokens, kv = tokens_of(6 * CHUNK, 9), random_kv(6 * CHUNK, 9)
     with server_in_thread(tmp_path, data) as service, _client(data, "a") as a, _client(data, "b") as b:
-        assert a.store(tokens, kv) == 6
+        num_stored = a.store(tokens[:3 * CHUNK], kv[:, :, :, :3 * CHUNK])
+        a.flush()  # committed slots stay held until persisted: store in pool-sized steps
+        num_stored += a.store(tokens, kv)
         a.flush()
+        assert num_stored == 6
         keys = a.keys(tokens)
         held = [Scratch(), Scratch()]
         views = [a.read_chunk(key, scratch=s) for key, s in zip(keys, held)]  # a keeps its leases and stalls
