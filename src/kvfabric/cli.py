@@ -162,6 +162,34 @@ def profile_cachegen(texts: str, model_name: str, first: int, count: int, ctx_to
 
 
 @main.group()
+def droidspeak() -> None:
+    """DroidSpeak: reuse a sibling model's KV cache (same family, tokenizer and layout)."""
+
+
+@droidspeak.command("profile")
+@click.argument("sender")
+@click.argument("receiver")
+@click.option("--prompts", default=3, show_default=True, help="Profiling prompts (MuSiQue questions).")
+@click.option("--first", default=100, show_default=True, help="First question (0-99 trained the fine-tuned sibling).")
+@click.option("--passages", default=3, show_default=True, help="Passages per profiling prompt.")
+@click.option("--threshold", default=0.9, show_default=True, help="Share of the reuse KL gap the block must close.")
+@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
+def droidspeak_profile(sender: str, receiver: str, prompts: int, first: int, passages: int, threshold: float,
+                       data: str | None) -> None:
+    """Quality of RECEIVER reusing SENDER's KV for every contiguous recompute block; saves the pair's table."""
+    from kvfabric.droidspeak.pair import profile_pair
+    try:
+        table, path = profile_pair(sender, receiver, num_prompts=prompts, first=first, passages=passages, data=data,
+                                   log=click.echo)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    block = table.choose(threshold)
+    closed = table.gap_closed(block)
+    click.echo(f"{path}: reuse KL {table.kl[0][0]:.4f} (answer rows {table.kl_ans[0][0]:.4f}); chosen block "
+               f"[{block.start}, {block.stop}) of {table.num_layers} layers closes {closed[0]:.1%} / {closed[1]:.1%}")
+
+
+@main.group()
 def bench() -> None:
     """Benchmarks: each speed is printed beside a baseline measured in the same run."""
 
@@ -340,6 +368,19 @@ def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers
             raise click.BadParameter(f"{check_layers!r}: {e}", param_hint="--check-layers") from None
     blend.run(as_json=as_json, limit=limit, start=start, stride=stride, check_layers=layers, passages=passages,
               data=data, auto=auto, oracle=oracle)
+
+
+@bench.command("droidspeak")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per question and method, then summaries.")
+@click.option("--pair", default="finetuned", type=click.Choice(["finetuned"]), show_default=True)
+@click.option("--questions", "limit", default=3, show_default=True, help="MuSiQue questions to run.")
+@click.option("--start", default=110, show_default=True, help="First question (held out from training/profiling).")
+@click.option("--passages", default=10, show_default=True, help="Passages per question.")
+@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
+def bench_droidspeak(as_json: bool, pair: str, limit: int, start: int, passages: int, data: str | None) -> None:
+    """A receiver reusing a sibling's KV: full prefill vs naive reuse vs DroidSpeak at three budgets."""
+    from kvfabric.bench.droidspeak import run
+    run(pair=pair, as_json=as_json, limit=limit, start=start, passages=passages, data=data)
 
 
 if __name__ == "__main__":  # pragma: no cover
