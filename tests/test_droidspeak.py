@@ -14,7 +14,7 @@ import torch
 from kvfabric.blend.runner import LlamaRunner
 from kvfabric.config import Config, DiskTierConfig
 from kvfabric.droidspeak.family import DroidStore, FamilyMember, chunk_as_hidden, hidden_as_chunk
-from kvfabric.droidspeak.profile import ProfileTable, profile_prompt
+from kvfabric.droidspeak.profile import ProfileTable, kl_rows, profile_prompt
 from kvfabric.droidspeak.runtime import Block, droid_prefill, recompute_block, sender_prefill
 from kvfabric.hashing import family_namespace
 from kvfabric.layout import KVLayout
@@ -153,6 +153,15 @@ def test_profile_table_extremes_choice_and_json(pair, tmp_path):
     prof = profile_prompt(a, b, context, suffix, num_answer=4)
     assert float(prof.kl[0, 0]) > 1e-4  # the two models differ: naive reuse costs something
     assert float(prof.kl[0, 4]) < 1e-6 and float(prof.kl_ans[0, 4]) < 1e-6  # whole model: the full prefill
+    for s, e in ((0, 0), (1, 3), (2, 4), (3, 4), (0, 2)):  # the shared-trajectory scores equal a direct run
+        kv_a, hidden_a = sender_prefill(a, context, capture=range(4))
+        ws = b.workspace(50)
+        ws[:, :, :, :40] = kv_a
+        recompute_block(b, context, ws, Block(s, e), hidden_a.get(s))
+        ref = torch.log_softmax(b.logits(b.forward(torch.tensor(context + suffix), b.workspace(50))[40:]), -1)
+        rows = kl_rows(ref, b.logits(b.forward(torch.tensor(suffix), ws, start=40)))
+        assert abs(float(rows.mean()) - float(prof.kl[s, e])) < 1e-5
+        assert abs(float(rows[6:].mean()) - float(prof.kl_ans[s, e])) < 1e-5
     selfprof = profile_prompt(a, a, context, suffix, num_answer=4)
     assert float(selfprof.kl.nan_to_num(0).abs().max()) < 1e-6  # a model reusing itself loses nothing anywhere
     table = ProfileTable.from_prompts("a", "b", [prof, prof])
@@ -165,3 +174,26 @@ def test_profile_table_extremes_choice_and_json(pair, tmp_path):
     assert ProfileTable.from_json(table.to_json()).to_json() == table.to_json()  # NaN below the diagonal
     with pytest.raises(ValueError):
         ProfileTable.from_json(table.to_json().replace('"num_layers": 4', '"num_layers": 5'))
+
+
+# ---- models: family declarations and the fine-tune recipe ----------------------------------------------------
+def test_model_families_are_declared_by_builtins_siblings_and_markers(tmp_path):
+    from kvfabric.engines.finetune import FINETUNED_MODELS
+    from kvfabric.engines.model import MARKER, model_family
+    assert model_family("smollm2-135m-instruct") == model_family("smollm2-135m-musique") == "smollm2-135m"
+    assert FINETUNED_MODELS["smollm2-135m-musique"].base == "smollm2-135m-instruct"
+    assert model_family("qwen2.5-coder-0.5b") == model_family("qwen2.5-coder-1.5b") == "qwen2.5-coder"
+    assert model_family(tmp_path) is None  # a folder that declares nothing
+    (tmp_path / MARKER).write_text('{"name": "x", "family": "fam"}')
+    assert model_family(tmp_path) == "fam"
+
+
+def test_finetune_text_is_the_first_questions_passages_once(tmp_path, monkeypatch):
+    import json
+
+    from kvfabric.engines.finetune import FINETUNED_MODELS, training_text
+    examples = [{"ctxs": [{"title": f"t{i}", "text": "same"}, {"title": "t0", "text": "same"}]} for i in range(150)]
+    (tmp_path / "musique_s.json").write_text(json.dumps(examples))
+    monkeypatch.setenv("KVFABRIC_DATA_DIR", str(tmp_path))
+    text = training_text(FINETUNED_MODELS["smollm2-135m-musique"])
+    assert text == "".join(f"t{i}\nsame\n\n" for i in range(100))  # questions 0-99, each passage once

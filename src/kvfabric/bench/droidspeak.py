@@ -12,7 +12,9 @@ Then, for the receiver, methods side by side:
 TTFT = the load + recompute + the question's prefill up to its first token's logits. Quality vs ``full`` over every
 question row and the first ``answer_tokens`` of full's greedy answer (teacher-forced): mean KL(full || method),
 ``gap_closed`` = 1 - KL / KL(reuse) (all rows), ``gap_ans`` the same over the answer rows; top-1 agreement; answer F1
-(greedy, SQuAD-normalised) beside ``f1_full``; bytes fetched per context token (KV + hidden state).
+(greedy, SQuAD-normalised) beside ``f1_full``; bytes fetched per context token (KV + hidden state). The ``full``
+row also carries ``model_kl``: KL(receiver's full || the sender's own full prefill) over the same rows, i.e. how far
+apart the two models are on this held-out text.
 CacheBlend token selection at the same compute is not run here (see the report).
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ from kvfabric.droidspeak.profile import load_table
 from kvfabric.droidspeak.runtime import Block, droid_prefill, sender_prefill
 
 PAIRS = {"finetuned": ("smollm2-135m-instruct", "smollm2-135m-musique")}
-COLUMNS = ["pair", "method", "block", "questions", "ttft_s", "ttft_speedup", "kl", "gap_closed", "gap_ans", "top1",
+COLUMNS = ["pair", "method", "block", "questions", "ttft_s", "ttft_speedup", "model_kl", "kl", "gap_closed", "gap_ans", "top1",
            "f1", "f1_full", "bytes_per_token"]
 
 
@@ -90,7 +92,7 @@ def run(pair: str = "finetuned", as_json: bool = False, limit: int = 3, start: i
                 n, cap = len(context), len(context) + len(question) + max_new_tokens + answer_tokens + 1
                 kv_a, hidden_a = sender_prefill(sender.runner, context, capture)
                 out_store.store(context, kv_a, hidden_a)
-                del kv_a, hidden_a
+                del hidden_a
                 ref: torch.Tensor | None = None
                 ref_answer: list[int] = []
                 for method, block in methods:
@@ -122,7 +124,15 @@ def run(pair: str = "finetuned", as_json: bool = False, limit: int = 3, start: i
                                  "kl_ans": round(kl_ans, 5), "top1": round(top1, 4),
                                  "f1": round(f1_score(text, example.get("answers") or []), 4),
                                  "bytes_per_token": round(num_bytes / n, 1), "answer": text})
+                # how far the two models are apart here: the sender's own distributions vs the receiver's full
+                ws_a = sender.runner.workspace(cap)
+                ws_a[:, :, :, :n] = kv_a
+                own = _finish(sender.runner, ws_a, n, question)
+                if ref_answer:
+                    own = torch.cat([own, _finish(sender.runner, ws_a, n + len(question), ref_answer)])
                 mine = [r for r in rows if r["q"] == qi]
+                mine[0]["model_kl"] = round(compare(ref, own)[0], 5)
+                del kv_a, ws_a
                 if as_json:
                     for r in mine:
                         print(json.dumps(r), flush=True)
@@ -160,6 +170,8 @@ def summarize(rows: list[dict], methods: list[str]) -> list[dict]:
                     "top1": round(statistics.fmean(r["top1"] for r in mine), 3),
                     "f1": round(statistics.fmean(r["f1"] for r in mine), 3), "f1_full": round(f1_full, 3),
                     "bytes_per_token": mine[0]["bytes_per_token"]})
+        if method == "full":  # KL(receiver || sender's own prefill): how much the two models differ
+            out[-1]["model_kl"] = round(statistics.fmean(r["model_kl"] for r in mine), 4)
     return out
 
 

@@ -56,31 +56,45 @@ class PromptProfile:
 @torch.inference_mode()
 def profile_prompt(sender: LlamaRunner, receiver: LlamaRunner, context: Sequence[int], suffix: Sequence[int],
                    num_answer: int) -> PromptProfile:
+    """Why it is affordable: the suffix's hidden state at the input of layer ``e`` is the same for every block
+    ``[s, e')`` with ``e' >= e`` (its layers below ``e`` see the same context KV), so for each block start the
+    suffix advances one layer with the growing block, and each candidate only runs the layers ``[e, L)``."""
     n, m, num_layers = len(context), len(suffix), receiver.num_layers
     ids = torch.tensor(list(context) + list(suffix))
     ref_kv = receiver.workspace(n + m)
     ref = F.log_softmax(receiver.logits(receiver.forward(ids, ref_kv)[n:]), dim=-1)  # [m, V]
+    del ref_kv
     kv_a, hidden_a = sender_prefill(sender, context, capture=range(1, num_layers))
     ws = receiver.workspace(n + m)
+    ctx_pos, suf_pos = torch.arange(n), torch.arange(n, n + m)
+    ctx_rope, suf_rope = receiver.rope(ctx_pos), receiver.rope(suf_pos)
     kl = torch.full((num_layers + 1, num_layers + 1), float("nan"))
     kl_ans = kl.clone()
 
-    def evaluate(s: int, e: int) -> None:
-        rows = kl_rows(ref, receiver.logits(receiver.forward(ids[n:], ws, start=n)))
+    def suffix_layer(l: int, g: torch.Tensor) -> torch.Tensor:
+        return receiver.layer(l, g, ws, suf_pos, n + m, suf_rope)
+
+    def score(s: int, e: int, g: torch.Tensor) -> None:  # g: the suffix's hidden at the input of layer e
+        for l in range(e, num_layers):
+            g = suffix_layer(l, g)
+        rows = kl_rows(ref, receiver.logits(g[0]))
         kl[s, e], kl_ans[s, e] = rows.mean(), rows[m - num_answer:].mean()
 
     ws[:, :, :, :n] = kv_a
-    evaluate(0, 0)
-    kl.fill_diagonal_(float(kl[0, 0]))
-    kl_ans.fill_diagonal_(float(kl_ans[0, 0]))
-    positions = torch.arange(n)
-    rope = receiver.rope(positions)
+    reuse_in = [receiver.embed(ids[n:])]  # the suffix's input of each layer with the sender's KV everywhere
+    for l in range(num_layers):
+        reuse_in.append(suffix_layer(l, reuse_in[-1]))
+    rows = kl_rows(ref, receiver.logits(reuse_in[-1][0]))  # the empty block: plain reuse
+    kl.fill_diagonal_(float(rows.mean()))
+    kl_ans.fill_diagonal_(float(rows[m - num_answer:].mean()))
     for s in range(num_layers):
-        ws[s:, :, :, :n] = kv_a[s:]  # earlier block starts overwrote layers >= s
-        h = receiver.embed(torch.tensor(list(context))) if s == 0 else hidden_a[s].view(1, n, -1)
+        ws[:, :, :, :n] = kv_a  # the previous start recomputed layers >= s - 1
+        h = receiver.embed(ids[:n]) if s == 0 else hidden_a[s].view(1, n, -1)
+        g = reuse_in[s]
         for e in range(s + 1, num_layers + 1):
-            h = receiver.layer(e - 1, h, ws, positions, n, rope)
-            evaluate(s, e)
+            h = receiver.layer(e - 1, h, ws, ctx_pos, n, ctx_rope)  # the block grows by layer e - 1
+            g = suffix_layer(e - 1, g)
+            score(s, e, g)
     return PromptProfile(kl, kl_ans)
 
 
