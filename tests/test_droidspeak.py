@@ -159,7 +159,8 @@ def test_profile_table_extremes_choice_and_json(pair, tmp_path):
         ws[:, :, :, :40] = kv_a
         recompute_block(b, context, ws, Block(s, e), hidden_a.get(s))
         ref = torch.log_softmax(b.logits(b.forward(torch.tensor(context + suffix), b.workspace(50))[40:]), -1)
-        rows = kl_rows(ref, b.logits(b.forward(torch.tensor(suffix), ws, start=40)))
+        with torch.inference_mode():
+            rows = kl_rows(ref, b.logits(b.forward(torch.tensor(suffix), ws, start=40)))
         assert abs(float(rows.mean()) - float(prof.kl[s, e])) < 1e-5
         assert abs(float(rows[6:].mean()) - float(prof.kl_ans[s, e])) < 1e-5
     selfprof = profile_prompt(a, a, context, suffix, num_answer=4)
@@ -197,3 +198,26 @@ def test_finetune_text_is_the_first_questions_passages_once(tmp_path, monkeypatc
     monkeypatch.setenv("KVFABRIC_DATA_DIR", str(tmp_path))
     text = training_text(FINETUNED_MODELS["smollm2-135m-musique"])
     assert text == "".join(f"t{i}\nsame\n\n" for i in range(100))  # questions 0-99, each passage once
+
+
+@pytest.mark.slow
+def test_real_model_self_reuse_is_exact(tmp_path):
+    """SmolLM2-135M reusing its own chunks through the family path: empty block == the plain hit, whole model ==
+    its full prefill, a middle block from its own hidden state == its own KV (fp error)."""
+    from kvfabric.droidspeak.pair import load_sibling
+    me = load_sibling("smollm2-135m-instruct", kv_dtype="float32")
+    runner = me.runner
+    ids = me.tokenizer("The quick brown fox jumps over the lazy dog. " * 8)["input_ids"]
+    n, num_layers = len(ids), runner.num_layers
+    kv, hidden = sender_prefill(runner, ids, capture=[10])
+    hidden_size = runner.config.hidden_size
+    with DroidStore(me.member, me.name, hidden_size, disk_config(tmp_path)) as store, ThreadPoolExecutor(1) as pool:
+        store.store(ids, kv, hidden)
+        plain = torch.zeros(me.member.layout.shape(n))
+        assert store.load_kv(ids, plain)
+        empty = droid_prefill(runner, store, ids, Block(0, 0), n, pool)
+        assert empty is not None and torch.equal(empty.kv, plain)
+        whole = droid_prefill(runner, store, ids, Block(0, num_layers), n, pool)
+        assert whole is not None and torch.equal(whole.kv, _full_kv(runner, ids))
+        middle = droid_prefill(runner, store, ids, Block(10, 20), n, pool)
+        assert middle is not None and torch.allclose(middle.kv, kv, atol=1e-4)
