@@ -163,6 +163,13 @@ def test_profile_table_extremes_choice_and_json(pair, tmp_path):
             rows = kl_rows(ref, b.logits(b.forward(torch.tensor(suffix), ws, start=40)))
         assert abs(float(rows.mean()) - float(prof.kl[s, e])) < 1e-5
         assert abs(float(rows[6:].mean()) - float(prof.kl_ans[s, e])) < 1e-5
+    coarse = profile_prompt(a, b, context, suffix, num_answer=4, stride=2)  # ends at 2 and 4 only
+    scored = {(s, e) for s in range(5) for e in range(5) if not torch.isnan(coarse.kl[s, e])}
+    assert scored == {(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (0, 2), (0, 4), (2, 4)}
+    assert all(abs(float(coarse.kl[s, e] - prof.kl[s, e])) < 1e-6 for s, e in scored)
+    coarse_table = ProfileTable.from_prompts("a", "b", [coarse])
+    assert {(blk.start, blk.stop) for blk in coarse_table.blocks()} == {(0, 2), (0, 4), (2, 4)}
+    assert coarse_table.best_of_size(1) is None and coarse_table.nearest_of_size(1).num_layers == 2
     selfprof = profile_prompt(a, a, context, suffix, num_answer=4)
     assert float(selfprof.kl.nan_to_num(0).abs().max()) < 1e-6  # a model reusing itself loses nothing anywhere
     table = ProfileTable.from_prompts("a", "b", [prof, prof])

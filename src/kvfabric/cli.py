@@ -173,14 +173,15 @@ def droidspeak() -> None:
 @click.option("--first", default=100, show_default=True, help="First question (0-99 trained the fine-tuned sibling).")
 @click.option("--passages", default=3, show_default=True, help="Passages per profiling prompt.")
 @click.option("--threshold", default=0.9, show_default=True, help="Share of the reuse KL gap the block must close.")
+@click.option("--stride", default=1, show_default=True, help="Score only blocks whose ends are multiples of this.")
 @click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
 def droidspeak_profile(sender: str, receiver: str, prompts: int, first: int, passages: int, threshold: float,
-                       data: str | None) -> None:
+                       stride: int, data: str | None) -> None:
     """Quality of RECEIVER reusing SENDER's KV for every contiguous recompute block; saves the pair's table."""
     from kvfabric.droidspeak.pair import profile_pair
     try:
-        table, path = profile_pair(sender, receiver, num_prompts=prompts, first=first, passages=passages, data=data,
-                                   log=click.echo)
+        table, path = profile_pair(sender, receiver, num_prompts=prompts, first=first, passages=passages,
+                                   stride=stride, data=data, log=click.echo)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     block = table.choose(threshold)

@@ -74,7 +74,8 @@ def run(pair: str = "finetuned", as_json: bool = False, limit: int = 3, start: i
     budgets = sorted({max(1, chosen.num_layers // 2), min(table.num_layers, chosen.num_layers * 2)} -
                      {chosen.num_layers})
     methods: list[tuple[str, Block | None]] = [("full", None), ("reuse", Block(0, 0)), ("droidspeak", chosen)]
-    methods += [(f"droidspeak@{k}", table.best_of_size(k)) for k in budgets]
+    others = [table.nearest_of_size(k) for k in budgets]
+    methods += [(f"droidspeak@{b.num_layers}", b) for b in dict.fromkeys(others) if b != chosen]
     sender, receiver = load_sibling(sender_name), load_sibling(receiver_name)
     check_pair(sender, receiver)
     runner, tok = receiver.runner, receiver.tokenizer

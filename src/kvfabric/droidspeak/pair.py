@@ -69,14 +69,14 @@ def load_examples(data: str | Path | None, first: int, count: int) -> list[dict]
 
 
 def profile_pair(sender_name: str, receiver_name: str, num_prompts: int = 3, first: int = 100, passages: int = 3,
-                 num_answer: int = 8, data: str | Path | None = None, log: Any = None) -> tuple[ProfileTable, Path]:
+                 num_answer: int = 8, stride: int = 1, data: str | Path | None = None, log: Any = None) -> tuple[ProfileTable, Path]:
     sender, receiver = load_sibling(sender_name), load_sibling(receiver_name)
     check_pair(sender, receiver)
     profiles = []
     for i, example in enumerate(load_examples(data, first, num_prompts)):
         context, question = musique_prompt(receiver.tokenizer, example, passages)
         answer = greedy_answer(receiver.runner, context + question, num_answer)
-        profiles.append(profile_prompt(sender.runner, receiver.runner, context, question + answer, num_answer))
+        profiles.append(profile_prompt(sender.runner, receiver.runner, context, question + answer, num_answer, stride))
         if log is not None:
             log(f"prompt {i + 1}/{num_prompts}: {len(context)} context tokens, reuse KL {float(profiles[-1].kl[0, 0]):.4f}")
     table = ProfileTable.from_prompts(sender_name, receiver_name, profiles)

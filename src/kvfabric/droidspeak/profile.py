@@ -14,6 +14,7 @@ Contract
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,10 +56,14 @@ class PromptProfile:
 
 @torch.inference_mode()
 def profile_prompt(sender: LlamaRunner, receiver: LlamaRunner, context: Sequence[int], suffix: Sequence[int],
-                   num_answer: int) -> PromptProfile:
+                   num_answer: int, stride: int = 1) -> PromptProfile:
     """Why it is affordable: the suffix's hidden state at the input of layer ``e`` is the same for every block
     ``[s, e')`` with ``e' >= e`` (its layers below ``e`` see the same context KV), so for each block start the
-    suffix advances one layer with the growing block, and each candidate only runs the layers ``[e, L)``."""
+    suffix advances one layer with the growing block, and each candidate only runs the layers ``[e, L)``.
+    ``stride > 1`` scores only blocks whose ends lie on multiples of ``stride`` (or at ``L``): a coarser, cheaper
+    table (the other entries stay NaN)."""
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
     n, m, num_layers = len(context), len(suffix), receiver.num_layers
     ids = torch.tensor(list(context) + list(suffix))
     ref_kv = receiver.workspace(n + m)
@@ -87,14 +92,15 @@ def profile_prompt(sender: LlamaRunner, receiver: LlamaRunner, context: Sequence
     rows = kl_rows(ref, receiver.logits(reuse_in[-1][0]))  # the empty block: plain reuse
     kl.fill_diagonal_(float(rows.mean()))
     kl_ans.fill_diagonal_(float(rows[m - num_answer:].mean()))
-    for s in range(num_layers):
+    for s in range(0, num_layers, stride):
         ws[:, :, :, :n] = kv_a  # the previous start recomputed layers >= s - 1
         h = receiver.embed(ids[:n]) if s == 0 else hidden_a[s].view(1, n, -1)
         g = reuse_in[s]
         for e in range(s + 1, num_layers + 1):
             h = receiver.layer(e - 1, h, ws, ctx_pos, n, ctx_rope)  # the block grows by layer e - 1
             g = suffix_layer(e - 1, g)
-            score(s, e, g)
+            if e % stride == 0 or e == num_layers:
+                score(s, e, g)
     return PromptProfile(kl, kl_ans)
 
 
@@ -122,20 +128,31 @@ class ProfileTable:
                 1 - self.kl_ans[s][e] / reuse_ans if reuse_ans > 0 else 1.0)
 
     def blocks(self) -> list[Block]:
-        return [Block(s, e) for s in range(self.num_layers) for e in range(s + 1, self.num_layers + 1)]
+        """The profiled blocks (a strided profile leaves the others NaN)."""
+        return [Block(s, e) for s in range(self.num_layers) for e in range(s + 1, self.num_layers + 1)
+                if math.isfinite(self.kl[s][e]) and math.isfinite(self.kl_ans[s][e])]
 
-    def best_of_size(self, num_layers: int) -> Block:
-        """The block of ``num_layers`` layers closing the most of the gap (mean of both row sets)."""
+    def best_of_size(self, num_layers: int) -> Block | None:
+        """The profiled block of ``num_layers`` layers closing the most of the gap (mean of both row sets)."""
         if num_layers == 0:
             return Block(0, 0)
-        return max((b for b in self.blocks() if b.num_layers == num_layers), key=lambda b: sum(self.gap_closed(b)))
+        sized = [b for b in self.blocks() if b.num_layers == num_layers]
+        return max(sized, key=lambda b: sum(self.gap_closed(b))) if sized else None
 
     def choose(self, threshold: float = 0.9) -> Block:
         """The cheapest block closing >= threshold of the gap on every row and on the answer rows (the whole
         model when none does)."""
         for size in range(self.num_layers + 1):
             best = self.best_of_size(size)
-            if min(self.gap_closed(best)) >= threshold:
+            if best is not None and min(self.gap_closed(best)) >= threshold:
+                return best
+        return Block(0, self.num_layers)
+
+    def nearest_of_size(self, num_layers: int) -> Block:
+        """``best_of_size`` for the nearest profiled size at or above ``num_layers``."""
+        for size in range(num_layers, self.num_layers + 1):
+            best = self.best_of_size(size)
+            if best is not None:
                 return best
         return Block(0, self.num_layers)
 
