@@ -228,3 +228,18 @@ def test_real_model_self_reuse_is_exact(tmp_path):
         assert whole is not None and torch.equal(whole.kv, _full_kv(runner, ids))
         middle = droid_prefill(runner, store, ids, Block(10, 20), n, pool)
         assert middle is not None and torch.allclose(middle.kv, kv, atol=1e-4)
+
+
+def test_fp16_chunks_load_on_the_loader_thread(pair, tmp_path):
+    """The loader thread decodes fp16 chunks into the receiver's fp32 (inference-mode) workspace."""
+    a, b = pair
+    half = KVLayout(4, 2, 16, "float16")
+    ids = list(range(30))
+    kv_a, hidden_a = sender_prefill(a, ids, capture=[2])
+    with DroidStore(member("a", layout=half), "a", 64, disk_config(tmp_path)) as owner:
+        owner.store(ids, kv_a, hidden_a)
+    with DroidStore(member("b", layout=half), "a", 64, disk_config(tmp_path)) as sibling, \
+            ThreadPoolExecutor(1) as loader:
+        got = droid_prefill(b, sibling, ids, Block(2, 3), 30, loader)
+        assert got is not None
+        assert torch.equal(got.kv[[0, 1, 3]], kv_a[[0, 1, 3]].half().float())

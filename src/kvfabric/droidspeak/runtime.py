@@ -85,6 +85,11 @@ def recompute_block(runner: LlamaRunner, ids: Sequence[int], kv: torch.Tensor, b
         h = runner.layer(l, h, kv, positions, n, rope)
 
 
+def _load_kv(store: DroidStore, ids: Sequence[int], kv: torch.Tensor) -> bool:
+    with torch.inference_mode():  # on the loader thread: kv is an inference tensor (inference mode is per thread)
+        return store.load_kv(ids, kv)
+
+
 @dataclass(frozen=True, slots=True)
 class DroidPrefill:
     kv: torch.Tensor  # [L, 2, H, capacity, D]: slots [0, n) hold the mixed KV
@@ -102,7 +107,7 @@ def droid_prefill(runner: LlamaRunner, store: DroidStore, ids: Sequence[int], bl
         hidden = torch.empty(n, runner.config.hidden_size, dtype=runner.dtype)
         if not store.load_hidden(ids, block.start, hidden):
             return None
-    loading = loader.submit(store.load_kv, ids, kv)
+    loading = loader.submit(_load_kv, store, ids, kv)
     if block.num_layers:
         fresh = runner.workspace(n)
         recompute_block(runner, ids, fresh, block, hidden)
