@@ -242,10 +242,15 @@ def bench_vllm(ctx: click.Context) -> None:
 @click.option("--length", "doc_tokens", default=4096, show_default=True, help="Tokens per document.")
 @click.option("--question", "question_tokens", default=64, show_default=True, help="Tokens per question.")
 @click.option("--seed", default=0, show_default=True)
-def bench_long_doc_qa(as_json: bool, num_docs: int, doc_tokens: int, question_tokens: int, seed: int) -> None:
-    """TTFT of cache misses and hits on the real model, with the physical-limit decomposition."""
+@click.option("--model", default="smollm2-135m-instruct", show_default=True,
+              help="Builtin model (gemma3-270m, qwen2.5-coder-0.5b, ...) or a local HF folder.")
+@click.option("--kv-dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16",
+              show_default=True, help="Stored KV dtype; float32 for the exactness figure.")
+def bench_long_doc_qa(as_json: bool, num_docs: int, doc_tokens: int, question_tokens: int, seed: int, model: str,
+                      kv_dtype: str) -> None:
+    """TTFT of cache misses and hits on the real model, with the physical-limit decomposition and hit exactness."""
     from kvfabric.bench.long_doc_qa import run
-    run(num_docs, doc_tokens, question_tokens, seed, as_json)
+    run(num_docs, doc_tokens, question_tokens, seed, as_json, model, kv_dtype)
 
 
 
