@@ -261,10 +261,14 @@ def bench_long_doc_qa(as_json: bool, num_docs: int, doc_tokens: int, question_to
 @click.option("--length", "ctx_tokens", default=2048, show_default=True, help="Context tokens per document.")
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--quick", is_flag=True, help="Fewer documents and codecs (a smoke run).")
-def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int, repeats: int, quick: bool) -> None:
+@click.option("--model", "model_name", default="smollm2-135m-instruct", show_default=True,
+              help="Builtin model (gemma3-270m, qwen2.5-coder-0.5b, ...) or a local HF folder.")
+def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int, repeats: int, quick: bool,
+                model_name: str) -> None:
     """Codec levels on the real model: size ratio vs fp16, top-1 and KL of the next 64 tokens, encode/decode MB/s."""
     from kvfabric.bench.codec import run
-    run(as_json=as_json, plot=plot, num_docs=num_docs, ctx_tokens=ctx_tokens, repeats=repeats, quick=quick)
+    run(as_json=as_json, plot=plot, num_docs=num_docs, ctx_tokens=ctx_tokens, repeats=repeats, quick=quick,
+        model_name=model_name)
 
 
 @bench.command("stream")
