@@ -83,3 +83,15 @@ def test_qwen2_hit_is_exact_and_other_layouts_never_read_its_chunks(tmp_path):
     with engine_for("gemma3-270m", shared, chunk_size=64, model_id="shared") as gemma:
         assert gemma.cache.lookup(ids) == 0  # same ids, same id, same directory: other keys
         assert len(gemma.cache.tier_keys("disk")) == 4  # qwen's chunks are there, unread
+
+
+def test_blend_refuses_sliding_window_models_at_start_up():
+    """CacheBlend's runner re-rotates K with one RoPE and attends without windows: on Gemma 3 it would compute
+    wrong KV, so `bench blend` says so before any work."""
+    from click.testing import CliRunner
+
+    from kvfabric.cli import main
+    if installed_builtin("gemma3-270m") is None:
+        pytest.skip("gemma3-270m is not set up under $KVFABRIC_HOME")
+    result = CliRunner().invoke(main, ["bench", "blend", "--model", "gemma3-270m", "--questions", "1"])
+    assert result.exit_code == 1 and "gemma3_text" in result.output and "Traceback" not in result.output

@@ -330,8 +330,11 @@ def bench_video(as_json: bool, num_docs: int, ctx_tokens: int, context_tokens: i
               help="Also run 15 % with tokens ranked from a full prefill (a study: one more prefill per question).")
 @click.option("--report", "report_path", default=None, metavar="JSONL",
               help="Only summarise the JSON lines of an earlier (possibly unfinished) --json run.")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True,
+              help="Builtin Llama-family model (qwen2.5-coder-0.5b / -1.5b, ...) or a local folder; "
+                   "sliding-window models (Gemma 3) are refused at start-up.")
 def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers: str | None, passages: int,
-                data: str | None, auto: bool, oracle: bool, report_path: str | None) -> None:
+                data: str | None, auto: bool, oracle: bool, report_path: str | None, model: str) -> None:
     """CacheBlend on the real model: full prefill vs full reuse vs blend at 5/15/30% vs random 15%."""
     from kvfabric.bench import blend
     if report_path:
@@ -347,8 +350,12 @@ def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers
             BlendConfig(check_layers=layers)
         except ValueError as e:
             raise click.BadParameter(f"{check_layers!r}: {e}", param_hint="--check-layers") from None
-    blend.run(as_json=as_json, limit=limit, start=start, stride=stride, check_layers=layers, passages=passages,
-              data=data, auto=auto, oracle=oracle)
+    from kvfabric.blend.runner import UnsupportedModel
+    try:
+        blend.run(as_json=as_json, limit=limit, start=start, stride=stride, check_layers=layers, passages=passages,
+                  data=data, auto=auto, oracle=oracle, model=model)
+    except UnsupportedModel as exc:  # e.g. Gemma 3's sliding windows: say so, never compute wrong KV
+        raise click.ClickException(f"bench blend on {model}: {exc}") from None
 
 
 if __name__ == "__main__":  # pragma: no cover
