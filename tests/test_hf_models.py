@@ -85,7 +85,7 @@ def test_qwen2_hit_is_exact_and_other_layouts_never_read_its_chunks(tmp_path):
         assert len(gemma.cache.tier_keys("disk")) == 4  # qwen's chunks are there, unread
 
 
-def test_blend_refuses_sliding_window_models_at_start_up():
+def test_blend_refuses_sliding_window_models_at_start_up(tmp_path):
     """CacheBlend's runner re-rotates K with one RoPE and attends without windows: on Gemma 3 it would compute
     wrong KV, so `bench blend` says so before any work."""
     from click.testing import CliRunner
@@ -93,5 +93,7 @@ def test_blend_refuses_sliding_window_models_at_start_up():
     from kvfabric.cli import main
     if installed_builtin("gemma3-270m") is None:
         pytest.skip("gemma3-270m is not set up under $KVFABRIC_HOME")
-    result = CliRunner().invoke(main, ["bench", "blend", "--model", "gemma3-270m", "--questions", "1"])
+    (tmp_path / "q.json").write_text("[]")  # no questions needed: the refusal comes first
+    result = CliRunner().invoke(main, ["bench", "blend", "--model", "gemma3-270m", "--questions", "1",
+                                       "--data", str(tmp_path / "q.json")])
     assert result.exit_code == 1 and "gemma3_text" in result.output and "Traceback" not in result.output
