@@ -92,3 +92,21 @@ def test_chunks_of_other_layouts_are_never_read(tmp_path):
         assert grouped.read_chunk(key) == ChunkMiss("wrong_layout")
         assert grouped.store(tokens, kv) == 4
         assert torch.equal(grouped.retrieve(tokens), kv)
+
+
+def test_layout_for_reads_transformers_configs():
+    """Gemma 3's default config (window every layer but each 6th) and Qwen2 with and without its sliding window."""
+    from transformers import Gemma3TextConfig, Qwen2Config
+
+    from kvfabric.engines.runtime import layout_for
+    gemma = layout_for(Gemma3TextConfig(num_hidden_layers=12, sliding_window=512, num_key_value_heads=1,
+                                        head_dim=256), "float32")
+    assert [(g.layers, g.window) for g in gemma.groups] == [((5, 11), 0), ((0, 1, 2, 3, 4, 6, 7, 8, 9, 10), 512)]
+    assert (gemma.num_kv_heads, gemma.head_dim) == (1, 256)
+    plain = layout_for(Qwen2Config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                   hidden_size=256))
+    assert plain == KVLayout(4, 2, 64, "float16")
+    windowed = layout_for(Qwen2Config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                      hidden_size=256, use_sliding_window=True, sliding_window=128,
+                                      max_window_layers=2))
+    assert windowed.fingerprint != plain.fingerprint and windowed.window_groups[0].window == 128
