@@ -133,6 +133,58 @@ def controller(ctx: click.Context) -> None:
     sys.exit(controller_main(ctx.args))
 
 
+@main.command()
+@config_option
+@click.option("--load", "load_ops", default=0.0, show_default=True,
+              help="Run the synthetic workload at about this many operations per second (0: serve only).")
+@click.option("--duration", default=0.0, show_default=True, help="Stop after this many seconds (0: at SIGINT/SIGTERM).")
+@click.option("--seed", default=0, show_default=True)
+def node(config_path: str | None, load_ops: float, duration: float, seed: int) -> None:
+    """Run a cache instance: the configured tiers, /metrics (metrics.port), KV events (kv_events), the cluster
+    (tier peer); --load drives a synthetic workload on it (a demo instance for dashboards)."""
+    from kvfabric.node import run_node
+    totals = run_node(_load(config_path), load_ops=load_ops, duration_s=duration, seed=seed,
+                      on_ready=lambda line: click.echo(line, err=True))
+    click.echo(json.dumps(totals))
+
+
+@main.command()
+@click.argument("urls", nargs=-1)
+@config_option
+@click.option("--watch", is_flag=True, help="Refresh until interrupted.")
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
+              help="Bearer token for a controller's /metrics (default: $KVFABRIC_CLUSTER__TOKEN).")
+@click.option("--iterations", default=0, hidden=True, help="With --watch: stop after N refreshes (tests).")
+def stats(urls: tuple[str, ...], config_path: str | None, watch: bool, interval: float, token_file: str | None,
+          iterations: int) -> None:
+    """A live view of kvfabric instances' /metrics: hit rate, tokens saved, tier usage, latency percentiles.
+    URLs default to this config's metrics endpoint (metrics.port)."""
+    from rich.console import Console
+
+    from kvfabric import statsview
+    if not urls:
+        config = _load(config_path)
+        if not config.metrics.port:
+            raise click.UsageError("give the URLs of /metrics endpoints, or set metrics.port in the config")
+        urls = (f"http://{config.metrics.host}:{config.metrics.port}/metrics",)
+    token = os.environ.get("KVFABRIC_CLUSTER__TOKEN") or None
+    if token_file:
+        with open(token_file) as f:
+            token = f.read().strip() or None
+    console = Console()
+    if watch:
+        try:
+            statsview.watch(urls, token, interval, console, iterations)
+        except KeyboardInterrupt:
+            pass
+        return
+    found = [statsview.scrape(url, token) for url in urls]
+    console.print(statsview.render(found))
+    if all(s.error for s in found):
+        sys.exit(1)
+
+
 @main.group()
 def profile() -> None:
     """Offline calibration of a model's codec tables (runs the model)."""
@@ -215,6 +267,20 @@ def bench_trace(traces: tuple[str, ...], as_json: bool, plot: str | None, capaci
                   as_json=as_json, plot=plot, limit=2000 if quick else limit, bounds=bounds, model=model)
     except (FileNotFoundError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@bench.command("soak")
+@click.option("--duration", default=600.0, show_default=True, help="Seconds of load.")
+@click.option("--threads", "num_threads", default=3, show_default=True, help="Load threads in each of the two processes.")
+@click.option("--json", "as_json", is_flag=True, help="One final JSON object.")
+@click.option("--plot", default=None, metavar="PNG", help="RSS, fds, threads, shm, Redis memory, hit ratio over time.")
+@click.option("--redis-url", default=None, help="Use this Redis (default: a private redis-server with maxmemory).")
+def bench_soak(duration: float, num_threads: int, as_json: bool, plot: str | None, redis_url: str | None) -> None:
+    """Sustained mixed load over cpu + shm + disk + redis from two processes: bounded resources, no wrong bytes,
+    no hangs, a stable hit ratio (exit status 1 if any of that fails)."""
+    from kvfabric.bench.soak import run
+    if not run(duration_s=duration, num_threads=num_threads, as_json=as_json, plot=plot, redis_url=redis_url).ok:
+        sys.exit(1)
 
 
 @bench.command("p2p")
