@@ -133,6 +133,58 @@ def controller(ctx: click.Context) -> None:
     sys.exit(controller_main(ctx.args))
 
 
+@main.command()
+@config_option
+@click.option("--load", "load_ops", default=0.0, show_default=True,
+              help="Run the synthetic workload at about this many operations per second (0: serve only).")
+@click.option("--duration", default=0.0, show_default=True, help="Stop after this many seconds (0: at SIGINT/SIGTERM).")
+@click.option("--seed", default=0, show_default=True)
+def node(config_path: str | None, load_ops: float, duration: float, seed: int) -> None:
+    """Run a cache instance: the configured tiers, /metrics (metrics.port), KV events (kv_events), the cluster
+    (tier peer); --load drives a synthetic workload on it (a demo instance for dashboards)."""
+    from kvfabric.node import run_node
+    totals = run_node(_load(config_path), load_ops=load_ops, duration_s=duration, seed=seed,
+                      on_ready=lambda line: click.echo(line, err=True))
+    click.echo(json.dumps(totals))
+
+
+@main.command()
+@click.argument("urls", nargs=-1)
+@config_option
+@click.option("--watch", is_flag=True, help="Refresh until interrupted.")
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
+              help="Bearer token for a controller's /metrics (default: $KVFABRIC_CLUSTER__TOKEN).")
+@click.option("--iterations", default=0, hidden=True, help="With --watch: stop after N refreshes (tests).")
+def stats(urls: tuple[str, ...], config_path: str | None, watch: bool, interval: float, token_file: str | None,
+          iterations: int) -> None:
+    """A live view of kvfabric instances' /metrics: hit rate, tokens saved, tier usage, latency percentiles.
+    URLs default to this config's metrics endpoint (metrics.port)."""
+    from rich.console import Console
+
+    from kvfabric import statsview
+    if not urls:
+        config = _load(config_path)
+        if not config.metrics.port:
+            raise click.UsageError("give the URLs of /metrics endpoints, or set metrics.port in the config")
+        urls = (f"http://{config.metrics.host}:{config.metrics.port}/metrics",)
+    token = os.environ.get("KVFABRIC_CLUSTER__TOKEN") or None
+    if token_file:
+        with open(token_file) as f:
+            token = f.read().strip() or None
+    console = Console()
+    if watch:
+        try:
+            statsview.watch(urls, token, interval, console, iterations)
+        except KeyboardInterrupt:
+            pass
+        return
+    found = [statsview.scrape(url, token) for url in urls]
+    console.print(statsview.render(found))
+    if all(s.error for s in found):
+        sys.exit(1)
+
+
 @main.group()
 def profile() -> None:
     """Offline calibration of a model's codec tables (runs the model)."""
@@ -246,6 +298,20 @@ def bench_trace(traces: tuple[str, ...], as_json: bool, plot: str | None, capaci
         raise click.ClickException(str(exc)) from None
 
 
+@bench.command("soak")
+@click.option("--duration", default=600.0, show_default=True, help="Seconds of load.")
+@click.option("--threads", "num_threads", default=3, show_default=True, help="Load threads in each of the two processes.")
+@click.option("--json", "as_json", is_flag=True, help="One final JSON object.")
+@click.option("--plot", default=None, metavar="PNG", help="RSS, fds, threads, shm, Redis memory, hit ratio over time.")
+@click.option("--redis-url", default=None, help="Use this Redis (default: a private redis-server with maxmemory).")
+def bench_soak(duration: float, num_threads: int, as_json: bool, plot: str | None, redis_url: str | None) -> None:
+    """Sustained mixed load over cpu + shm + disk + redis from two processes: bounded resources, no wrong bytes,
+    no hangs, a stable hit ratio (exit status 1 if any of that fails)."""
+    from kvfabric.bench.soak import run
+    if not run(duration_s=duration, num_threads=num_threads, as_json=as_json, plot=plot, redis_url=redis_url).ok:
+        sys.exit(1)
+
+
 @bench.command("p2p")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--repeats", default=5, show_default=True)
@@ -271,10 +337,15 @@ def bench_vllm(ctx: click.Context) -> None:
 @click.option("--length", "doc_tokens", default=4096, show_default=True, help="Tokens per document.")
 @click.option("--question", "question_tokens", default=64, show_default=True, help="Tokens per question.")
 @click.option("--seed", default=0, show_default=True)
-def bench_long_doc_qa(as_json: bool, num_docs: int, doc_tokens: int, question_tokens: int, seed: int) -> None:
-    """TTFT of cache misses and hits on the real model, with the physical-limit decomposition."""
+@click.option("--model", default="smollm2-135m-instruct", show_default=True,
+              help="Builtin model (gemma3-270m, qwen2.5-coder-0.5b, ...) or a local HF folder.")
+@click.option("--kv-dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16",
+              show_default=True, help="Stored KV dtype; float32 for the exactness figure.")
+def bench_long_doc_qa(as_json: bool, num_docs: int, doc_tokens: int, question_tokens: int, seed: int, model: str,
+                      kv_dtype: str) -> None:
+    """TTFT of cache misses and hits on the real model, with the physical-limit decomposition and hit exactness."""
     from kvfabric.bench.long_doc_qa import run
-    run(num_docs, doc_tokens, question_tokens, seed, as_json)
+    run(num_docs, doc_tokens, question_tokens, seed, as_json, model, kv_dtype)
 
 
 
@@ -285,10 +356,14 @@ def bench_long_doc_qa(as_json: bool, num_docs: int, doc_tokens: int, question_to
 @click.option("--length", "ctx_tokens", default=2048, show_default=True, help="Context tokens per document.")
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--quick", is_flag=True, help="Fewer documents and codecs (a smoke run).")
-def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int, repeats: int, quick: bool) -> None:
+@click.option("--model", "model_name", default="smollm2-135m-instruct", show_default=True,
+              help="Builtin model (gemma3-270m, qwen2.5-coder-0.5b, ...) or a local HF folder.")
+def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int, repeats: int, quick: bool,
+                model_name: str) -> None:
     """Codec levels on the real model: size ratio vs fp16, top-1 and KL of the next 64 tokens, encode/decode MB/s."""
     from kvfabric.bench.codec import run
-    run(as_json=as_json, plot=plot, num_docs=num_docs, ctx_tokens=ctx_tokens, repeats=repeats, quick=quick)
+    run(as_json=as_json, plot=plot, num_docs=num_docs, ctx_tokens=ctx_tokens, repeats=repeats, quick=quick,
+        model_name=model_name)
 
 
 @bench.command("stream")
@@ -350,8 +425,11 @@ def bench_video(as_json: bool, num_docs: int, ctx_tokens: int, context_tokens: i
               help="Also run 15 % with tokens ranked from a full prefill (a study: one more prefill per question).")
 @click.option("--report", "report_path", default=None, metavar="JSONL",
               help="Only summarise the JSON lines of an earlier (possibly unfinished) --json run.")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True,
+              help="Builtin Llama-family model (qwen2.5-coder-0.5b / -1.5b, ...) or a local folder; "
+                   "sliding-window models (Gemma 3) are refused at start-up.")
 def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers: str | None, passages: int,
-                data: str | None, auto: bool, oracle: bool, report_path: str | None) -> None:
+                data: str | None, auto: bool, oracle: bool, report_path: str | None, model: str) -> None:
     """CacheBlend on the real model: full prefill vs full reuse vs blend at 5/15/30% vs random 15%."""
     from kvfabric.bench import blend
     if report_path:
@@ -367,8 +445,12 @@ def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers
             BlendConfig(check_layers=layers)
         except ValueError as e:
             raise click.BadParameter(f"{check_layers!r}: {e}", param_hint="--check-layers") from None
-    blend.run(as_json=as_json, limit=limit, start=start, stride=stride, check_layers=layers, passages=passages,
-              data=data, auto=auto, oracle=oracle)
+    from kvfabric.blend.runner import UnsupportedModel
+    try:
+        blend.run(as_json=as_json, limit=limit, start=start, stride=stride, check_layers=layers, passages=passages,
+                  data=data, auto=auto, oracle=oracle, model=model)
+    except UnsupportedModel as exc:  # e.g. Gemma 3's sliding windows: say so, never compute wrong KV
+        raise click.ClickException(f"bench blend on {model}: {exc}") from None
 
 
 @bench.command("droidspeak")

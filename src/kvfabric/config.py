@@ -165,6 +165,29 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """Prometheus metrics of this process (kvfabric.metrics): off unless a port is set."""
+    port: int = 0  # 0 = no endpoint; e.g. 9464 serves http://127.0.0.1:9464/metrics
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"metrics.port: must be 0 (off) or a TCP port, got {self.port}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """Chunk stored / removed events for KV-aware routers, in vLLM's wire format (kvfabric.events)."""
+    enabled: bool = False
+    endpoint: str = "tcp://127.0.0.1:5557"  # ZMQ PUB; "" = collect only (the vLLM connector hands them to vLLM)
+    replay_endpoint: str = ""  # ZMQ ROUTER answering replay requests from a sequence number
+    topic: str = "kvfabric"
+    buffer_steps: int = 10_000  # batches kept for replay
+    interval_s: float = 0.5  # how often queued events are published and vanished chunks looked for
+    max_tracked: int = 1_000_000  # chunks remembered for removal events (oldest forgotten first)
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     chunk_size: int = 256
     hash: Literal["sha256", "blake3"] = "sha256"
@@ -179,6 +202,8 @@ class Config:
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
     mooncake: MooncakeTierConfig = field(default_factory=MooncakeTierConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
