@@ -15,6 +15,10 @@ The cache is in-process (``CacheEngine``) or, with ``mode: server`` in the confi
 (``RemoteCache``: same calls; a server that is down is a miss, never an error).
 Compute is always fp32; the cache stores KV in ``kv_dtype`` (default float16). With
 float32 storage a hit gives the same logits as a full prefill (|diff| < 1e-4).
+Sliding-window layers (Gemma 3; the layout's window groups) live full-length in the same buffer: the model's
+mask applies the window by absolute position, so every window-layer row a prefill computes is there to store,
+and a hit restores exactly the rows a continuation reads (``KVLayout.window_start``); tested on Gemma-3-270m
+and Qwen2.5-Coder-0.5B in tests/test_hf_models.py.
 An ``HFEngine`` is not thread-safe (it owns one reusable buffer).
 """
 
