@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kvfabric.codec.base import Codec, Decoders, WrongLayoutError
-from kvfabric.codec.format import ChunkFormatError
+from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError
 from kvfabric.codec.raw import RawCodec, new_payload, seal
 from kvfabric.codec.registry import CodecChoice, parse_codec
 from kvfabric.config import Config
@@ -191,13 +191,19 @@ class CacheEngine:
         return True
 
     def read_chunk(self, key: bytes, out: torch.Tensor | None = None, *, num_tokens: int | None = None,
-                   scratch: Scratch | None = None) -> ChunkHit | ChunkMiss:
+                   scratch: Scratch | None = None, promote: bool = True) -> ChunkHit | ChunkMiss:
         """One chunk by key. With `out` [L, 2, H, T, D] (any float dtype, T the chunk's tokens) it is decoded
         into `out`. Without, `kv` holds num_tokens (default chunk_size) tokens in the layout dtype: a raw chunk
         is a zero-copy view, over `scratch` when the first tier reads into it (valid until the caller reuses
-        `scratch`) or over the stored blob (read it, never write it); other codecs decode into a new tensor."""
+        `scratch`) or over the stored blob (read it, never write it); other codecs decode into a new tensor.
+        `promote=False`: a chunk found below the first tier is not copied into the faster tiers, and every tier
+        reads into `scratch` (no fresh allocation: for a caller that copies the KV elsewhere right away)."""
         num_tokens = out.shape[3] if out is not None else num_tokens or self.chunk_size
-        return self._take(key, self.stack.get(key, scratch), num_tokens, out)
+        return self._take(key, self.stack.get(key, scratch, promote), num_tokens, out)
+
+    def chunk_blob_bytes(self) -> int:
+        """Bytes of one whole chunk's blob with the raw codec (header + payload): the size a read buffer needs."""
+        return HEADER_BYTES + self.layout.num_bytes(self.chunk_size)
 
     def _take(self, key: bytes, found: StackHit | None, num_tokens: int,
               out: torch.Tensor | None) -> ChunkHit | ChunkMiss:

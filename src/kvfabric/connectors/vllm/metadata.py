@@ -3,8 +3,10 @@
 Contract:
 - Scheduler -> worker, ``KVFabricMetadata`` (one per step): the loads and saves of the step, each with its chunk
   keys already computed (the worker never hashes tokens) and the request's block table from token 0.
-  A LoadSpec loads tokens [start, end) (start need not be chunk-aligned: vLLM may already hold a prefix);
-  a SaveSpec saves the whole chunks [start, end) (both chunk-aligned).
+  A LoadSpec loads tokens [start, end) (start need not be chunk-aligned: vLLM may already hold a prefix),
+  asynchronously (`is_async`: the request waits in WAITING_FOR_REMOTE_KVS, the load spans steps) or within the
+  step; a SaveSpec saves the whole chunks [start, end) (both chunk-aligned). `is_idle`: nothing is scheduled
+  this step (the worker may then wait briefly for an asynchronous load instead of returning at once).
 - Worker -> scheduler, ``KVFabricWorkerMetadata`` (only when there is something to say): per-request
   ``RequestStats`` of the step (added up with ``+``), and the keys that entered or left the worker's
   process-memory tier (the scheduler mirrors them, since it cannot see that tier).
@@ -26,6 +28,7 @@ class LoadSpec:
     start: int  # load tokens [start, end) into the request's slots
     end: int
     block_ids: list[int]  # block table from token 0, covering `end`
+    is_async: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,7 @@ _SUMMED = tuple(f.name for f in dataclasses.fields(RequestStats) if f.name != "b
 class KVFabricMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    is_idle: bool = False
 
 
 @dataclass
