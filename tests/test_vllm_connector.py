@@ -324,3 +324,37 @@ def test_request_stats_add_up_across_steps_and_processes():
     assert params == {"external_hit_tokens": 0, "local_hit_tokens": 0, "loaded_tokens": 512, "failed_tokens": 512,
                       "saved_tokens": 0, "load_read_s": 0.5, "bytes": {"cpu": 7, "disk": 150}}
     assert json.loads(json.dumps(params)) == params  # it rides in the request's output as plain JSON
+
+
+def test_scheduler_counts_chunks_a_peer_holds(tmp_path):
+    """With tier "peer", the scheduler's lookup asks the controller: chunks another instance holds are a hit (the
+    worker's peer tier fetches them), chunks nobody holds are not."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from kvfabric import CacheEngine
+    from kvfabric.cluster.controller_app import create_app
+    from kvfabric.cluster.index_memory import MemoryIndex
+    from kvfabric.config import ClusterConfig, Config
+    from kvfabric.connectors.vllm.scheduler import SchedulerSide
+    from kvfabric.layout import KVLayout
+    from tests.cluster_scripts.helpers import ControllerThread, wait_for
+
+    layout = KVLayout(2, 1, 4, "float32")
+    controller = ControllerThread(create_app(MemoryIndex(), token="t", instance_ttl_s=30, sweep_interval_s=0.2)).start()
+    try:
+        def config(name: str) -> Config:
+            return Config(chunk_size=CHUNK, tiers=("cpu", "peer"), cluster=ClusterConfig(
+                controller_url=controller.url, token="t", instance_id=name, report_interval_s=0.05,
+                heartbeat_interval_s=0.2, lookup_ttl_s=0.05))
+        tokens = list(range(3 * CHUNK + 10))
+        with CacheEngine(config("holder"), layout, "m") as holder:
+            side = SchedulerSide(config("vllm"), layout, "m", 128, "tokens")
+            request = SimpleNamespace(request_id="a", prompt_token_ids=tokens, lora_request=None, mm_features=[],
+                                      cache_salt=None, block_hashes=[], num_tokens=len(tokens), kv_transfer_params=None)
+            assert side.num_new_matched_tokens(request, 0) == 0  # nobody holds anything yet
+            holder.store(tokens, torch.randn(layout.shape(2 * CHUNK)))  # chunks 0-1 only
+            assert wait_for(lambda: side.num_new_matched_tokens(request, 0) == 2 * CHUNK)
+            side.lookup.close()
+    finally:
+        controller.stop()
