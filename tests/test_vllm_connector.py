@@ -307,6 +307,34 @@ def test_token_keys_skip_lora_and_salt_selects_a_namespace(tmp_path):
     assert not {*both} & {*salted}
 
 
+def test_a_chunk_that_failed_a_load_is_not_offered_again(tmp_path):
+    """An async load whose first chunk fails sends the request back to waiting with nothing computed; vLLM then
+    asks the scheduler again, which must not offer the same chunk (an endless load-fail loop otherwise)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from kvfabric import CacheEngine
+    from kvfabric.config import Config
+    from kvfabric.connectors.vllm.metadata import KVFabricWorkerMetadata
+    from kvfabric.connectors.vllm.scheduler import SchedulerSide
+    from kvfabric.layout import KVLayout
+
+    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
+    layout = KVLayout(2, 1, 4, "float32")
+    tokens = list(range(2 * CHUNK + 5))
+    with CacheEngine(config, layout, "m") as engine:
+        engine.store(tokens, torch.randn(layout.shape(2 * CHUNK)))
+        engine.flush()
+    side = SchedulerSide(config, layout, "m", 128, "tokens")
+    request = SimpleNamespace(request_id="a", prompt_token_ids=tokens, lora_request=None, mm_features=[],
+                              cache_salt=None, block_hashes=[], num_tokens=len(tokens), kv_transfer_params=None)
+    assert side.num_new_matched_tokens(request, 0) == 2 * CHUNK
+    keys = side.request_keys(request)
+    side.update(SimpleNamespace(kv_connector_worker_meta=KVFabricWorkerMetadata(failed=[keys[0]])))
+    assert side.num_new_matched_tokens(request, 0) == 0
+    side.lookup.close()
+
+
 def test_request_stats_add_up_across_steps_and_processes():
     import pickle
 
@@ -317,8 +345,8 @@ def test_request_stats_add_up_across_steps_and_processes():
     step2 = RequestStats(loaded_tokens=256, failed_tokens=512, bytes_loaded=(("cpu", 7), ("disk", 50)))
     meta = KVFabricWorkerMetadata({"a": step1}, [b"k1"], [])
     meta.aggregate(pickle.loads(pickle.dumps(KVFabricWorkerMetadata({"a": step2, "b": RequestStats(saved_tokens=256)},
-                                                                    [b"k2"], [b"k1"]))))
-    assert meta.stored == [b"k1", b"k2"] and meta.removed == [b"k1"]
+                                                                    [b"k2"], [b"k1"], [b"bad"]))))
+    assert meta.stored == [b"k1", b"k2"] and meta.removed == [b"k1"] and meta.failed == [b"bad"]
     assert meta.requests["b"].saved_tokens == 256
     params = meta.requests["a"].as_params()
     assert params == {"external_hit_tokens": 0, "local_hit_tokens": 0, "loaded_tokens": 512, "failed_tokens": 512,

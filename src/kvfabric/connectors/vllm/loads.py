@@ -48,6 +48,7 @@ class LoadOutcome:
     req_id: str
     end: int  # tokens [spec.start, end) are in place
     bad_blocks: tuple[int, ...]  # blocks holding tokens [end, spec.end): to recompute
+    bad_key: bytes | None  # the chunk that was missing or corrupt
     stats: RequestStats
 
 
@@ -72,7 +73,8 @@ class _Job:
         stats = RequestStats(loaded_tokens=end - spec.start, failed_tokens=spec.end - end,
                              load_read_s=time.perf_counter() - self.started,
                              bytes_loaded=tuple(sorted(self.by_tier.items())))
-        return LoadOutcome(spec.req_id, end, tuple(bad), stats)
+        bad_key = None if self.first_bad is None else spec.keys[self.first_bad]
+        return LoadOutcome(spec.req_id, end, tuple(bad), bad_key, stats)
 
 
 class _Layered:

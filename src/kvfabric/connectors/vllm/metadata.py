@@ -9,7 +9,8 @@ Contract:
   this step (the worker may then wait briefly for an asynchronous load instead of returning at once).
 - Worker -> scheduler, ``KVFabricWorkerMetadata`` (only when there is something to say): per-request
   ``RequestStats`` of the step (added up with ``+``), and the keys that entered or left the worker's
-  process-memory tier (the scheduler mirrors them, since it cannot see that tier).
+  process-memory tier (the scheduler mirrors them, since it cannot see that tier), and the keys of chunks that
+  failed a load.
 - A finished request's ``kv_transfer_params["kvfabric"]`` is its summed ``RequestStats.as_params()``.
 """
 from __future__ import annotations
@@ -78,6 +79,7 @@ class KVFabricWorkerMetadata(KVConnectorWorkerMetadata):
     requests: dict[str, RequestStats] = field(default_factory=dict)  # per-request stats of the step
     stored: list[bytes] = field(default_factory=list)  # keys now in the worker's process-memory tier
     removed: list[bytes] = field(default_factory=list)  # keys gone from it
+    failed: list[bytes] = field(default_factory=list)  # chunks that were missing or corrupt when loaded
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KVFabricWorkerMetadata):
@@ -85,4 +87,5 @@ class KVFabricWorkerMetadata(KVConnectorWorkerMetadata):
                 self.requests[req_id] = self.requests.get(req_id, RequestStats()) + stats
             self.stored.extend(other.stored)
             self.removed.extend(other.removed)
+            self.failed.extend(other.failed)
         return self

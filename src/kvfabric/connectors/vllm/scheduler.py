@@ -126,6 +126,14 @@ class ChunkLookup:
         num = present.index(False) if False in present else len(keys)
         return PrefixHit(num, sum(in_memory[:num]))
 
+    def forget(self, keys: Sequence[bytes]) -> None:
+        """Chunks that failed a load (missing or corrupt; the worker has discarded them): never offered again until
+        stored anew. A disk tier re-checks its folder on an index miss, so a chunk saved again is found again."""
+        self.mirror.difference_update(keys)
+        for tier in self.tiers:
+            for key in keys:
+                tier.delete(key)
+
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()
@@ -288,6 +296,8 @@ class SchedulerSide:
             return
         self.lookup.mirror.update(meta.stored)
         self.lookup.mirror.difference_update(meta.removed)
+        if meta.failed:
+            self.lookup.forget(meta.failed)
         for req_id, stats in meta.requests.items():
             state = self.states.get(req_id)
             if state is not None:

@@ -16,8 +16,9 @@ Contract, per step (vLLM calls the hooks in this order):
   reported once, success or not; a failed one's blocks are reported by `take_invalid_blocks` in the same pass, so
   vLLM recomputes from the first bad block. On a step with nothing scheduled it first waits a few ms for a load
   to end (vLLM would otherwise poll in a tight loop, taking the cores the load needs).
-- `worker_meta()`: per-request ``RequestStats`` of the step, and the keys that entered or left the process-memory
-  tier (the scheduler mirrors them for its lookups).
+- `worker_meta()`: per-request ``RequestStats`` of the step, the keys that entered or left the process-memory
+  tier (the scheduler mirrors them for its lookups), and the keys of chunks that failed a load (the scheduler
+  forgets them, so a request sent back to waiting is not offered the same bad chunk again).
 Paged layout: ``kvfabric.connectors.paged``; the K/V region layouts are measured at first use
 (``detect_cpu_kv_layout``), so stored chunks are true [layers, 2, heads, tokens, head_dim] KV.
 """
@@ -77,6 +78,7 @@ class WorkerSide:
         self.step_stats: dict[str, RequestStats] = {}
         self.invalid_blocks: set[int] = set()
         self._reported: set[bytes] = set()
+        self._failed_keys: list[bytes] = []  # chunks that failed a load since the last worker_meta
         self._tier_touched = False  # a load may have read (and so touched) memory-tier entries
         self._closed = False
         atexit.register(self.close)
@@ -145,6 +147,8 @@ class WorkerSide:
         self._add_stats(outcome.req_id, outcome.stats)
         self.counters.add("load_read_ns", int(outcome.stats.load_read_s * 1e9))
         self.counters.add("loaded_tokens", outcome.stats.loaded_tokens)
+        if outcome.bad_key is not None:
+            self._failed_keys.append(outcome.bad_key)
         if outcome.bad_blocks:
             self.invalid_blocks.update(outcome.bad_blocks)
             self.failed_reqs.add(outcome.req_id)
@@ -218,9 +222,10 @@ class WorkerSide:
                 self._reported.difference_update(removed)
         self._tier_touched = False
         requests, self.step_stats = self.step_stats, {}
-        if not (requests or stored or removed):
+        failed, self._failed_keys = self._failed_keys, []
+        if not (requests or stored or removed or failed):
             return None
-        return KVFabricWorkerMetadata(requests, list(stored), removed)
+        return KVFabricWorkerMetadata(requests, list(stored), removed, failed)
 
     def take_invalid_blocks(self) -> set[int]:
         out, self.invalid_blocks = self.invalid_blocks, set()
