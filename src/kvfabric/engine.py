@@ -12,6 +12,8 @@ Contract:
   `out[..., :m, :]` is returned: the fast path (no allocation, one copy per chunk).
 - `read_chunk(key, out=None)`: one chunk by key, a `ChunkHit` (KV, serving tier, bytes read) or a `ChunkMiss`
   (missing, corrupt, wrong_layout); a chunk that fails its checks is discarded and counted, as in `retrieve`.
+  With `promote=False` a chunk from a lower tier is read into the caller's scratch and not promoted (a caller
+  that copies the KV elsewhere at once pays no allocation); `chunk_blob_bytes()` sizes such a scratch.
 - `new_payload()` then `store_chunk(key, payload)`: the caller lays a chunk's KV out in the payload (raw codec:
   the payload region of the very blob that will be stored, no encode copy); a chunk already held is skipped.
 - `delete(tokens)` removes a prompt's chunks from every tier; `tier_keys`, `tier_usage`, `clear_tier` address one

@@ -128,17 +128,19 @@ def server_argv(python: str, model: str, port: int, kv_bytes: int, max_len: int)
 
 
 def run_system(system: str, workloads: Sequence[Workload], model: str, work: Path, kv_bytes: int, max_len: int,
-               log) -> list[dict[str, Any]]:  # noqa: ANN001
-    """Start the system's server once, run every workload on it (each with its own prompts), stop it."""
-    python = find_lmcache_python() if system == "lmcache" else find_python()
+               log, python: str) -> list[dict[str, Any]]:  # noqa: ANN001
+    """Start the system's server once (`python`: one with vllm, and lmcache for that system), run every workload
+    on it (each with its own prompts), stop it."""
     port = free_port()
     argv = server_argv(python, model, port, kv_bytes, max_len)
     lmcache = None
     if system == "kvfabric":
-        from kvfabric.connectors.vllm.config import kv_transfer_config
-        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config({
-            "chunk_size": 256, "tiers": ["cpu"], "cpu": {"capacity": "8GiB"}, "model_id": "kvfabric-bench-serve",
-            "stats_path": str(work / "stats-kvfabric.json")}))]
+        # spelled out as a user passes it to `vllm serve` (kvfabric.connectors.vllm imports vLLM, absent here)
+        argv += ["--kv-transfer-config", json.dumps({
+            "kv_connector": "KVFabricConnector", "kv_connector_module_path": "kvfabric.connectors.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": {
+                "chunk_size": 256, "tiers": ["cpu"], "cpu": {"capacity": "8GiB"}, "model_id": "kvfabric-bench-serve",
+                "stats_path": str(work / "stats-kvfabric.json")}})]
     elif system == "lmcache":
         lmcache = LMCacheServer(python, work, l1_gb=8.0)
         argv += ["--kv-transfer-config", json.dumps({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
@@ -165,7 +167,7 @@ def run_system(system: str, workloads: Sequence[Workload], model: str, work: Pat
 def run(systems: Sequence[str] = SYSTEMS, workload_names: Sequence[str] = ("docqa", "chat"), as_json: bool = False,
         plot: str | None = None, model: str | None = None, workdir: str | None = None, kv_tokens: int = 6144,
         max_len: int = 4096, docs: int = 4, doc_tokens: int = 1800, questions: int = 3, users: int = 2,
-        sessions: int = 6, trace: str | None = None) -> list[dict[str, Any]]:
+        sessions: int = 6, trace: str | None = None, python: str | None = None) -> list[dict[str, Any]]:
     if model is None:
         from kvfabric.engines.model import ensure_model
         model = str(ensure_model())
@@ -187,11 +189,12 @@ def run(systems: Sequence[str] = SYSTEMS, workload_names: Sequence[str] = ("docq
     rows: list[dict[str, Any]] = []
     notes = []
     for system in systems:
-        if system == "lmcache" and find_lmcache_python() is None:
+        system_python = find_lmcache_python() if system == "lmcache" else find_python(python)
+        if system_python is None:
             notes.append("lmcache skipped: no .venv-lmcache with lmcache and vllm (scripts/setup_lmcache_venv.sh)")
             continue
         try:
-            rows += run_system(system, workloads, model, work, kv_bytes, max_len, log)
+            rows += run_system(system, workloads, model, work, kv_bytes, max_len, log, system_python)
         except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
             notes.append(f"{system} failed: {str(exc)[:500]} (logs in {work})")
     for note in notes:
@@ -244,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--workloads", default="docqa,chat")
     ap.add_argument("--model", default=None, help="HF model folder (default: kvfabric's SmolLM2 via ensure_model)")
+    ap.add_argument("--python", default=None, help="Python with vLLM installed (default: this one or .venv-vllm)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--kv-tokens", type=int, default=6144, help="vLLM's KV memory, in tokens, for every system")
     ap.add_argument("--docs", type=int, default=4)
@@ -256,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     run([s for s in args.systems.split(",") if s], [w for w in args.workloads.split(",") if w], args.json,
         args.plot, args.model, args.workdir, args.kv_tokens, docs=args.docs, doc_tokens=args.doc_tokens,
-        questions=args.questions, users=args.users, sessions=args.sessions, trace=args.trace)
+        questions=args.questions, users=args.users, sessions=args.sessions, trace=args.trace, python=args.python)
     return 0
 
 
