@@ -335,6 +335,39 @@ def test_a_chunk_that_failed_a_load_is_not_offered_again(tmp_path):
     side.lookup.close()
 
 
+def test_partial_last_chunk_is_looked_up_and_saved_with_save_partial_chunk(tmp_path):
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from kvfabric import CacheEngine
+    from kvfabric.config import Config
+    from kvfabric.connectors.vllm.scheduler import SchedulerSide
+    from kvfabric.layout import KVLayout
+
+    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["disk"], "disk": {"path": str(tmp_path)},
+                               "save_partial_chunk": True})
+    layout = KVLayout(2, 1, 4, "float32")
+    tokens = list(range(2 * CHUNK + 40))
+    side = SchedulerSide(config, layout, "m", 128, "tokens")
+    request = SimpleNamespace(request_id="a", prompt_token_ids=tokens, lora_request=None, mm_features=[],
+                              cache_salt=None, block_hashes=[], num_tokens=len(tokens), kv_transfer_params=None)
+    assert len(side.request_keys(request)) == 3  # two whole chunks and the partial one
+    assert side.num_new_matched_tokens(request, 0) == 0
+    side.after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([0, 1, 2, 3, 4],)), 0)
+    meta = side.build_meta(SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="a", block_ids=([0, 1, 2, 3, 4],), num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[]), num_scheduled_tokens={"a": len(tokens)},
+        finished_req_ids=set(), total_num_scheduled_tokens=len(tokens)))
+    (save,) = meta.saves
+    assert (save.start, save.end, len(save.keys)) == (0, len(tokens), 3)  # the partial chunk ends with the prompt
+    with CacheEngine(config, layout, "m") as engine:
+        engine.store(tokens, torch.randn(layout.shape(len(tokens))))
+        engine.flush()
+    side.forget("a")
+    assert side.num_new_matched_tokens(request, 0) == len(tokens) - 1  # all but the one token vLLM computes
+    side.lookup.close()
+
+
 def test_request_stats_add_up_across_steps_and_processes():
     import pickle
 

@@ -97,3 +97,35 @@ def test_layered_load_waits_per_layer_and_reports_a_missing_chunk(setup):
     assert outcomes["a"].end == 2 * CHUNK and not outcomes["a"].bad_blocks
     assert outcomes["b"].end == CHUNK and outcomes["b"].bad_blocks == (10, 11)
     assert loader.finish_layered() == []
+
+
+def test_load_threads_yield_to_a_running_forward(setup):
+    import os
+
+    _, loader, *_ = setup
+    assert len(loader._tids) == 2
+    loader.set_busy(True)
+    assert {os.sched_getscheduler(tid) for tid in loader._tids} == {os.SCHED_IDLE}
+    loader.set_busy(False)
+    assert {os.sched_getscheduler(tid) for tid in loader._tids} == {os.SCHED_OTHER}
+
+
+def test_async_load_of_a_partial_last_chunk(tmp_path):
+    """With save_partial_chunk, a prompt's trailing partial chunk is stored and loaded: all but one token reused."""
+    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["disk"], "disk": {"path": str(tmp_path)},
+                               "save_partial_chunk": True})
+    tokens = list(range(1, 2 * CHUNK + 11))  # 2 whole chunks + 10 tokens
+    kv = torch.randn(LAYOUT.shape(len(tokens)), generator=torch.Generator().manual_seed(1))
+    with CacheEngine(config, LAYOUT, "m") as engine:
+        assert engine.store(tokens, kv) == 3
+        engine.flush()
+        layers = [CpuPagedLayer(torch.zeros(8, 2, BLOCK, 16), BLOCK) for _ in range(LAYOUT.num_layers)]
+        loader = Loader(engine, Counters(), BLOCK, num_threads=1)
+        loader.bind(layers)
+        block_ids = [3, 1, 4, 0, 6]
+        end = len(tokens) - 1  # vLLM computes the last token
+        loader.start_async(LoadSpec("r", engine.keys(tokens), 0, end, block_ids, True, len(tokens)))
+        (outcome,) = _wait_async(loader)
+        loader.stop()
+    assert outcome.end == end and not outcome.bad_blocks
+    assert torch.equal(_paged_kv(layers, block_ids, 0, end), kv[:, :, :, :end])

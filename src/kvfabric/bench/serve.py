@@ -197,8 +197,8 @@ def run(systems: Sequence[str] = SYSTEMS, workload_names: Sequence[str] = ("docq
             rows += run_system(system, workloads, model, work, kv_bytes, max_len, log, system_python)
         except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
             notes.append(f"{system} failed: {str(exc)[:500]} (logs in {work})")
-    for note in notes:
-        log(f"[bench serve] {note}")
+    for note in notes:  # also with --json: a system that did not run must never pass silently
+        print(f"[bench serve] {note}", file=sys.stderr, flush=True)
     if as_json:
         for row in rows:
             print(json.dumps({**row, "kv_budget_tokens": kv_tokens}), flush=True)

@@ -1,10 +1,13 @@
 """Worker-side loads: chunk reads and their scatter into vLLM's paged cache, on background threads.
 
 Contract:
-- `Loader(engine, counters, block_size, num_threads, nice)` owns `num_threads` threads (`nice` steps below the
-  process, so a forward that runs at the same time keeps the cores first) and one staging buffer per thread, allocated and touched at
+- `Loader(engine, counters, block_size, num_threads)` owns `num_threads` threads and one staging buffer per thread, allocated and touched at
   start-up: a load never pays page faults for fresh buffers (they cost ~1 GB/s on small machines, as much as
   the read itself). `bind(layers)` gives it the paged layers, ordered by layer index.
+- `set_busy(True)` while a forward runs that does not wait for these threads (the worker calls it per step): the
+  threads then run under SCHED_IDLE, on CPU time the forward leaves unused, so an asynchronous load does not
+  slow the requests that keep decoding; `set_busy(False)` gives them normal priority again (nothing to compete
+  with: the engine is only waiting for loads).
 - `start_async(spec)` (vLLM's WAITING_FOR_REMOTE_KVS path): the load's chunks are spread over the threads; a
   thread reads a chunk into its staging buffer (``CacheEngine.read_chunk(promote=False)``: checksums and layout
   verified, no copy into process memory: vLLM's own prefix cache will hold the KV) and scatters it into every
@@ -66,6 +69,12 @@ class _Job:
         first = (self.spec.start // self.chunk_size + i) * self.chunk_size
         return first, max(self.spec.start, first), min(self.spec.end, first + self.chunk_size)
 
+    def chunk_tokens(self, i: int) -> int:
+        """Tokens chunk i holds: chunk_size, or fewer for a partial last chunk (it ends with the prompt)."""
+        first = (self.spec.start // self.chunk_size + i) * self.chunk_size
+        prompt = self.spec.num_prompt_tokens or first + self.chunk_size
+        return max(1, min(self.chunk_size, prompt - first))
+
     def outcome(self, block_size: int) -> LoadOutcome:
         spec = self.spec
         end = spec.end if self.first_bad is None else self.chunk_span(self.first_bad)[1]
@@ -88,13 +97,13 @@ class _Layered:
 
 
 class Loader:
-    def __init__(self, engine: CacheEngine, counters: Counters, block_size: int, num_threads: int = 2,
-                 nice: int = 5) -> None:
+    def __init__(self, engine: CacheEngine, counters: Counters, block_size: int, num_threads: int = 2) -> None:
         self.engine = engine
         self.counters = counters
         self.block_size = block_size
         self.chunk_size = engine.chunk_size
-        self.nice = nice
+        self._tids: list[int] = []  # native ids of the threads, for their scheduling policy
+        self._is_busy = False
         self.layers: list[CpuPagedLayer] = []
         self._tasks: queue.Queue[tuple[_Job, int] | _Layered | None] = queue.Queue()
         self._finished: list[LoadOutcome] = []
@@ -110,6 +119,17 @@ class Loader:
 
     def bind(self, layers: Sequence[CpuPagedLayer]) -> None:
         self.layers = list(layers)
+
+    def set_busy(self, is_busy: bool) -> None:
+        if is_busy == self._is_busy or not hasattr(os, "SCHED_IDLE"):
+            return
+        self._is_busy = is_busy
+        policy = os.SCHED_IDLE if is_busy else os.SCHED_OTHER
+        for tid in self._tids:
+            try:
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
+            except OSError:  # not permitted here: loads then share the cores with the forward
+                pass
 
     # ---- async ----------------------------------------------------------------------------------------------
     def start_async(self, spec: LoadSpec) -> None:
@@ -163,11 +183,11 @@ class Loader:
 
     # ---- threads --------------------------------------------------------------------------------------------
     def _run(self, blob_bytes: int) -> None:
-        try:  # this thread only (Linux), relative to the process: a concurrent forward keeps the cores first
-            tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.nice))
-        except (OSError, AttributeError):
-            pass
+        with self._cond:
+            self._tids.append(threading.get_native_id())
+            if self._is_busy:  # set_busy ran before this thread was there
+                self._is_busy = False
+                self.set_busy(True)
         staging = Scratch()
         staging.view(blob_bytes)  # allocated and touched now, not during a request's load
         while (task := self._tasks.get()) is not None:
@@ -188,8 +208,9 @@ class Loader:
                 else:
                     self._chunk_done(task[0], task[1], None)
 
-    def _read(self, job: _Job, key: bytes, scratch: Scratch) -> torch.Tensor | None:
-        found = self.engine.read_chunk(key, scratch=scratch, promote=False)
+    def _read(self, job: _Job, i: int, scratch: Scratch) -> torch.Tensor | None:
+        found = self.engine.read_chunk(job.spec.keys[i], num_tokens=job.chunk_tokens(i), scratch=scratch,
+                                       promote=False)
         if isinstance(found, ChunkMiss):
             self.counters.add(f"load_{found.reason}_chunks")
             return None
@@ -203,7 +224,7 @@ class Loader:
         if job.first_bad is not None and job.first_bad < i:  # a chunk before it failed: no use loading it
             self._chunk_done(job, i, None)
             return
-        kv = self._read(job, job.spec.keys[i], staging)
+        kv = self._read(job, i, staging)
         if kv is not None:
             started = time.perf_counter_ns()
             first, lo, hi = job.chunk_span(i)
@@ -224,10 +245,10 @@ class Loader:
     def _run_layered(self, task: _Layered) -> None:
         held = 0
         for job, chunks in zip(task.jobs, task.chunks):
-            for key in job.spec.keys:
+            for i in range(len(job.spec.keys)):
                 if held == len(self._pool):
                     self._pool.append(Scratch())
-                kv = self._read(job, key, self._pool[held])
+                kv = self._read(job, i, self._pool[held])
                 if kv is None:
                     job.first_bad = len(chunks)
                     break

@@ -5,7 +5,8 @@ Contract:
   keys already computed (the worker never hashes tokens) and the request's block table from token 0.
   A LoadSpec loads tokens [start, end) (start need not be chunk-aligned: vLLM may already hold a prefix),
   asynchronously (`is_async`: the request waits in WAITING_FOR_REMOTE_KVS, the load spans steps) or within the
-  step; a SaveSpec saves the whole chunks [start, end) (both chunk-aligned). `is_idle`: nothing is scheduled
+  step; a SaveSpec saves the chunks [start, end) (start chunk-aligned; end too, or the prompt's end for its
+  partial last chunk). `is_idle`: nothing is scheduled
   this step (the worker may then wait briefly for an asynchronous load instead of returning at once).
 - Worker -> scheduler, ``KVFabricWorkerMetadata`` (only when there is something to say): per-request
   ``RequestStats`` of the step (added up with ``+``), and the keys that entered or left the worker's
@@ -30,14 +31,15 @@ class LoadSpec:
     end: int
     block_ids: list[int]  # block table from token 0, covering `end`
     is_async: bool = False
+    num_prompt_tokens: int = 0  # a last key may name a partial chunk: the prompt's tokens from its first token
 
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
     req_id: str
-    keys: list[bytes]  # keys of the whole chunks [start, end)
+    keys: list[bytes]  # keys of the chunks [start, end)
     start: int  # chunk-aligned
-    end: int
+    end: int  # chunk-aligned, or the prompt's end (its partial last chunk, with save_partial_chunk)
     block_ids: list[int]
 
 

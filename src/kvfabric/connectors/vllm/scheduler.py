@@ -93,7 +93,9 @@ class ChunkLookup:
         self.mirror: set[bytes] = set()  # keys the worker reported in its process-memory tier
 
     def keys(self, tokens: Sequence[int], cache_salt: str | None = None) -> list[ChunkKey]:
-        return chunk_keys(tokens, self.salted_root(cache_salt), self.chunk_size, False, self.config.hash)
+        """Keys of the prompt's whole chunks, plus its trailing partial chunk with `save_partial_chunk`."""
+        return chunk_keys(tokens, self.salted_root(cache_salt), self.chunk_size, self.config.save_partial_chunk,
+                          self.config.hash)
 
     def salted_root(self, cache_salt: str | None) -> bytes:
         """The key namespace of a request's cache_salt: kvfabric's tenant salt S (or "<config salt>/S")."""
@@ -204,7 +206,8 @@ class SchedulerSide:
         self.pending[req_id] = _Match(hit, num_computed_tokens)
         if not keys:
             return 0
-        num = min(hit.num_chunks * self.chunk_size, request.num_tokens - 1)  # a full hit leaves one token to compute
+        num_prompt = len(request.prompt_token_ids or ())  # a partial last chunk ends with the prompt
+        num = min(hit.num_chunks * self.chunk_size, num_prompt, request.num_tokens - 1)  # one token left to compute
         return max(0, num - num_computed_tokens)
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -228,7 +231,7 @@ class SchedulerSide:
                                                     stats=RequestStats(local_hit_tokens=local))
         state.keys = self.request_keys(request)
         state.block_ids = list(blocks.get_block_ids()[0])
-        state.saved_upto = match.hit.num_chunks * self.chunk_size  # already stored: never gathered again
+        state.saved_upto = min(match.hit.num_chunks * self.chunk_size, state.num_prompt_tokens)  # stored already
         if num_external_tokens > 0:
             state.load = _TokenSpan(local, local + num_external_tokens)
             if self.is_async:
@@ -275,9 +278,11 @@ class SchedulerSide:
         if state.load is not None:
             self._emit_load(meta, req_id, state, is_async=False)
         if state.can_store and state.keys:
-            end = min(state.next_computed, state.num_prompt_tokens, len(state.keys) * cs) // cs * cs
+            stored_end = min(state.num_prompt_tokens, len(state.keys) * cs)  # a partial last key: the prompt's end
+            end = min(state.next_computed, stored_end)
+            end = end if end == stored_end else end // cs * cs
             if end > state.saved_upto:
-                meta.saves.append(SaveSpec(req_id, state.keys[state.saved_upto // cs:end // cs], state.saved_upto,
+                meta.saves.append(SaveSpec(req_id, state.keys[state.saved_upto // cs:-(-end // cs)], state.saved_upto,
                                            end, state.block_ids[:-(-end // bs)]))
                 state.saved_upto = end
 
@@ -287,7 +292,7 @@ class SchedulerSide:
         state.load = None
         state.async_end = end if is_async else 0
         meta.loads.append(LoadSpec(req_id, state.keys[start // cs:-(-end // cs)], start, end,
-                                   state.block_ids[:-(-end // bs)], is_async))
+                                   state.block_ids[:-(-end // bs)], is_async, state.num_prompt_tokens))
         state.stats += RequestStats(external_hit_tokens=end - start)
 
     def update(self, output: KVConnectorOutput) -> None:

@@ -119,6 +119,8 @@ class WorkerSide:
         self.failed_reqs = set()
         if self.meta is None:
             return
+        # a forward that does not wait for the load threads: they take only the CPU time it leaves unused
+        self.loader.set_busy(not self.meta.is_idle and all(spec.is_async for spec in self.meta.loads))
         for spec in self.meta.loads:
             if spec.is_async:
                 self._tier_touched = True
@@ -169,15 +171,16 @@ class WorkerSide:
         index, layer = found
         started = time.perf_counter_ns()
         cs = self.chunk_size
-        if not self.saves:
-            self.saves = [ActiveSave(spec, [self.engine.new_payload() for _ in range(spec.start, spec.end, cs)])
+        if not self.saves:  # a chunk of the save holds cs tokens, or fewer for the prompt's partial last chunk
+            self.saves = [ActiveSave(spec, [self.engine.new_payload(min(cs, spec.end - first))
+                                            for first in range(spec.start, spec.end, cs)])
                           for spec in self.meta.saves]
         for save in self.saves:
             if index in save.layers_done:
                 continue
             for i, chunk in enumerate(save.chunks):
                 first = save.spec.start + i * cs
-                gather(layer, save.spec.block_ids, first, first + cs, chunk.kv[index])
+                gather(layer, save.spec.block_ids, first, first + chunk.kv.shape[3], chunk.kv[index])
             save.layers_done.add(index)
         self.counters.add("save_gather_ns", time.perf_counter_ns() - started)
 
