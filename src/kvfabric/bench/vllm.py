@@ -84,8 +84,8 @@ def make_prompts(model: str, sizes: Sequence[int], repeats: int = 3) -> dict[str
 
     tok = AutoTokenizer.from_pretrained(model)
     ids = tok(source_text()).input_ids
-    names = ["warmup"] + [f"{size}{tag}" for size in sizes
-                          for tag in ["", *(f"/off{r}" for r in range(repeats)), *(f"/on{r}" for r in range(1, repeats))]]
+    tags = ["", *(f"/off{r}" for r in range(repeats)), *(f"/on{r}" for r in range(1, repeats))]
+    names = ["warmup"] + [f"{size}{tag}" for size in sizes for tag in tags]
     lengths = [WARMUP_TOKENS] + [int(name.split("/")[0]) for name in names[1:]] + [max(sizes)]
     names.append("itl")
     if len(ids) < sum(lengths):

@@ -1,9 +1,9 @@
 """Worker-side loads: chunk reads and their scatter into vLLM's paged cache, on background threads.
 
 Contract:
-- `Loader(engine, counters, block_size, num_threads)` owns `num_threads` threads and one staging buffer per thread, allocated and touched at
-  start-up: a load never pays page faults for fresh buffers (they cost ~1 GB/s on small machines, as much as
-  the read itself). `bind(layers)` gives it the paged layers, ordered by layer index.
+- `Loader(engine, counters, block_size, num_threads)` owns `num_threads` threads and one staging buffer per
+  thread, allocated and touched at start-up: a load never pays page faults for fresh buffers (they cost ~1 GB/s
+  on small machines, as much as the read itself). `bind(layers)` gives it the paged layers, ordered by layer index.
 - `set_busy(True)` while a forward runs that does not wait for these threads (the worker calls it per step): the
   threads then run under SCHED_IDLE, on CPU time the forward leaves unused, so an asynchronous load does not
   slow the requests that keep decoding; `set_busy(False)` gives them normal priority again (nothing to compete
