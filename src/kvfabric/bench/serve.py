@@ -35,7 +35,8 @@ from typing import Any
 
 import httpx
 
-from kvfabric.bench.vllm import LMCacheServer, find_lmcache_python, find_python
+from kvfabric.bench.lmcache import LMCacheServer, find_lmcache_python
+from kvfabric.bench.vllm import find_python
 from kvfabric.bench.vllm_server import VllmServer, free_port
 from kvfabric.bench.workloads import Request, Workload, chat_sessions, doc_qa
 

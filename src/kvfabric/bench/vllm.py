@@ -35,10 +35,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from kvfabric.bench.lmcache import LMCacheServer, find_lmcache_python
 
 DEFAULT_SIZES = (1024, 4096, 8000)
 CHUNK = 256
@@ -97,50 +98,6 @@ def make_prompts(model: str, sizes: Sequence[int], repeats: int = 3) -> dict[str
     return prompts
 
 
-def find_lmcache_python() -> str | None:
-    """The LMCache venv's Python (scripts/setup_lmcache_venv.sh), or None: the LMCache column is then skipped."""
-    candidate = Path(__file__).resolve().parents[3] / ".venv-lmcache" / "bin" / "python"
-    if candidate.exists() and subprocess.run([str(candidate), "-c", "import lmcache, vllm"],
-                                             capture_output=True).returncode == 0:
-        return str(candidate)
-    return None
-
-
-class LMCacheServer:
-    """LMCache's standalone server (its multi-process mode, the one that runs on CPU), on 127.0.0.1."""
-
-    def __init__(self, python: str, workdir: Path, l1_gb: float = 4.0) -> None:
-        from kvfabric.bench.vllm_server import free_port
-
-        self.port, http_port = free_port(), free_port()
-        self.log = workdir / "lmcache-server.log"
-        lmcache = str(Path(python).parent / "lmcache")
-        env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false"}
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                [lmcache, "server", "--host", "127.0.0.1", "--port", str(self.port), "--chunk-size", str(CHUNK),
-                 "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
-                 "--http-host", "127.0.0.1", "--http-port", str(http_port), "--disable-observability"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + 180
-        while "cache server is running" not in self.log.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"lmcache server did not start:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.5)  # its log line is the only readiness signal it gives
-
-    def extra_config(self) -> dict[str, Any]:
-        return {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": self.port}
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
 def _child(python: str, spec: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
     spec_path = workdir / f"spec-{spec['mode']}.json"
     spec["out"] = str(workdir / f"result-{spec['mode']}.json")
@@ -152,7 +109,7 @@ def _child(python: str, spec: dict[str, Any], workdir: Path, timeout: float) -> 
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     log = workdir / f"engine-{spec['mode']}.log"
     with open(log, "w") as f:
-        proc = subprocess.run([python, "-m", "kvfabric.bench.vllm", "--_engine", str(spec_path)], stdout=f,
+        proc = subprocess.run([python, "-m", "kvfabric.bench.vllm_engine", str(spec_path)], stdout=f,
                               stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=workdir)
     if proc.returncode != 0 or not Path(spec["out"]).exists():
         raise RuntimeError(f"engine {spec['mode']} failed (rc={proc.returncode}); log: {log}\n"
@@ -268,157 +225,6 @@ def _table(rows: list[dict[str, Any]]) -> None:
         print(rows[0]["lmcache_note"], file=sys.stderr)
 
 
-# ---- child: one engine -------------------------------------------------------------------------------------
-def _engine(spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    mode, cache = spec["mode"], spec["cache"]
-    prompts = json.loads(Path(spec["prompts"]).read_text())
-    stats_path = Path(cache).parent / f"stats-{mode}.json"
-    kwargs: dict[str, Any] = dict(model=spec["model"], dtype="float32", enforce_eager=True,
-                                  max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=2 << 30, max_num_seqs=4, seed=0)
-    if mode.startswith("kvfabric"):
-        from kvfabric.connectors.vllm import kv_transfer_config
-        kwargs["kv_transfer_config"] = kv_transfer_config({
-            "chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": cache}, "model_id": MODEL_ID,
-            "stats_path": str(stats_path)})
-    elif mode.startswith("lmcache"):
-        kwargs["kv_transfer_config"] = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                                        "kv_connector_extra_config": spec["lmcache"]}
-    started = time.perf_counter()
-    llm = LLM(**kwargs)
-    startup = time.perf_counter() - started
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    params_off = SamplingParams(temperature=0.0, max_tokens=1,
-                                extra_args={"kv_transfer_params": {"kvfabric": {"load": False, "store": False}}})
-
-    def ttft(tokens: list[int], off: bool = False) -> tuple[float, int]:
-        t0 = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params_off if off else params, use_tqdm=False)
-        return time.perf_counter() - t0, int(out[0].num_cached_tokens or 0)
-
-    def worker_counters() -> dict[str, Any]:
-        try:
-            return json.loads(stats_path.read_text())["connector"]
-        except (OSError, ValueError, KeyError):
-            return {}
-
-    def chunk_files() -> set[str]:
-        return {str(p) for p in Path(cache).glob("??/*.kvc")} if Path(cache).exists() else set()
-
-    def wait_stored(expected: int) -> None:  # let the background save finish before the next measurement
-        deadline = time.time() + 120
-        while len(chunk_files()) < expected and time.time() < deadline:
-            time.sleep(0.1)
-
-    ttft(prompts["warmup"])
-    out: dict[str, Any] = {}
-    files: dict[str, list[str]] = {}
-    for size in spec["sizes"]:
-        key = str(size)
-        row: dict[str, Any] = {}
-        if mode.endswith("-hit"):
-            before = worker_counters()
-            row["cold"], row["cold_cached"] = ttft(prompts[key])
-            after = worker_counters()
-            row["loaded_tokens"] = after.get("loaded_tokens", 0) - before.get("loaded_tokens", 0)
-            row["load_s"] = (after.get("load_read_ns", 0) - before.get("load_read_ns", 0)) / 1e9
-            row["bytes_loaded"] = {k.split(".", 1)[1]: after[k] - before.get(k, 0) for k in after
-                                   if k.startswith("bytes_loaded.") and after[k] != before.get(k, 0)}
-            if spec.get("files"):
-                row["pagecache_copy_bps"] = pagecache_copy_bps(spec["files"][key])
-        elif mode == "kvfabric-cold":  # paired: kvfabric off, then on, for distinct same-size prompts
-            row["off"], row["on"] = [], []
-            for r in range(spec["repeats"]):
-                row["off"].append(ttft(prompts[f"{key}/off{r}"], off=True)[0])
-                known = chunk_files()
-                row["on"].append(ttft(prompts[key if r == 0 else f"{key}/on{r}"])[0])
-                wait_stored(len(known) + size // CHUNK)
-                if r == 0:
-                    files[key] = sorted(chunk_files() - known)
-            row["cold"] = row["on"][0]
-        else:
-            row["cold"], row["cold_cached"] = ttft(prompts[key])
-            if mode == "plain":
-                row["hit"], row["hit_cached"] = ttft(prompts[key])
-        out[key] = row
-        print(f"[{mode}] {key}: {json.dumps(row)}", flush=True)
-    result: dict[str, Any] = {"mode": mode, "startup_s": round(startup, 1), "ttft": out, "files": files}
-    if mode == "kvfabric-cold":  # the prompt the hit engine loads while another request decodes
-        known = chunk_files()
-        ttft(prompts["itl"])
-        wait_stored(len(known) + len(prompts["itl"]) // CHUNK)
-    if mode == "kvfabric-hit":
-        result["itl"] = itl_under_load(llm, prompts)
-        print(f"[{mode}] itl: {json.dumps(result['itl'])}", flush=True)
-    Path(spec["out"]).write_text(json.dumps(result))
-    try:
-        llm.llm_engine.engine_core.shutdown(timeout=30)
-    except Exception as exc:  # noqa: BLE001
-        print(f"engine shutdown: {exc!r}", flush=True)
-    sys.stdout.flush()
-    os._exit(0)
-
-
-def pagecache_copy_bps(paths: Sequence[str], repeats: int = 3) -> float:
-    """Bytes/s of reading these files (in the page cache: just written and read) into one buffer and copying each
-    into a tensor: the physical floor of a load from the disk tier. Best of `repeats`."""
-    import torch
-
-    sizes = [os.path.getsize(p) for p in paths]
-    buf = bytearray(max(sizes))
-    dst = torch.empty(max(sizes), dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        for path, size in zip(paths, sizes):
-            with open(path, "rb") as f:
-                f.readinto(memoryview(buf)[:size])
-            dst[:size].copy_(torch.frombuffer(buf, dtype=torch.uint8, count=size))
-        best = min(best, time.perf_counter() - started)
-    return sum(sizes) / best
-
-
-def itl_under_load(llm: Any, prompts: dict[str, list[int]], num_tokens: int = 48) -> dict[str, Any]:
-    """Inter-token latency of a decoding request alone, and while a cached long prompt (`itl`) joins and waits for
-    its asynchronous load: the median ITL of the tokens produced during the load over the median alone."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    engine = llm.llm_engine
-    decode = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
-
-    def one(tag: str, join: bool) -> tuple[list[float], float | None, float | None]:
-        engine.add_request(f"d-{tag}", TokensPrompt(prompt_token_ids=prompts["warmup"]), decode)
-        times: list[float] = []
-        joined = first_hit = None
-        while engine.has_unfinished_requests():
-            outputs = engine.step()
-            now = time.perf_counter()
-            for o in outputs:
-                if o.request_id == f"d-{tag}" and len(o.outputs[0].token_ids) > len(times):
-                    times.append(now)
-                elif o.request_id == f"h-{tag}" and first_hit is None and o.outputs[0].token_ids:
-                    first_hit = now
-            if join and joined is None and len(times) >= 8:
-                engine.add_request(f"h-{tag}", TokensPrompt(prompt_token_ids=prompts["itl"]),
-                                   SamplingParams(temperature=0.0, max_tokens=1))
-                joined = time.perf_counter()
-        return times, joined, first_hit
-
-    alone, _, _ = one("alone", False)
-    times, joined, first_hit = one("join", True)
-    base = [b - a for a, b in zip(alone[1:], alone[2:])]  # the first gap includes the prefill
-    end = first_hit if first_hit is not None else float("inf")
-    during = [b - a for a, b in zip(times, times[1:]) if a >= joined and b < end]
-    ratio = statistics.median(during) / statistics.median(base) if during and base else None
-    return {"itl_alone_s": statistics.median(base), "itl_during_load_s": statistics.median(during) if during else None,
-            "ratio": ratio, "num_during": len(during), "load_window_s": end - joined}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvfabric bench vllm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="one JSON object per prompt size")
@@ -428,11 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="where the cache, prompts and engine logs go (default: a temp dir)")
     ap.add_argument("--repeats", type=int, default=3, help="paired miss-path runs per size (median and spread)")
     ap.add_argument("--no-lmcache", action="store_true", help="skip the LMCache column")
-    ap.add_argument("--_engine", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args._engine:
-        _engine(args._engine)
-        return 0
     run([int(s) for s in args.sizes.split(",") if s], as_json=args.json, python=args.python, model=args.model,
         workdir=args.workdir, repeats=args.repeats, lmcache=not args.no_lmcache)
     return 0
