@@ -9,6 +9,8 @@ For each prompt size (default 1k / 4k / 8k tokens, distinct texts so that no pro
                 median and [min, max] of on/off - 1
     floor       vLLM's own prefix-cache hit: the same prompt again in the no-connector engine
     kvf hit     a FRESH engine with kvfabric on the same cache: cross-process reuse (async load)  -> ratio vs floor
+                (kvfabric runs with save_partial_chunk: an exact repeat reuses all but one token, so a prompt
+                that is not a multiple of the chunk size computes 1 token where vLLM recomputes its last block)
     load/copy   kvfabric's load time / (bytes loaded / the throughput of reading the same chunk files from the page
                 cache into a buffer and copying them into a tensor, measured in the same process)
     lmc hit     vLLM + LMCache (its LMCacheMPConnector and a standalone `lmcache server`, LMCache's multi-process

@@ -34,6 +34,7 @@ def run_engine(spec_path: str) -> None:
         from kvfabric.connectors.vllm import kv_transfer_config
         kwargs["kv_transfer_config"] = kv_transfer_config({
             "chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": cache}, "model_id": MODEL_ID,
+            "save_partial_chunk": True,  # an exact repeat then reuses all but one token (vLLM: all but the last block)
             "stats_path": str(stats_path)})
     elif mode.startswith("lmcache"):
         kwargs["kv_transfer_config"] = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
@@ -86,7 +87,7 @@ def run_engine(spec_path: str) -> None:
                 row["off"].append(ttft(prompts[f"{key}/off{r}"], off=True)[0])
                 known = chunk_files()
                 row["on"].append(ttft(prompts[key if r == 0 else f"{key}/on{r}"])[0])
-                wait_stored(len(known) + size // CHUNK)
+                wait_stored(len(known) + -(-size // CHUNK))  # whole chunks and the partial last one
                 if r == 0:
                     files[key] = sorted(chunk_files() - known)
             row["cold"] = row["on"][0]
@@ -100,7 +101,7 @@ def run_engine(spec_path: str) -> None:
     if mode == "kvfabric-cold":  # the prompt the hit engine loads while another request decodes
         known = chunk_files()
         ttft(prompts["itl"])
-        wait_stored(len(known) + len(prompts["itl"]) // CHUNK)
+        wait_stored(len(known) + -(-len(prompts["itl"]) // CHUNK))
     if mode == "kvfabric-hit":
         result["itl"] = itl_under_load(llm, prompts)
         print(f"[{mode}] itl: {json.dumps(result['itl'])}", flush=True)
