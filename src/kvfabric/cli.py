@@ -171,10 +171,12 @@ def bench() -> None:
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--quick", is_flag=True, help="Fewer chunks (a smoke run).")
 @click.option("--redis-url", default=None, help="Also measure the redis tier against raw redis-py on this server.")
-def bench_tiers(as_json: bool, repeats: int, quick: bool, redis_url: str | None) -> None:
+@click.option("--mooncake", is_flag=True, help="Also measure the mooncake tier against raw Mooncake and a loopback "
+              "socket (starts a private mooncake_master and a storage process on loopback).")
+def bench_tiers(as_json: bool, repeats: int, quick: bool, redis_url: str | None, mooncake: bool) -> None:
     """Tier store/retrieve throughput vs raw copy / file I/O of the same bytes."""
     from kvfabric.bench.tiers import run
-    run(as_json=as_json, repeats=repeats, quick=quick, redis_url=redis_url)
+    run(as_json=as_json, repeats=repeats, quick=quick, redis_url=redis_url, mooncake=mooncake)
 
 
 @bench.command("trace")
@@ -275,11 +277,43 @@ def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int,
 @click.option("--tokens", "prompt_tokens", default=2048, show_default=True, help="Prompt tokens to send.")
 @click.option("--target", "ttft_target_s", default=1.0, show_default=True, help="TTFT target of the adaptive sender.")
 @click.option("--quick", is_flag=True, help="A shorter prompt (a smoke run).")
-def bench_stream(as_json: bool, plot: str | None, prompt_tokens: int, ttft_target_s: float, quick: bool) -> None:
+@click.option("--trace/--no-trace", default=True, show_default=True,
+              help="Also run the fluctuating link (1 Gbit/s and 100 Mbit/s, a second each): adaptive resolution vs "
+                   "every fixed setting.")
+@click.option("--trace-only", is_flag=True, help="Only the fluctuating link.")
+@click.option("--trace-seconds", "trace_s", default=10.0, show_default=True, help="Duration of each trace run.")
+@click.option("--ladder", default="0,5,6", show_default=True, metavar="L1,L2,..",
+              help="Video levels on the trace (each within the quality floor), beside raw.")
+def bench_stream(as_json: bool, plot: str | None, prompt_tokens: int, ttft_target_s: float, quick: bool,
+                 trace: bool, trace_only: bool, trace_s: float, ladder: str) -> None:
     """KV streaming over a throttled loopback link: raw vs adaptive cachegen vs recompute, at 100 Mbit/s, 1 Gbit/s
-    and unthrottled."""
+    and unthrottled; then adaptive resolution (video levels) vs fixed settings on a fluctuating link."""
     from kvfabric.bench.stream import run
-    run(as_json=as_json, plot=plot, prompt_tokens=prompt_tokens, ttft_target_s=ttft_target_s, quick=quick)
+    try:
+        levels = tuple(int(x) for x in ladder.split(","))
+        if not all(0 <= lvl <= 9 for lvl in levels):
+            raise ValueError("levels are 0..9")
+    except ValueError as e:
+        raise click.BadParameter(f"{ladder!r}: {e}", param_hint="--ladder") from None
+    run(as_json=as_json, plot=plot, prompt_tokens=prompt_tokens, ttft_target_s=ttft_target_s, quick=quick,
+        trace=trace or trace_only, trace_only=trace_only, ladder=levels, trace_s=trace_s)
+
+
+@bench.command("video")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--docs", "num_docs", default=8, show_default=True, help="Held-out documents.")
+@click.option("--length", "ctx_tokens", default=2048, show_default=True, help="Context tokens per document.")
+@click.option("--context", "context_tokens", default=8192, show_default=True,
+              help="Tokens of the context whose peak decode memory is measured.")
+@click.option("--repeats", default=3, show_default=True)
+@click.option("--quick", is_flag=True, help="Fewer documents, settings and tokens (a smoke run).")
+def bench_video(as_json: bool, num_docs: int, ctx_tokens: int, context_tokens: int, repeats: int,
+                quick: bool) -> None:
+    """The video codec's modes beside cachegen levels and int8: size, top-1 / KL of the next 64 tokens, encode /
+    decode MB/s (and on one thread), peak decode memory of an 8k-token context."""
+    from kvfabric.bench.video import run
+    run(as_json=as_json, num_docs=num_docs, ctx_tokens=ctx_tokens, context_tokens=context_tokens, repeats=repeats,
+        quick=quick)
 
 
 @bench.command("blend")

@@ -5,7 +5,8 @@ Per layout (SmolLM2-135M: 30 x 3 x 64 fp16, 256 tokens = 5.9 MB a chunk; Llama-8
 - cpu: baseline = numpy copy of the same bytes into a preallocated buffer;
 - disk: baseline = plain file write + fsync, and read into a preallocated buffer, with the page cache of those
   files dropped before each read on both sides (posix_fadvise DONTNEED); the tier also writes with fsync here;
-- lookup: a 32k-token prompt (list of ints) fully cached in the cpu tier, keys computed each call.
+- lookup: a 32k-token prompt (list of ints) fully cached in the cpu tier, keys computed each call;
+- with `--redis-url` / `--mooncake`, the shared tiers' rows (bench.tiers_shared, bench.tiers_mooncake).
 `gbps` is GB/s (10^9 bytes per second).
 """
 from __future__ import annotations
@@ -113,7 +114,8 @@ def bench_lookup(num_tokens: int = 32768, repeats: int = 50) -> dict:
             "hash_ms": round(hash_s * 1e3, 3), "target_ms": 1.0, "ok": seconds < 1e-3}
 
 
-def run(as_json: bool = False, repeats: int = 3, quick: bool = False, redis_url: str | None = None) -> list[dict]:
+def run(as_json: bool = False, repeats: int = 3, quick: bool = False, redis_url: str | None = None,
+        mooncake: bool = False) -> list[dict]:
     torch.set_num_threads(os.cpu_count() or 1)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kvfabric-bench-", dir=os.environ.get("KVFABRIC_BENCH_DIR")) as tmp:
@@ -128,6 +130,9 @@ def run(as_json: bool = False, repeats: int = 3, quick: bool = False, redis_url:
             rows += bench_redis(redis_url, repeats=repeats)
     except ImportError:
         pass
+    if mooncake:  # a private master and storage process on loopback (kvfabric.bench.tiers_mooncake)
+        from kvfabric.bench.tiers_mooncake import bench_mooncake
+        rows += bench_mooncake(repeats=max(repeats, 15))
     emit(rows, as_json, f"kvfabric bench tiers ({threads_note()}, {time.strftime('%H:%M:%S')})",
          ["tier", "op", "layout", "mb", "gbps", "baseline_gbps", "ratio", "baseline"])
     lookup = bench_lookup()
