@@ -6,12 +6,17 @@ Blocks are the fenced ones with a language; blocks without one are output sample
   a running server (it uses `OpenAI(base_url=...)`) runs against the README's own `vllm serve` block.
 - bash: the `vllm serve` block is started as written (only the port replaced by a free one) and the client
   block is run against it. The `make demo` / `make test` block is checked with `make -n` (dry run: the targets
-  exist and expand); running it for real is what `.ci/run` does on every submission.
+  exist and expand); running it for real is what `.ci/run` does on every submission. The SGLang launch block
+  (SGLang runs on a GPU only) is checked by what can drift: its extra config names the backend class that exists,
+  and its kvfabric keys load as a kvfabric config.
 - yaml: loaded as kvfabric's config file.
 Real-model and vLLM blocks carry the slow marker.
 """
 from __future__ import annotations
 
+import ast
+import dataclasses
+import json
 import os
 import re
 import shutil
@@ -82,16 +87,27 @@ def test_readme_blocks_are_all_covered():
     assert set(langs) <= {"", "bash", "python", "yaml"}, langs
     serve = _by(lambda lang, code: lang == "bash" and "vllm serve" in code)
     assert len(serve) == 1 and f"--port {README_PORT}" in serve[0]
-    assert len(_by(lambda lang, code: lang == "bash")) == 2  # make demo/test, and vllm serve
+    assert len(_by(lambda lang, code: lang == "bash")) == 3  # make demo/test, vllm serve, sglang launch_server
     assert len(_by(lambda lang, code: lang == "python" and "OpenAI(" in code)) == 1
 
 
 def test_make_block_expands():
-    (code,) = _by(lambda lang, code: lang == "bash" and "vllm serve" not in code)
+    (code,) = _by(lambda lang, code: lang == "bash" and code.startswith("make "))
     targets = re.findall(r"^make (\w+)", code, re.M)
     assert targets == ["demo", "test"]
     proc = subprocess.run(["make", "-n", *targets], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_sglang_block_names_a_real_backend():
+    (code,) = _by(lambda lang, code: lang == "bash" and "sglang.launch_server" in code)
+    extra = json.loads(re.search(r"--hicache-storage-backend-extra-config '(.*?)'", code, re.S).group(1))
+    module = ROOT / "src" / Path(*extra["module_path"].split(".")).with_suffix(".py")
+    classes = {node.name for node in ast.walk(ast.parse(module.read_text())) if isinstance(node, ast.ClassDef)}
+    assert extra["class_name"] in classes
+    fields = {field.name for field in dataclasses.fields(Config)}
+    config = Config.load(None).merged({key: value for key, value in extra.items() if key in fields})
+    assert tuple(config.tiers) == tuple(extra["tiers"])
 
 
 def test_yaml_block_is_a_valid_config(tmp_path):
