@@ -13,9 +13,9 @@ For each prompt size (default 1k / 4k / 8k tokens, distinct texts so that no pro
                 that is not a multiple of the chunk size computes 1 token where vLLM recomputes its last block)
     load/copy   kvfabric's load time / (bytes loaded / the throughput of reading the same chunk files from the page
                 cache into a buffer and copying them into a tensor, measured in the same process)
-    lmc hit     vLLM + LMCache (its LMCacheMPConnector and a standalone `lmcache server`, LMCache's multi-process
-                mode, the one that runs on CPU): a cold engine stores, a fresh one hits. Skipped, with a note, where
-                .venv-lmcache is absent (scripts/setup_lmcache_venv.sh)
+    lmc hit     `--compare lmcache` (the default): vLLM + LMCache (its LMCacheMPConnector and a standalone `lmcache
+                server`, LMCache's multi-process mode, the one that runs on CPU): a cold engine stores, a fresh one
+                hits. Skipped, with a note, where .venv-lmcache is absent (scripts/setup_lmcache_venv.sh)
 
 plus the tokens and bytes kvfabric loaded per tier, the tokens each hit reused (vLLM's own hit recomputes the
 prompt's last block), and the inter-token latency of a decoding request while a cached prompt of the largest size
@@ -151,7 +151,7 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
             f"{json.dumps(results[mode]['ttft'])}")
     lmcache_python = find_lmcache_python() if lmcache else None
     lmcache_note = "" if lmcache_python else ("LMCache column skipped: no .venv-lmcache with lmcache and vllm "
-                                              "(scripts/setup_lmcache_venv.sh)" if lmcache else "LMCache: --no-lmcache")
+                                              "(scripts/setup_lmcache_venv.sh)" if lmcache else "LMCache: --compare none")
     if lmcache_python:
         server = LMCacheServer(lmcache_python, work)
         try:
@@ -235,10 +235,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="HF model folder (default: kvfabric's SmolLM2 via ensure_model)")
     ap.add_argument("--workdir", default=None, help="where the cache, prompts and engine logs go (default: a temp dir)")
     ap.add_argument("--repeats", type=int, default=3, help="paired miss-path runs per size (median and spread)")
-    ap.add_argument("--no-lmcache", action="store_true", help="skip the LMCache column")
+    ap.add_argument("--compare", choices=("lmcache", "none"), default="lmcache",
+                    help="the LMCache column (vLLM + LMCache in its MP mode, from .venv-lmcache), or none")
     args = ap.parse_args(argv)
     run([int(s) for s in args.sizes.split(",") if s], as_json=args.json, python=args.python, model=args.model,
-        workdir=args.workdir, repeats=args.repeats, lmcache=not args.no_lmcache)
+        workdir=args.workdir, repeats=args.repeats, lmcache=args.compare == "lmcache")
     return 0
 
 
