@@ -168,12 +168,14 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
     if lmcache_note:
         log(f"[bench vllm] {lmcache_note}")
     rows = [_row(results, size, repeats, lmcache_note) for size in sizes]
+    itl = results["kvfabric-hit"].get("itl", {})
+    if itl:  # measured with a prompt of the largest size loading
+        rows[sizes.index(max(sizes))].update({k if k.startswith("itl_") else f"itl_{k}": v for k, v in itl.items()})
     if as_json:
         for row in rows:
             print(json.dumps(row), flush=True)
     else:
         _table(rows)
-        itl = results["kvfabric-hit"].get("itl", {})
         if itl:
             print(f"async load while another request decodes: ITL during the load / alone = "
                   f"{itl['ratio']:.2f} ({itl['num_during']} tokens during the load)", file=sys.stderr)
