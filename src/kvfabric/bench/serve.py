@@ -41,7 +41,7 @@ from kvfabric.bench.vllm_server import VllmServer, free_port
 from kvfabric.bench.workloads import Request, Workload, chat_sessions, doc_qa
 
 SYSTEMS = ("vllm", "kvfabric", "lmcache")
-KV_BYTES_PER_TOKEN_NOTE = "KV budget in tokens = kv_cache_memory_bytes / bytes of KV per token"
+STORE_GB = 3  # both connectors' process-memory store: holds either workload's working set (~1 GB), fits 23 GB hosts
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,10 +140,11 @@ def run_system(system: str, workloads: Sequence[Workload], model: str, work: Pat
         argv += ["--kv-transfer-config", json.dumps({
             "kv_connector": "KVFabricConnector", "kv_connector_module_path": "kvfabric.connectors.vllm",
             "kv_role": "kv_both", "kv_connector_extra_config": {
-                "chunk_size": 256, "tiers": ["cpu"], "cpu": {"capacity": "8GiB"}, "model_id": "kvfabric-bench-serve",
+                "chunk_size": 256, "tiers": ["cpu"], "cpu": {"capacity": f"{STORE_GB}GiB"},
+                "model_id": "kvfabric-bench-serve",
                 "stats_path": str(work / "stats-kvfabric.json")}})]
     elif system == "lmcache":
-        lmcache = LMCacheServer(python, work, l1_gb=8.0)
+        lmcache = LMCacheServer(python, work, l1_gb=STORE_GB)
         argv += ["--kv-transfer-config", json.dumps({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                                                      "kv_connector_extra_config": lmcache.extra_config()})]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),

@@ -150,8 +150,9 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
         log(f"[bench vllm] engine {mode}: start-up {results[mode]['startup_s']} s, "
             f"{json.dumps(results[mode]['ttft'])}")
     lmcache_python = find_lmcache_python() if lmcache else None
-    lmcache_note = "" if lmcache_python else ("LMCache column skipped: no .venv-lmcache with lmcache and vllm "
-                                              "(scripts/setup_lmcache_venv.sh)" if lmcache else "LMCache: --compare none")
+    lmcache_note = "" if lmcache_python else (
+        "LMCache column skipped: no .venv-lmcache with lmcache and vllm (scripts/setup_lmcache_venv.sh)" if lmcache
+        else "LMCache: --compare none")
     if lmcache_python:
         server = LMCacheServer(lmcache_python, work)
         try:
