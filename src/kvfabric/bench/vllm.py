@@ -154,7 +154,7 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
         "LMCache column skipped: no .venv-lmcache with lmcache and vllm (scripts/setup_lmcache_venv.sh)" if lmcache
         else "LMCache: --compare none")
     if lmcache_python:
-        server = LMCacheServer(lmcache_python, work)
+        server = LMCacheServer(lmcache_python, work, l1_gb=2.0)
         try:
             for mode in ("lmcache-cold", "lmcache-hit"):
                 log(f"[bench vllm] engine {mode} ...")

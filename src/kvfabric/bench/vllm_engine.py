@@ -29,7 +29,7 @@ def run_engine(spec_path: str) -> None:
     prompts = json.loads(Path(spec["prompts"]).read_text())
     stats_path = Path(cache).parent / f"stats-{mode}.json"
     kwargs: dict[str, Any] = dict(model=spec["model"], dtype="float32", enforce_eager=True,
-                                  max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=2 << 30, max_num_seqs=4, seed=0)
+                                  max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=1 << 30, max_num_seqs=4, seed=0)
     if mode.startswith("kvfabric"):
         from kvfabric.connectors.vllm import kv_transfer_config
         kwargs["kv_transfer_config"] = kv_transfer_config({
