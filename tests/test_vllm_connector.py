@@ -124,7 +124,8 @@ def _model_dir() -> str:
         pytest.skip(f"no model: ensure_model() failed ({exc}); set KVFABRIC_TEST_MODEL_DIR")
 
 
-def _phase(phase: str, workdir: Path, model: str, names: str = "", timeout: int = 420) -> dict:
+def _phase(phase: str, workdir: Path, model: str, names: str = "", timeout: int = 1200) -> dict:
+    """One engine process running `phase`; `timeout` guards against a hang (a loaded 2-core host needs minutes)."""
     out = workdir / f"{phase}.json"
     cmd = [sys.executable, str(SCRIPT), phase, "--model", model, "--cache", str(workdir / "cache"),
            "--out", str(out), "--names", names]
@@ -133,7 +134,11 @@ def _phase(phase: str, workdir: Path, model: str, names: str = "", timeout: int 
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     env.setdefault("OMP_NUM_THREADS", "2")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
+    except subprocess.TimeoutExpired as exc:
+        tail = b"".join(x if isinstance(x, bytes) else (x or "").encode() for x in (exc.output, exc.stderr))
+        pytest.fail(f"phase {phase} ran past {timeout} s:\n{tail.decode(errors='replace')[-6000:]}")
     (workdir / f"{phase}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"phase {phase} failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
