@@ -166,6 +166,7 @@ def _out(runs: dict, phase: str, name: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one pays for the module's eight engine phases
 def test_cold_engine_stores_and_output_unchanged(runs):
     for name in ("p1", "p2", "p4"):
         got = _out(runs, "store", name)
@@ -176,6 +177,7 @@ def test_cold_engine_stores_and_output_unchanged(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one pays for the module's eight engine phases
 def test_stored_chunks_are_the_models_kv(runs):
     """Chunks gathered from vLLM's paged cache equal transformers' K and V (so HF and vLLM can share them)."""
     hf = runs["hf"]
@@ -185,6 +187,7 @@ def test_stored_chunks_are_the_models_kv(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one pays for the module's eight engine phases
 def test_fresh_engine_full_prompt_hit(runs):
     got = _out(runs, "load", "p4")  # first request of a fresh engine: vLLM's own cache is empty
     stats = got["kvfabric"]
@@ -196,6 +199,7 @@ def test_fresh_engine_full_prompt_hit(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one pays for the module's eight engine phases
 def test_shared_prefix_only_shared_chunks_hit(runs):
     got = _out(runs, "load", "p3")  # p3 = p1[:600] + other tokens; p1 was stored by engine A
     assert got["kvfabric"]["external_hit_tokens"] == 512  # chunks 0-1; chunk 2 diverges at token 600
@@ -208,6 +212,7 @@ def test_shared_prefix_only_shared_chunks_hit(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one pays for the module's eight engine phases
 def test_corrupt_chunk_is_recomputed(runs):
     got = _out(runs, "load", "p2")
     stats = got["kvfabric"]
@@ -222,6 +227,7 @@ def test_corrupt_chunk_is_recomputed(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one pays for the module's eight engine phases
 def test_salted_requests_are_isolated_in_tokens_mode(runs):
     other = _out(runs, "load", "p4@t2")  # p4's KV is stored unsalted and under salt t1, not under t2
     assert other["kvfabric"]["external_hit_tokens"] == 0 and other["num_cached_tokens"] == 0
@@ -232,6 +238,7 @@ def test_salted_requests_are_isolated_in_tokens_mode(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one pays for the module's eight engine phases
 def test_layerwise_loads(runs):
     full, partial = _out(runs, "layerwise", "p4"), _out(runs, "layerwise", "p1")
     assert full["kvfabric"]["loaded_tokens"] == 767 and full["num_cached_tokens"] == 767
@@ -243,6 +250,7 @@ def test_layerwise_loads(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one pays for the module's eight engine phases
 def test_async_load_while_another_request_decodes(runs):
     run = runs["concurrent"]
     decode, hit = run["results"]["p3@fresh"], run["results"]["p2"]
