@@ -41,7 +41,7 @@ from kvfabric.bench.vllm_server import VllmServer, free_port
 from kvfabric.bench.workloads import Request, Workload, chat_sessions, doc_qa
 
 SYSTEMS = ("vllm", "kvfabric", "lmcache")
-STORE_GB = 3  # both connectors' process-memory store: holds either workload's working set (~1 GB), fits 23 GB hosts
+STORE_GB = 3.0  # both connectors' process-memory store: holds either workload's working set (~1 GB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +129,7 @@ def server_argv(python: str, model: str, port: int, kv_bytes: int, max_len: int)
 
 
 def run_system(system: str, workloads: Sequence[Workload], model: str, work: Path, kv_bytes: int, max_len: int,
-               log, python: str) -> list[dict[str, Any]]:  # noqa: ANN001
+               log, python: str, store_gb: float = STORE_GB) -> list[dict[str, Any]]:  # noqa: ANN001
     """Start the system's server once (`python`: one with vllm, and lmcache for that system), run every workload
     on it (each with its own prompts), stop it."""
     port = free_port()
@@ -140,11 +140,11 @@ def run_system(system: str, workloads: Sequence[Workload], model: str, work: Pat
         argv += ["--kv-transfer-config", json.dumps({
             "kv_connector": "KVFabricConnector", "kv_connector_module_path": "kvfabric.connectors.vllm",
             "kv_role": "kv_both", "kv_connector_extra_config": {
-                "chunk_size": 256, "tiers": ["cpu"], "cpu": {"capacity": f"{STORE_GB}GiB"},
+                "chunk_size": 256, "tiers": ["cpu"], "cpu": {"capacity": f"{store_gb}GiB"},
                 "model_id": "kvfabric-bench-serve",
                 "stats_path": str(work / "stats-kvfabric.json")}})]
     elif system == "lmcache":
-        lmcache = LMCacheServer(python, work, l1_gb=STORE_GB)
+        lmcache = LMCacheServer(python, work, l1_gb=store_gb)
         argv += ["--kv-transfer-config", json.dumps({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                                                      "kv_connector_extra_config": lmcache.extra_config()})]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
@@ -169,7 +169,8 @@ def run_system(system: str, workloads: Sequence[Workload], model: str, work: Pat
 def run(systems: Sequence[str] = SYSTEMS, workload_names: Sequence[str] = ("docqa", "chat"), as_json: bool = False,
         plot: str | None = None, model: str | None = None, workdir: str | None = None, kv_tokens: int = 6144,
         max_len: int = 4096, docs: int = 4, doc_tokens: int = 1800, questions: int = 3, users: int = 2,
-        sessions: int = 6, trace: str | None = None, python: str | None = None) -> list[dict[str, Any]]:
+        sessions: int = 6, trace: str | None = None, python: str | None = None,
+        store_gb: float = STORE_GB) -> list[dict[str, Any]]:
     if model is None:
         from kvfabric.engines.model import ensure_model
         model = str(ensure_model())
@@ -196,7 +197,7 @@ def run(systems: Sequence[str] = SYSTEMS, workload_names: Sequence[str] = ("docq
             notes.append("lmcache skipped: no .venv-lmcache with lmcache and vllm (scripts/setup_lmcache_venv.sh)")
             continue
         try:
-            rows += run_system(system, workloads, model, work, kv_bytes, max_len, log, system_python)
+            rows += run_system(system, workloads, model, work, kv_bytes, max_len, log, system_python, store_gb)
         except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
             notes.append(f"{system} failed: {str(exc)[:500]} (logs in {work})")
     for note in notes:  # also with --json: a system that did not run must never pass silently
@@ -252,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--python", default=None, help="Python with vLLM installed (default: this one or .venv-vllm)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--kv-tokens", type=int, default=6144, help="vLLM's KV memory, in tokens, for every system")
+    ap.add_argument("--store-gb", type=float, default=STORE_GB,
+                    help="kvfabric's cpu tier and LMCache's L1 (allocated up front), GB each")
     ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--doc-tokens", type=int, default=1800)
     ap.add_argument("--questions", type=int, default=3)
@@ -262,7 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     run([s for s in args.systems.split(",") if s], [w for w in args.workloads.split(",") if w], args.json,
         args.plot, args.model, args.workdir, args.kv_tokens, docs=args.docs, doc_tokens=args.doc_tokens,
-        questions=args.questions, users=args.users, sessions=args.sessions, trace=args.trace, python=args.python)
+        questions=args.questions, users=args.users, sessions=args.sessions, trace=args.trace, python=args.python,
+        store_gb=args.store_gb)
     return 0
 
 
