@@ -379,6 +379,15 @@ def bench_interference(as_json: bool, steps: int, b_tokens: int, links: str, eng
              ["tokens", "num_pairs", "off_s", "ttft_s", "miss_overhead_paired", "target_met"])
 
 
+@bench.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                         "help_option_names": []})
+@click.pass_context
+def bench_serve(ctx: click.Context) -> None:
+    """Serving workloads (long-document QA, multi-round chat) against vllm serve: vLLM alone, + kvfabric, + LMCache."""
+    from kvfabric.bench.serve import main as serve_main
+    sys.exit(serve_main(ctx.args))
+
+
 @bench.command("long-doc-qa")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per request, then a summary object.")
 @click.option("--docs", "num_docs", default=3, show_default=True)

@@ -12,6 +12,8 @@ Contract:
   `out[..., :m, :]` is returned: the fast path (no allocation, one copy per chunk).
 - `read_chunk(key, out=None)`: one chunk by key, a `ChunkHit` (KV, serving tier, bytes read) or a `ChunkMiss`
   (missing, corrupt, wrong_layout); a chunk that fails its checks is discarded and counted, as in `retrieve`.
+  With `promote=False` a chunk from a lower tier is read into the caller's scratch and not promoted (a caller
+  that copies the KV elsewhere at once pays no allocation); `chunk_blob_bytes()` sizes such a scratch.
 - `new_payload()` then `store_chunk(key, payload)`: the caller lays a chunk's KV out in the payload (raw codec:
   the payload region of the very blob that will be stored, no encode copy); a chunk already held is skipped.
 - `delete(tokens)` removes a prompt's chunks from every tier; `tier_keys`, `tier_usage`, `clear_tier` address one
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 
 from kvfabric.codec.base import Codec, Decoders, WrongLayoutError
-from kvfabric.codec.format import ChunkFormatError
+from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError
 from kvfabric.codec.raw import RawCodec, new_payload, seal
 from kvfabric.codec.registry import CODECS, CodecChoice, parse_codec
 from kvfabric.config import Config
@@ -291,20 +293,26 @@ class CacheEngine:
         return True
 
     def read_chunk(self, key: bytes, out: torch.Tensor | None = None, *, num_tokens: int | None = None,
-                   scratch: Scratch | None = None) -> ChunkHit | ChunkMiss:
+                   scratch: Scratch | None = None, promote: bool = True) -> ChunkHit | ChunkMiss:
         """One chunk by key. With `out` [L, 2, H, T, D] (any float dtype, T the chunk's tokens) it is decoded
         into `out`. Without, `kv` holds num_tokens (default chunk_size) tokens in the layout dtype: a raw chunk
         is a zero-copy view, over `scratch` when the first tier reads into it (valid until the caller reuses
-        `scratch`) or over the stored blob (read it, never write it); other codecs decode into a new tensor."""
+        `scratch`) or over the stored blob (read it, never write it); other codecs decode into a new tensor.
+        `promote=False`: a chunk found below the first tier is not copied into the faster tiers, and every tier
+        reads into `scratch` (no fresh allocation: for a caller that copies the KV elsewhere right away)."""
         started = time.perf_counter()
         num_tokens = out.shape[3] if out is not None else num_tokens or self.chunk_size
-        result = self._take(key, self.stack.get(key, scratch), num_tokens, out)
+        result = self._take(key, self.stack.get(key, scratch, promote), num_tokens, out)
         self.histograms.observe("kvfabric_retrieve_seconds", time.perf_counter() - started, "read_chunk")
         self._counters.add("chunk_reads")
         self._counters.add("chunk_read_requests")
         if isinstance(result, ChunkHit):
             self._counters.add("chunk_read_hits")
         return result
+
+    def chunk_blob_bytes(self) -> int:
+        """Bytes of one whole chunk's blob with the raw codec (header + payload): the size a read buffer needs."""
+        return HEADER_BYTES + self.layout.num_bytes(self.chunk_size)
 
     def _take(self, key: bytes, found: StackHit | None, num_tokens: int,
               out: torch.Tensor | None) -> ChunkHit | ChunkMiss:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from kvfabric.codec.format import HEADER_BYTES
 from kvfabric.config import Config
 from kvfabric.counters import Counters, merged
 from kvfabric.engine import (ChunkHit, ChunkMiss, ChunkPayload, EngineStats, Tokens, chunks_to_store,
@@ -233,7 +234,9 @@ class RemoteCache:
         return copied, str(reply.get("miss", ""))
 
     def read_chunk(self, key: bytes, out: torch.Tensor | None = None, *, num_tokens: int | None = None,
-                   scratch: Scratch | None = None) -> ChunkHit | ChunkMiss:
+                   scratch: Scratch | None = None, promote: bool = True) -> ChunkHit | ChunkMiss:
+        """CacheEngine.read_chunk through the server. `promote` is accepted for the same call shape; the server's
+        own engine decides promotion between its tiers."""
         num_tokens = out.shape[3] if out is not None else num_tokens or self.chunk_size
         if scratch is not None:
             self._drop_view(scratch)
@@ -311,6 +314,10 @@ class RemoteCache:
             return 0
         conn.num_leased -= len(slots)  # committed or not, the server takes the slots back
         return P.int_of(conn.call(P.COMMIT, {"keys": keys, "slots": slots, "tokens": counts}), "stored")
+
+    def chunk_blob_bytes(self) -> int:
+        """Bytes of one whole chunk's blob with the raw codec (header + payload), as CacheEngine.chunk_blob_bytes."""
+        return HEADER_BYTES + self.layout.num_bytes(self.chunk_size)
 
     def new_payload(self, num_tokens: int | None = None) -> ChunkPayload:
         """Where the caller lays out one chunk's KV for `store_chunk`: a leased pool slot when this client has
