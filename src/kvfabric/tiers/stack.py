@@ -82,9 +82,11 @@ class TierStack:
                 present[i] = hit
         return present
 
-    def get(self, key: bytes, scratch: Scratch | None = None) -> StackHit | None:
+    def get(self, key: bytes, scratch: Scratch | None = None, promote: bool = True) -> StackHit | None:
         """The chunk's blob, its header and the tier's name, or None. With `scratch`, the first tier reads with
-        `get_into` (no allocation where the tier can); a blob from a later tier is kept for promotion. Order: a
+        `get_into` (no allocation where the tier can); a blob from a later tier is kept for promotion. With
+        `promote=False` a hit below the first tier is not promoted, so every tier reads into `scratch` (a caller
+        that copies the KV elsewhere at once, e.g. into vLLM's paged cache, pays no fresh allocation). Order: a
         trusted first tier (process memory), then writes still queued, then the other tiers."""
         for level, tier in enumerate(self.tiers):
             if level == int(self.tiers[0].is_trusted):  # right after process memory, before any slow tier
@@ -92,7 +94,7 @@ class TierStack:
                 if pending is not None:
                     self.counters.add("hit.pending")
                     return StackHit(pending[0], parse(pending[0], key, verify_payload=False), "pending")
-            if scratch is not None and level == 0:
+            if scratch is not None and (level == 0 or not promote):
                 blob = tier.get_into(key, scratch)
             else:
                 blob = tier.get(key)
@@ -107,7 +109,7 @@ class TierStack:
                 continue
             self.counters.add(f"hit.{tier.name}")
             self.counters.add(f"bytes_read.{tier.name}", len(blob))
-            if level > 0:
+            if level > 0 and promote:
                 self.counters.add("promoted")
                 self._write(key, blob, tuple(i for i in self._writable if i < level))
             return StackHit(blob, header, tier.name)
