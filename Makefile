@@ -6,12 +6,13 @@ demo:
 	.venv/bin/kvfabric demo
 
 # The fast suite first (the default `pytest` run deselects `slow`), then real-model, real-vLLM and multi-process
-# tests (`-m slow`), then the vLLM connector tests in their own venv (every marker).
+# tests (`-m slow`), then the vLLM connector and SGLang backend tests in their own venvs (every marker).
 test:
 	bash scripts/setup.sh --test
 	.venv/bin/python -m pytest -q
 	.venv/bin/python -m pytest -q -m slow
 	.venv-vllm/bin/python -m pytest -q -m "slow or not slow" tests/test_vllm_connector.py
+	.venv-sglang/bin/python -m pytest -q -m "slow or not slow" tests/test_sglang_backend.py
 
 bench:
 	bash scripts/setup.sh

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up of everything kvfabric needs on a fresh machine:
 #   .venv (Python 3.11) with torch==2.13.0 (CPU build) and kvfabric[test]; the SmolLM2 model (converted once
-#   under ~/.cache/kvfabric/models). With --test also redis-server (Debian) and the vLLM venv (.venv-vllm).
+#   under ~/.cache/kvfabric/models). With --test also redis-server (Debian), the Mooncake client (kvfabric[mooncake]
+#   plus Debian's libibverbs1), the vLLM venv (.venv-vllm) and the SGLang venv (.venv-sglang).
 # Re-running skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,5 +39,15 @@ if [ "$with_test" = 1 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
   fi
+  if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
+    echo "[setup] installing libibverbs1 (Debian; the Mooncake client links it, no RDMA device needed)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null
+  fi
+  if ! .venv/bin/python -c "import mooncake.store" >/dev/null 2>&1; then
+    echo "[setup] installing the Mooncake client into .venv"
+    .venv/bin/python -m pip install -q -e '.[test,mooncake]'
+  fi
   bash scripts/setup_vllm_venv.sh
+  bash scripts/setup_sglang_venv.sh
 fi

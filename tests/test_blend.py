@@ -408,7 +408,7 @@ def test_passage_keys_are_the_passages_own_tokens(smol, prompt, monkeypatch):
         b.cache_passage(prompt[1])
         assert store.contains(prompt[1]) and not store.contains(prompt[1][:-1])
         chunks = 6 * -(-len(prompt[1]) // 32)  # 6 groups x the passage's chunks (the last one partial)
-        assert store.cache.stats()["counters"]["chunks_stored"] == chunks
+        assert store.cache.stats().counters["chunks_stored"] == chunks
         # the same passage anywhere in any prompt is a hit; grouping does not change the result
         for seg in prompt[:-1]:
             b.cache_passage(seg)

@@ -105,7 +105,7 @@ def test_bench_blend_rejects_bad_sampling_and_check_layers(args):
 
 def test_bench_stream_smoke():
     """A short prompt over the throttled links on the real model: each strategy at each link, raw exact."""
-    result = CliRunner().invoke(main, ["bench", "stream", "--json", "--tokens", "512"])
+    result = CliRunner().invoke(main, ["bench", "stream", "--json", "--tokens", "512", "--no-trace"])
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"link"')]
     assert {(r["link"], r["strategy"]) for r in rows} == {(link, s) for link in ("100Mbit", "1Gbit", "unthrottled")

@@ -90,7 +90,7 @@ def test_b_finds_and_fetches_a_chunks_then_keeps_a_copy(fleet, api):
     assert b.lookup(TOKENS) == NUM_CHUNKS * CHUNK
     got = b.retrieve(TOKENS)
     assert torch.equal(got, data[:, :, :, :NUM_CHUNKS * CHUNK])
-    counters = b.stats()["counters"]
+    counters = b.stats().counters
     assert counters["hit.peer"] == NUM_CHUNKS and counters.get("corrupt.peer", 0) == 0
     assert node_b.peer.counters["chunks_fetched"] == NUM_CHUNKS
     # promoted into B's cpu tier, and the fleet learns that B holds them too
@@ -100,7 +100,7 @@ def test_b_finds_and_fetches_a_chunks_then_keeps_a_copy(fleet, api):
     assert hits["a"]["prefix_tokens"] == hits["b"]["prefix_tokens"] == NUM_CHUNKS * CHUNK
     assert hits["a"]["tier"] == "cpu" and hits["a"]["tiers"] == {"cpu": NUM_CHUNKS}
     assert b.retrieve(TOKENS).shape[3] == NUM_CHUNKS * CHUNK
-    assert b.stats()["counters"]["hit.cpu"] == NUM_CHUNKS  # second time: local
+    assert b.stats().counters["hit.cpu"] == NUM_CHUNKS  # second time: local
 
 
 def test_peer_never_serves_an_instance_its_own_chunks(fleet, api):
@@ -144,7 +144,7 @@ def test_damaged_chunk_from_a_peer_is_rejected(fleet):
     disk.path(key0).write_bytes(bytes(raw))
     node_b, b = fleet.engine("b")
     assert b.retrieve(TOKENS).shape[3] == 0  # chunk 0 fails its checksum on B: the prefix ends there
-    assert b.stats()["counters"]["corrupt.peer"] == 1
+    assert b.stats().counters["corrupt.peer"] == 1
     assert node_b.local[0].contains_many([key0]) == [False]  # and it is not kept
 
 
@@ -275,7 +275,7 @@ def test_engines_built_from_config_share_chunks_through_the_controller(controlle
         assert wait_for(lambda: b.lookup(TOKENS) == NUM_CHUNKS * CHUNK)
         got = b.retrieve(TOKENS[:NUM_CHUNKS * CHUNK])
         assert torch.equal(got, kv[:, :, :, :NUM_CHUNKS * CHUNK].to(LAYOUT.torch_dtype))
-        assert b.stats()["counters"]["hit.peer"] == NUM_CHUNKS
+        assert b.stats().counters["hit.peer"] == NUM_CHUNKS
         assert b.store(TOKENS, kv[:, :, :, :NUM_CHUNKS * CHUNK]) == 0  # kept locally on fetch
 
 

@@ -1,4 +1,5 @@
-"""One contract suite, run against every codec of the registry at every level (raw, int8, cachegen, ...).
+"""One contract suite, run against every codec of the registry at every level (raw, int8, cachegen), and video
+(lossless, near-lossless on both backends, 10-bit: its encodes are slow, so a sample of its settings).
 
 - round trip within the codec's stated error bound (exact for lossless codecs), into outputs of any float dtype
   and any strides, for every layout dtype and odd shapes;
@@ -19,11 +20,15 @@ from kvfabric.codec import registry
 from kvfabric.codec.cachegen import CacheGenCodec
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, parse, write_blob
 from kvfabric.codec.registry import codec_for_id
+from kvfabric.codec.video import VideoCodec
 from kvfabric.layout import KVLayout
 
 KEY = bytes(range(32))
-CODECS = [(f"{entry.name}-{lvl}", entry.make(lvl)) for entry in registry.CODECS for lvl in entry.levels] + \
-    [("cachegen-5-g1", CacheGenCodec(5, group_size=1, threads=2))]
+CODECS = [(f"{entry.name}-{lvl}", entry.make(lvl)) for entry in registry.CODECS if entry.name != "video"
+          for lvl in entry.levels] + \
+    [("cachegen-5-g1", CacheGenCodec(5, group_size=1, threads=2))] + \
+    [("video-0", VideoCodec(0)), ("video-6", VideoCodec(6)), ("video-9-tile5", VideoCodec(9, tile=5)),
+     ("video-6-x264", VideoCodec(6, backend="x264")), ("video-2-x264-10bit", VideoCodec(2, backend="x264", bits=10))]
 IDS = [name for name, _ in CODECS]
 
 

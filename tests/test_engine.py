@@ -1,14 +1,22 @@
-"""CacheEngine: lookup / store / retrieve over real cpu and disk tiers."""
+"""CacheEngine: lookup / store / retrieve, and the per-chunk calls (read_chunk, new_payload / store_chunk) the vLLM
+connector uses, over real cpu and disk tiers."""
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 from kvfabric import CacheEngine, Config, KVLayout
-from kvfabric.config import DiskTierConfig
+from kvfabric.codec.format import HEADER_BYTES, ChunkHeader, write_blob
+from kvfabric.codec.raw import RawCodec
+from kvfabric.config import CpuTierConfig, DiskTierConfig
+from kvfabric.engine import ChunkHit, ChunkMiss
+from kvfabric.tiers.base import Scratch
+from kvfabric.tiers.cpu import CpuTier
+from kvfabric.tiers.disk import DiskTier
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32")
 
@@ -78,15 +86,16 @@ def test_corrupt_disk_chunk_is_a_miss_counted_and_removed(config):
         engine.store(tokens, kv)
         engine.flush()
         keys = engine.keys(tokens)
-    engine = CacheEngine(Config(chunk_size=16, tiers=("disk",), disk=config.disk), LAYOUT, "m")
-    path = engine.stack.tiers[0].path(keys[2])
+    disk = DiskTier(config.disk.path, config.disk.capacity)
+    engine = CacheEngine(Config(chunk_size=16, tiers=("disk",), disk=config.disk), LAYOUT, "m", tiers=[disk])
+    path = disk.path(keys[2])
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     assert engine.lookup(tokens) == 64  # lookup reads no data
     got = engine.retrieve(tokens)
     assert got.shape[3] == 32 and torch.equal(got, kv[:, :, :, :32])
-    assert engine.stats()["counters"]["corrupt.disk"] == 1
+    assert engine.stats().counters["corrupt.disk"] == 1
     assert engine.lookup(tokens) == 32
     engine.close()
 
@@ -117,14 +126,15 @@ def test_bad_arguments_raise(config):
 
 
 def test_eviction_during_retrieve_keeps_pinned_chunks(config):
-    small = Config(chunk_size=16, tiers=("cpu",), cpu=type(config.cpu)(capacity=LAYOUT.num_bytes(16) * 3 + 400))
+    cpu = CpuTier(LAYOUT.num_bytes(16) * 3 + 400)
     tokens, kv = list(range(48)), make_kv(48)
-    with CacheEngine(small, LAYOUT, "m") as engine:
+    with CacheEngine(Config(chunk_size=16, tiers=("cpu",)), LAYOUT, "m", tiers=[cpu]) as engine:
         engine.store(tokens, kv)
         keys = engine.keys(tokens)
-        with engine.stack.pinned(keys):
-            engine.store(list(range(1000, 1048)), make_kv(48, seed=1))  # would evict all of `tokens`
-            assert engine.stack.prefix_length(keys) == 3
+        cpu.pin(keys)  # as retrieve does while it reads
+        engine.store(list(range(1000, 1048)), make_kv(48, seed=1))  # would evict all of `tokens`
+        assert engine.lookup(tokens) == 48
+        cpu.unpin(keys)
         assert torch.equal(engine.retrieve(tokens), kv)
 
 
@@ -147,8 +157,6 @@ with CacheEngine(Config(chunk_size=16, disk=DiskTierConfig(path={config.disk.pat
 def test_per_tier_codec_keeps_memory_raw_and_disk_compressed(tmp_path):
     """cpu keeps raw chunks, disk gets cachegen ones; a fresh engine reads the compressed copy within the codec's
     error bound, and the engine's own codec is untouched."""
-    from kvfabric.codec.format import parse
-    from kvfabric.config import CpuTierConfig
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16")
     disk = DiskTierConfig(path=str(tmp_path / "chunks"), codec="cachegen:3")
     config = Config(chunk_size=32, disk=disk, cpu=CpuTierConfig(codec=""))
@@ -157,12 +165,131 @@ def test_per_tier_codec_keeps_memory_raw_and_disk_compressed(tmp_path):
         engine.store(tokens, kv)
         engine.flush()
         key = engine.keys(tokens)[0]
-        cpu_tier, disk_tier = engine.stack.tiers
-        assert parse(cpu_tier.get(key), key).codec_id == 0
-        disk_blob = disk_tier.get(key)
-        assert parse(disk_blob, key).codec_id == 2 and len(disk_blob) < len(cpu_tier.get(key))
+        hit = engine.read_chunk(key)
+        assert isinstance(hit, ChunkHit) and hit.tier == "cpu" and torch.equal(hit.kv, kv[:, :, :, :32])
+        assert hit.num_bytes == HEADER_BYTES + layout.num_bytes(32)  # raw in memory
         assert torch.equal(engine.retrieve(tokens), kv)  # served raw from memory
+    files = sorted((tmp_path / "chunks").rglob("*.kvc"))
+    assert len(files) == 2 and all(f.stat().st_size < hit.num_bytes / 2 for f in files)  # compressed on disk
     with CacheEngine(Config(chunk_size=32, tiers=("disk",), disk=disk), layout, "m") as engine:
         got = engine.retrieve(tokens)
         assert got.shape == kv.shape and not torch.equal(got, kv)
         assert float((got.float() - kv.float()).abs().max()) < 0.5  # lossy, but close
+
+
+# ---- per-chunk calls (the vLLM connector's seam) ----------------------------------------------------------
+def test_read_chunk_hit_names_its_tier(config):
+    tokens, kv = list(range(48)), make_kv(48)
+    with CacheEngine(config, LAYOUT, "m") as engine:
+        engine.store(tokens, kv)
+        engine.flush()
+        keys = engine.keys(tokens)
+        hit = engine.read_chunk(keys[1])
+        assert isinstance(hit, ChunkHit) and hit.tier == "cpu"
+        assert hit.num_bytes == HEADER_BYTES + LAYOUT.num_bytes(16) and torch.equal(hit.kv, kv[:, :, :, 16:32])
+        out = torch.zeros(LAYOUT.shape(16), dtype=torch.float64)  # any float dtype
+        into = engine.read_chunk(keys[2], out)
+        assert isinstance(into, ChunkHit) and into.kv is out and torch.equal(out, kv[:, :, :, 32:48].double())
+        engine.clear_tier("cpu")
+        assert engine.tier_keys("cpu") == [] and engine.tier_usage("cpu").num_chunks == 0
+        from_disk = engine.read_chunk(keys[0])
+        assert isinstance(from_disk, ChunkHit) and from_disk.tier == "disk"
+        assert torch.equal(from_disk.kv, kv[:, :, :, :16])
+        assert engine.tier_keys("cpu") == [keys[0]]  # promoted
+        stats = engine.stats()
+        assert stats.counters["hit.disk"] == 1 and stats.counters["hit.cpu"] == 2
+        assert [usage.name for usage in stats.tiers] == ["cpu", "disk"] and stats.tiers[1].num_chunks == 3
+        with pytest.raises(KeyError, match="redis"):
+            engine.tier_keys("redis")
+
+
+def test_read_chunk_without_out_is_a_view_over_the_callers_scratch(config):
+    """A raw chunk read from a first tier that reads into buffers (disk) lands in the caller's scratch: no copy."""
+    tokens, kv = list(range(32)), make_kv(32)
+    with CacheEngine(config, LAYOUT, "m") as engine:
+        engine.store(tokens, kv)
+        engine.flush()
+    with CacheEngine(Config(chunk_size=16, tiers=("disk",), disk=config.disk), LAYOUT, "m") as engine:
+        scratch = Scratch()
+        hit = engine.read_chunk(engine.keys(tokens)[1], scratch=scratch)
+        assert isinstance(hit, ChunkHit) and hit.tier == "disk" and torch.equal(hit.kv, kv[:, :, :, 16:32])
+        start = torch.frombuffer(scratch.view(hit.num_bytes), dtype=torch.uint8).data_ptr()
+        assert hit.kv.data_ptr() == start + HEADER_BYTES
+
+
+def _put_blob(cpu: CpuTier, key: bytes, header: ChunkHeader) -> None:
+    blob = bytearray(HEADER_BYTES + header.payload_len)
+    write_blob(header, blob)  # valid checksums: only the decoder can tell what is wrong
+    cpu.put(key, blob)
+
+
+def test_read_chunk_misses_say_why_and_bad_chunks_are_discarded():
+    cpu = CpuTier(1 << 20)
+    with CacheEngine(Config(chunk_size=16, tiers=("cpu",)), LAYOUT, "m", tiers=[cpu]) as engine:
+        missing, corrupt, foreign, short = engine.keys(list(range(64)))
+        assert engine.read_chunk(missing) == ChunkMiss("missing")
+        # a raw chunk whose dtype is not the layout's: well-formed, but its payload cannot be this layout's KV
+        _put_blob(cpu, corrupt, ChunkHeader(RawCodec.codec_id, 1, 0, LAYOUT.fingerprint, LAYOUT.shape(16), corrupt,
+                                            LAYOUT.num_bytes(16)))
+        other = KVLayout(3, 2, 4, "float32")
+        cpu.put(foreign, RawCodec().encode(make_kv(16, layout=other), foreign, other))
+        cpu.put(short, RawCodec().encode(make_kv(8), short, LAYOUT))  # 8 tokens where a chunk holds 16
+        assert engine.read_chunk(corrupt) == ChunkMiss("corrupt")
+        assert engine.read_chunk(foreign) == ChunkMiss("wrong_layout")
+        assert engine.read_chunk(short, torch.empty(LAYOUT.shape(16))) == ChunkMiss("wrong_layout")
+        assert engine.tier_keys("cpu") == []  # all three discarded
+        assert engine.stats().counters["discarded"] == 3
+        assert engine.read_chunk(corrupt) == ChunkMiss("missing")
+
+
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+def test_store_chunk_of_a_caller_laid_out_payload(config, codec):
+    """The caller gathers KV into new_payload().kv (raw: the payload of the very blob stored) and stores it under
+    its own key; it reads back bit-exact (raw) or within the codec's bound, and a second store is skipped."""
+    config = Config(chunk_size=16, codec=codec, disk=config.disk)
+    kv = make_kv(16)
+    with CacheEngine(config, LAYOUT, "m") as engine:
+        key = engine.keys(list(range(16)))[0]
+        payload = engine.new_payload()
+        assert payload.kv.shape == LAYOUT.shape(16) and payload.kv.dtype == LAYOUT.torch_dtype
+        assert (payload.blob is not None) == (codec == "raw")
+        for layer in range(LAYOUT.num_layers):  # filled layer by layer, as the connector does
+            payload.kv[layer].copy_(kv[layer])
+        assert engine.store_chunk(key, payload) is True
+        assert engine.store_chunk(key, engine.new_payload()) is False  # present: skipped, nothing overwritten
+        assert engine.stats().counters["chunks_stored"] == 1
+        hit = engine.read_chunk(key)
+        assert isinstance(hit, ChunkHit) and hit.tier == "cpu"
+        if codec == "raw":
+            assert torch.equal(hit.kv, kv) and hit.kv.data_ptr() == payload.kv.data_ptr()  # stored without a copy
+        else:
+            assert float((hit.kv - kv).abs().max()) < 0.05
+        assert engine.lookup(list(range(16))) == 16  # the same key as the token path
+        engine.flush()
+    with CacheEngine(Config(chunk_size=16, codec=codec, tiers=("disk",), disk=config.disk), LAYOUT, "m") as engine:
+        got = engine.retrieve(list(range(16)))
+        assert got.shape[3] == 16 and (torch.equal(got, kv) or codec != "raw")
+
+
+def test_store_chunk_and_read_chunk_from_two_threads(config):
+    """The connector stores from its saver thread while its step reads: every chunk lands once and is counted."""
+    kv = make_kv(16)
+    with CacheEngine(Config(chunk_size=16, tiers=("cpu",)), LAYOUT, "m") as engine:
+        keys = engine.keys(list(range(16 * 40)))
+
+        def store() -> None:
+            for key in keys:
+                payload = engine.new_payload()
+                payload.kv.copy_(kv)
+                engine.store_chunk(key, payload)
+
+        threads = [threading.Thread(target=store) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        reads = [engine.read_chunk(key) for key in keys for _ in range(2)]
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads)
+        assert all(isinstance(r, ChunkMiss) or torch.equal(r.kv, kv) for r in reads)
+        assert all(isinstance(engine.read_chunk(key), ChunkHit) for key in keys)
+        assert 40 <= engine.stats().counters["chunks_stored"] <= 80  # a race may store a chunk twice, never lose one

@@ -131,7 +131,7 @@ def test_cross_process_hit_from_disk(smol, tmp_path):
         n = res.prompt_tokens
         assert res.hit_tokens == (n // 16) * 16 > 0
         assert repr(res.text) == child_text
-        assert eng.cache.stats()["counters"].get("hit.disk", 0) > 0
+        assert eng.cache.stats().counters.get("hit.disk", 0) > 0
 
 
 def test_corrupt_chunk_ends_the_hit_there(smol, tmp_path):

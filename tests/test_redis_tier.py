@@ -110,7 +110,7 @@ def test_ttl(redis_server: RedisServer) -> None:
 
 def network_calls(tier: RedisTier) -> int:
     """Calls that went to the server and failed (the breaker counts the others as skipped)."""
-    return sum(n for name, n in tier.counters.items() if name.endswith(".errors"))
+    return sum(n for name, n in tier.counters.snapshot().items() if name.endswith(".errors"))
 
 
 def test_dead_server_is_misses_then_reconnects(tier: RedisTier, redis_server: RedisServer) -> None:

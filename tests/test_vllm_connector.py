@@ -208,11 +208,11 @@ def test_corrupt_chunk_is_recomputed(runs):
 def _lookup(tmp_path):
     pytest.importorskip("vllm")
     from kvfabric.config import Config
-    from kvfabric.connectors.vllm import _Lookup
+    from kvfabric.connectors.vllm.scheduler import ChunkLookup
     from kvfabric.layout import KVLayout
 
     config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
-    return _Lookup(config, KVLayout(2, 1, 4, "float32"), "m")
+    return ChunkLookup(config, KVLayout(2, 1, 4, "float32"), "m")
 
 
 def test_vllm_key_mode_names_the_last_block_of_each_chunk(tmp_path):
@@ -231,14 +231,33 @@ def test_token_keys_skip_requests_that_tokens_do_not_name(tmp_path):
 
     pytest.importorskip("vllm")
     from kvfabric.config import Config
-    from kvfabric.connectors.vllm import _SchedulerSide
+    from kvfabric.connectors.vllm.scheduler import SchedulerSide
     from kvfabric.layout import KVLayout
 
     config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
-    side = _SchedulerSide(config, KVLayout(2, 1, 4, "float32"), "m", 128, "tokens")
+    side = SchedulerSide(config, KVLayout(2, 1, 4, "float32"), "m", 128, "tokens")
     plain = SimpleNamespace(request_id="a", prompt_token_ids=list(range(600)), lora_request=None, mm_features=[],
                             cache_salt=None, block_hashes=[])
     assert len(side.request_keys(plain)) == 2
     lora = SimpleNamespace(**{**vars(plain), "request_id": "b", "lora_request": object()})
     salted = SimpleNamespace(**{**vars(plain), "request_id": "c", "cache_salt": "tenant"})
     assert side.request_keys(lora) == [] and side.request_keys(salted) == []
+
+
+def test_request_stats_add_up_across_steps_and_processes():
+    import pickle
+
+    pytest.importorskip("vllm")
+    from kvfabric.connectors.vllm.metadata import KVFabricWorkerMetadata, RequestStats
+
+    step1 = RequestStats(loaded_tokens=256, load_read_s=0.5, bytes_loaded=(("disk", 100),))
+    step2 = RequestStats(loaded_tokens=256, failed_tokens=512, bytes_loaded=(("cpu", 7), ("disk", 50)))
+    meta = KVFabricWorkerMetadata({"a": step1}, [b"k1"], [])
+    meta.aggregate(pickle.loads(pickle.dumps(KVFabricWorkerMetadata({"a": step2, "b": RequestStats(saved_tokens=256)},
+                                                                    [b"k2"], [b"k1"]))))
+    assert meta.stored == [b"k1", b"k2"] and meta.removed == [b"k1"]
+    assert meta.requests["b"].saved_tokens == 256
+    params = meta.requests["a"].as_params()
+    assert params == {"external_hit_tokens": 0, "local_hit_tokens": 0, "loaded_tokens": 512, "failed_tokens": 512,
+                      "saved_tokens": 0, "load_read_s": 0.5, "bytes": {"cpu": 7, "disk": 150}}
+    assert json.loads(json.dumps(params)) == params  # it rides in the request's output as plain JSON

@@ -106,7 +106,8 @@ def cache_clear(config_path: str | None, yes: bool) -> None:
 @main.command("setup-model")
 @click.argument("name_or_path", default="smollm2-135m-instruct")
 def setup_model_cmd(name_or_path: str) -> None:
-    """Fetch and convert the model once (builtin name, local HF folder, or hub id)."""
+    """Fetch, verify (sha256) and convert a model once: a builtin name (smollm2-135m-instruct, the demo's;
+    gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), a local HF folder, or a hub id."""
     from kvfabric.engines.model import ModelError, setup_model
     try:
         setup_model(name_or_path)
@@ -178,10 +179,50 @@ def bench() -> None:
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--quick", is_flag=True, help="Fewer chunks (a smoke run).")
 @click.option("--redis-url", default=None, help="Also measure the redis tier against raw redis-py on this server.")
-def bench_tiers(as_json: bool, repeats: int, quick: bool, redis_url: str | None) -> None:
+@click.option("--mooncake", is_flag=True, help="Also measure the mooncake tier against raw Mooncake and a loopback "
+              "socket (starts a private mooncake_master and a storage process on loopback).")
+def bench_tiers(as_json: bool, repeats: int, quick: bool, redis_url: str | None, mooncake: bool) -> None:
     """Tier store/retrieve throughput vs raw copy / file I/O of the same bytes."""
     from kvfabric.bench.tiers import run
-    run(as_json=as_json, repeats=repeats, quick=quick, redis_url=redis_url)
+    run(as_json=as_json, repeats=repeats, quick=quick, redis_url=redis_url, mooncake=mooncake)
+
+
+@bench.command("trace")
+@click.option("--trace", "traces", multiple=True, metavar="NAME|FILE",
+              help="conversation, synthetic (../shared/data) or a JSONL path; repeatable (default: both).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per (trace, tiers, capacity, policy).")
+@click.option("--plot", default=None, metavar="PNG", help="Hit ratio and TTFT vs capacity per policy.")
+@click.option("--capacities", default="0.01,0.03,0.1,0.3", show_default=True,
+              help="Fast-tier capacities as shares of the distinct blocks.")
+@click.option("--policies", default=None, help="One-tier policies, EVICTION[+ADMISSION] comma-separated.")
+@click.option("--tiers", default="1,2", show_default=True, help="Set-ups to run: 1, 2 or both.")
+@click.option("--limit", default=None, type=int, help="Only the first N requests of each trace.")
+@click.option("--bounds", is_flag=True, help="Also run oracle-informed policies (what knowing the future is worth).")
+@click.option("--quick", is_flag=True, help="First 2000 requests, capacities 3 and 10 % (a smoke run).")
+@click.option("--prefill-tps", default=2000.0, show_default=True, help="TTFT model: prefill tokens/s at empty context.")
+@click.option("--fast-gbps", default=5.0, show_default=True, help="TTFT model: fast tier read GB/s.")
+@click.option("--slow-gbps", default=1.0, show_default=True, help="TTFT model: slow tier read GB/s.")
+def bench_trace(traces: tuple[str, ...], as_json: bool, plot: str | None, capacities: str, policies: str | None,
+                tiers: str, limit: int | None, bounds: bool, quick: bool, prefill_tps: float, fast_gbps: float,
+                slow_gbps: float) -> None:
+    """Cache policies over the Mooncake traces: prefix hit ratio and modelled TTFT vs LRU and Belady."""
+    from kvfabric.bench import trace
+    from kvfabric.bench.trace_sim import TTFTModel
+    try:
+        fracs = tuple(float(x) for x in capacities.split(","))
+        tier_set = tuple(int(x) for x in tiers.split(","))
+    except ValueError:
+        raise click.BadParameter("comma-separated numbers expected") from None
+    if not all(0 < f <= 1 for f in fracs) or not set(tier_set) <= {1, 2}:
+        raise click.BadParameter("capacities must be in (0, 1] and tiers 1 and/or 2")
+    model = TTFTModel(fast_bytes_per_s=fast_gbps * 1e9, slow_bytes_per_s=slow_gbps * 1e9,
+                      prefill_tokens_per_s=prefill_tps)
+    try:
+        trace.run(traces=traces or tuple(trace.TRACE_FILES), capacities=(0.03, 0.1) if quick else fracs,
+                  policies=tuple(policies.split(",")) if policies else trace.ONE_TIER, tiers=tier_set,
+                  as_json=as_json, plot=plot, limit=2000 if quick else limit, bounds=bounds, model=model)
+    except (FileNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @bench.command("p2p")
@@ -235,11 +276,43 @@ def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int,
 @click.option("--tokens", "prompt_tokens", default=2048, show_default=True, help="Prompt tokens to send.")
 @click.option("--target", "ttft_target_s", default=1.0, show_default=True, help="TTFT target of the adaptive sender.")
 @click.option("--quick", is_flag=True, help="A shorter prompt (a smoke run).")
-def bench_stream(as_json: bool, plot: str | None, prompt_tokens: int, ttft_target_s: float, quick: bool) -> None:
+@click.option("--trace/--no-trace", default=True, show_default=True,
+              help="Also run the fluctuating link (1 Gbit/s and 100 Mbit/s, a second each): adaptive resolution vs "
+                   "every fixed setting.")
+@click.option("--trace-only", is_flag=True, help="Only the fluctuating link.")
+@click.option("--trace-seconds", "trace_s", default=10.0, show_default=True, help="Duration of each trace run.")
+@click.option("--ladder", default="0,5,6", show_default=True, metavar="L1,L2,..",
+              help="Video levels on the trace (each within the quality floor), beside raw.")
+def bench_stream(as_json: bool, plot: str | None, prompt_tokens: int, ttft_target_s: float, quick: bool,
+                 trace: bool, trace_only: bool, trace_s: float, ladder: str) -> None:
     """KV streaming over a throttled loopback link: raw vs adaptive cachegen vs recompute, at 100 Mbit/s, 1 Gbit/s
-    and unthrottled."""
+    and unthrottled; then adaptive resolution (video levels) vs fixed settings on a fluctuating link."""
     from kvfabric.bench.stream import run
-    run(as_json=as_json, plot=plot, prompt_tokens=prompt_tokens, ttft_target_s=ttft_target_s, quick=quick)
+    try:
+        levels = tuple(int(x) for x in ladder.split(","))
+        if not all(0 <= lvl <= 9 for lvl in levels):
+            raise ValueError("levels are 0..9")
+    except ValueError as e:
+        raise click.BadParameter(f"{ladder!r}: {e}", param_hint="--ladder") from None
+    run(as_json=as_json, plot=plot, prompt_tokens=prompt_tokens, ttft_target_s=ttft_target_s, quick=quick,
+        trace=trace or trace_only, trace_only=trace_only, ladder=levels, trace_s=trace_s)
+
+
+@bench.command("video")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--docs", "num_docs", default=8, show_default=True, help="Held-out documents.")
+@click.option("--length", "ctx_tokens", default=2048, show_default=True, help="Context tokens per document.")
+@click.option("--context", "context_tokens", default=8192, show_default=True,
+              help="Tokens of the context whose peak decode memory is measured.")
+@click.option("--repeats", default=3, show_default=True)
+@click.option("--quick", is_flag=True, help="Fewer documents, settings and tokens (a smoke run).")
+def bench_video(as_json: bool, num_docs: int, ctx_tokens: int, context_tokens: int, repeats: int,
+                quick: bool) -> None:
+    """The video codec's modes beside cachegen levels and int8: size, top-1 / KL of the next 64 tokens, encode /
+    decode MB/s (and on one thread), peak decode memory of an 8k-token context."""
+    from kvfabric.bench.video import run
+    run(as_json=as_json, num_docs=num_docs, ctx_tokens=ctx_tokens, context_tokens=context_tokens, repeats=repeats,
+        quick=quick)
 
 
 @bench.command("blend")

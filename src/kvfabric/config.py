@@ -28,7 +28,7 @@ from kvfabric.codec.registry import CodecSpecError, parse_codec
 ENV_PREFIX = "KVFABRIC_"
 RESERVED_ENV = {"KVFABRIC_HOME", "KVFABRIC_CONFIG"}
 RESERVED_ENV_PREFIXES = ("KVFABRIC_TEST_", "KVFABRIC_BENCH_")  # for test and benchmark harnesses, never config
-TIER_NAMES = ("cpu", "shm", "disk", "redis", "peer")
+TIER_NAMES = ("cpu", "shm", "disk", "redis", "mooncake", "peer")
 
 
 class ConfigError(ValueError):
@@ -44,7 +44,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(value: Any, key: str) -> int:
+def parse_bytes(value: Any, key: str, allow_zero: bool = False) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         number = value
     else:
@@ -52,12 +52,13 @@ def parse_bytes(value: Any, key: str) -> int:
         if not match or match.group(2).lower() not in _UNITS:
             raise ConfigError(f"{key}: expected a byte size like 4GiB or 512MB, got {value!r}")
         number = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if number <= 0:
-        raise ConfigError(f"{key}: must be positive, got {value!r}")
+    if number < 0 or (number == 0 and not allow_zero):
+        raise ConfigError(f"{key}: must be {'0 or more' if allow_zero else 'positive'}, got {value!r}")
     return number
 
 
 ByteSize = typing.Annotated[int, "bytes"]
+ByteSizeOrZero = typing.Annotated[int, "bytes or 0"]
 
 
 def _check_codec(spec: str, key: str) -> None:
@@ -122,6 +123,28 @@ class RedisTierConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MooncakeTierConfig:
+    master: str = "127.0.0.1:50051"  # mooncake_master's RPC address
+    metadata_url: str = "http://127.0.0.1:8080/metadata"  # the transfer engine's metadata server (the master's HTTP one)
+    metrics_url: str = ""  # the master's admin HTTP server, for keys() and usage(); "" = http://<master host>:9003
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    rdma_devices: str = ""  # with rdma: e.g. "mlx5_0"
+    local_host: str = "127.0.0.1"  # this client's address (hostname <local_host>:<free port>, MC_TCP_BIND_ADDRESS)
+    segment: ByteSizeOrZero = 2**30  # memory this client lends the store (its objects leave with it); 0: none
+    buffer: ByteSize = 64 * 2**20  # the client's own transfer buffer
+    timeout_s: float = 1.0  # deadline of every call, set-up included; a dead master = misses within it
+    capacity: ByteSize = 2**40  # informational: the master evicts by its own watermark
+    breaker_failures: int = 3
+    backoff_max_s: float = 30.0
+    codec: str = ""  # "" = the top-level codec
+
+    def __post_init__(self) -> None:
+        _check_tier_codec(self.codec, "mooncake.codec")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"mooncake.timeout_s: must be positive, got {self.timeout_s}")
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """This instance's membership in a fleet (tier "peer"): report to the controller, serve chunks to peers."""
     controller_url: str = ""  # e.g. http://127.0.0.1:8470; required with tier "peer"
@@ -154,6 +177,7 @@ class Config:
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     shm: ShmTierConfig = field(default_factory=ShmTierConfig)
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
+    mooncake: MooncakeTierConfig = field(default_factory=MooncakeTierConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
@@ -195,6 +219,10 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def merged(self, data: dict[str, Any]) -> Config:
+        """This config with the keys of `data` (nested sections merged key by key) set on top, checked as usual."""
+        return Config.from_dict(_merge(self.to_dict(), data))
 
 
 def env_overrides(environ: dict[str, str]) -> dict[str, Any]:
@@ -244,7 +272,7 @@ def _convert(hint: Any, value: Any, name: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, name + ".")
     if typing.get_origin(hint) is typing.Annotated:
-        return parse_bytes(value, name)
+        return parse_bytes(value, name, allow_zero=hint.__metadata__[0] == "bytes or 0")
     if typing.get_origin(hint) is Literal:
         choices = typing.get_args(hint)
         if value not in choices:

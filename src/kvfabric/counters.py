@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 
 
 class Counters:
@@ -23,8 +23,8 @@ class Counters:
         with self._lock:
             self._values[name] += n
 
-    def get(self, name: str) -> int:
-        return self._values.get(name, 0)
+    def get(self, name: str, default: int = 0) -> int:
+        return self._values.get(name, default)
 
     def __getitem__(self, name: str) -> int:
         return self.get(name)
@@ -33,8 +33,8 @@ class Counters:
         with self._lock:
             return dict(self._values)
 
-    def names(self) -> Iterable[str]:
-        return self.snapshot().keys()
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.snapshot())
 
     def __repr__(self) -> str:
         return f"Counters({self.snapshot()!r})"

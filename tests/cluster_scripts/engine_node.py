@@ -78,7 +78,7 @@ def main() -> None:
                    "ref_tokens": ref.token_ids, "stored_chunks": res.stored_chunks, "seconds": seconds,
                    "max_diff": float((res.logits - ref.logits).abs().max()),
                    "max_diff_plain": float((res.logits - plain).abs().max()),
-                   "peer": dict(node.peer.counters), "counters": cache.stats()["counters"]})
+                   "peer": node.peer.counters.snapshot(), "counters": cache.stats().counters})
         elif cmd == "flush":
             cache.flush()
             reply({"ok": node.flush_reports(30)})

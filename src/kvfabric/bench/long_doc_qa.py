@@ -7,8 +7,9 @@ question. Rounds per document:
 - `warm-cpu`: another question, the document's KV from the cpu tier;
 - `warm-disk`: the cpu tier emptied, the KV from the disk tier.
 TTFT ends when the first token is picked; storing the new chunks (`store_s`, encode into the cpu tier, disk
-written in the background) follows it and is reported on its own. Each hit is decomposed against its physical limit measured in the same run: load = bytes loaded / memcpy
-bandwidth of the same bytes, plus the suffix's own forward time; `limit_ratio` = TTFT / (load + suffix).
+written in the background) follows it and is reported on its own. Each hit is decomposed against its physical
+limit measured in the same run: load = bytes loaded / memcpy bandwidth of the same bytes, plus the suffix's own
+forward time; `limit_ratio` = TTFT / (load + suffix).
 """
 from __future__ import annotations
 
@@ -49,10 +50,10 @@ def run(num_docs: int = 3, doc_tokens: int = 4096, question_tokens: int = 64, se
                     question = rng.integers(low, vocab, question_tokens).tolist()
                     if round_name == "warm-disk":
                         cache.flush()
-                        cache.stack.tiers[0].clear()  # the cpu tier: next hit comes from disk
-                    before = cache.stack.counters.snapshot()
+                        cache.clear_tier("cpu")  # the next hit comes from disk
+                    before = cache.stats().counters
                     result = engine.generate(doc + question, max_new_tokens=1, use_cache=round_name != "nocache")
-                    after = cache.stack.counters.snapshot()
+                    after = cache.stats().counters
                     delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
                     tiers = sorted({k.split(".", 1)[1] for k in delta if k.startswith("hit.")})
                     bytes_loaded = sum(v for k, v in delta.items() if k.startswith("bytes_read."))

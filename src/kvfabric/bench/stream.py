@@ -29,6 +29,7 @@ from kvfabric.engines.runtime import BufferCache, layout_for, load_for_inference
 RATES = (("100Mbit", 100e6 / 8), ("1Gbit", 1e9 / 8), ("unthrottled", None))
 CHUNK = 256
 MODEL_ID = "smollm2-135m-instruct"
+TRACE_LADDER = (0, 5, 6)  # video levels on the fluctuating trace: lossless and levels with top-1 >= 99 %
 
 
 def timed_once(fn: Callable[[], object]) -> float:
@@ -38,15 +39,18 @@ def timed_once(fn: Callable[[], object]) -> float:
 
 
 def run(as_json: bool = False, plot: str | None = None, prompt_tokens: int = 2048, ttft_target_s: float = 1.0,
-        levels: tuple[int, ...] = (1, 3, 5, 7, 9), repeats: int = 1, quick: bool = False) -> list[dict]:
+        levels: tuple[int, ...] = (1, 3, 5, 7, 9), repeats: int = 1, quick: bool = False, trace: bool = True,
+        trace_only: bool = False, ladder: tuple[int, ...] = TRACE_LADDER, trace_s: float = 10.0) -> list[dict]:
+    """The three links (unless trace_only), then the fluctuating trace (bench/stream_trace.py; unless not trace)."""
     from kvfabric.stream import (AdaptivePolicy, FixedPolicy, Receiver, ThrottledSocket, TokenBucket,
                                  loopback_pair, prepare, send_prompt)
     from kvfabric.stream.policy import RAW, RECOMPUTE
     if quick:
-        prompt_tokens = min(prompt_tokens, 1024)
+        prompt_tokens, trace_s = min(prompt_tokens, 1024), min(trace_s, 4.0)
     model, tok = load_for_inference()
     layout = layout_for(model.config, "float16")
-    (ids,), held_out = held_out_texts(tok, 1, prompt_tokens, first=120)
+    (following,), held_out = held_out_texts(tok, 1, prompt_tokens + 64, first=120)  # + the next tokens (quality)
+    ids = following[:prompt_tokens]
     n = len(ids)
     kv = prefill(model, ids, n)
     prompt = prepare(ids, kv, layout, MODEL_ID, CHUNK, levels)
@@ -73,7 +77,7 @@ def run(as_json: bool = False, plot: str | None = None, prompt_tokens: int = 204
     options = [RAW] + [f"L{lvl}" for lvl in levels]
     rows: list[dict] = []
     ref_lp: torch.Tensor | None = None
-    for rate_name, rate in RATES:
+    for rate_name, rate in () if trace_only else RATES:
         for strategy in ("raw", "adaptive", "recompute"):
             best: dict | None = None
             for _ in range(repeats):
@@ -121,11 +125,20 @@ def run(as_json: bool = False, plot: str | None = None, prompt_tokens: int = 204
         assert ref_lp is not None
         row["kl_first"] = round(float((ref_lp.exp() * (ref_lp - lp)).sum().clamp_min(0)), 5)
         row["same_first"] = bool(lp.argmax() == ref_lp.argmax())
-    emit(rows, as_json, f"TTFT of a {n}-token prompt's KV over loopback (target {ttft_target_s} s; recompute "
-         f"{recompute_s * 1000:.0f} ms/chunk; {threads_note()})",
-         ["link", "strategy", "ttft_s", "met", "wire_mb", "load_s", "options", "kl_first", "same_first"])
-    if plot:
+    if rows:
+        emit(rows, as_json, f"TTFT of a {n}-token prompt's KV over loopback (target {ttft_target_s} s; recompute "
+             f"{recompute_s * 1000:.0f} ms/chunk; {threads_note()})",
+             ["link", "strategy", "ttft_s", "met", "wire_mb", "load_s", "options", "kl_first", "same_first"])
+    if plot and rows:
         write_plot(rows, plot, ttft_target_s)
+    if trace:
+        from kvfabric.bench.stream_trace import run_trace
+        traced = run_trace(model, layout, following, kv, recompute, recompute_s, ladder, trace_s, MODEL_ID, CHUNK,
+                           repeats=1 if quick else 3)
+        emit(traced, as_json, f"{n}-token prompts requested back to back for {trace_s:.0f} s on a link alternating "
+             f"1 Gbit/s and 100 Mbit/s every second: adaptive resolution vs fixed ({threads_note()})",
+             ["strategy", "option", "mean_chunk_ms", "vs_best_fixed", "chunks", "options", "top1", "kl_mean"])
+        rows += traced
     return rows
 
 

@@ -5,7 +5,8 @@ Per layout (SmolLM2-135M: 30 x 3 x 64 fp16, 256 tokens = 5.9 MB a chunk; Llama-8
 - cpu: baseline = numpy copy of the same bytes into a preallocated buffer;
 - disk: baseline = plain file write + fsync, and read into a preallocated buffer, with the page cache of those
   files dropped before each read on both sides (posix_fadvise DONTNEED); the tier also writes with fsync here;
-- lookup: a 32k-token prompt (list of ints) fully cached in the cpu tier, keys computed each call.
+- lookup: a 32k-token prompt (list of ints) fully cached in the cpu tier, keys computed each call;
+- with `--redis-url` / `--mooncake`, the shared tiers' rows (bench.tiers_shared, bench.tiers_mooncake).
 `gbps` is GB/s (10^9 bytes per second).
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvfabric.bench.common import drop_page_cache, emit, paired, threads_note, t
 from kvfabric.config import Config, CpuTierConfig, DiskTierConfig
 from kvfabric.engine import CacheEngine
 from kvfabric.layout import KVLayout
+from kvfabric.tiers.cpu import CpuTier
 
 LAYOUTS = {"smollm2-135m": KVLayout(30, 3, 64, "float16"), "llama-8b": KVLayout(32, 8, 128, "float16")}
 CHUNK = 256
@@ -45,7 +47,8 @@ def bench_cpu(name: str, layout: KVLayout, num_chunks: int, repeats: int) -> lis
     def copy() -> None:
         np.copyto(dst, src)
 
-    store_s, copy1_s = paired(lambda: engine.store(tokens, kv), copy, repeats, setup_ours=engine.stack.tiers[0].clear)
+    store_s, copy1_s = paired(lambda: engine.store(tokens, kv), copy, repeats,
+                              setup_ours=lambda: engine.clear_tier("cpu"))
     retrieve_s, copy2_s = paired(lambda: engine.retrieve(tokens, out=out), copy, repeats)
     assert torch.equal(out, kv), "cpu tier returned different bytes"
     engine.close()
@@ -61,13 +64,13 @@ def bench_disk(name: str, layout: KVLayout, num_chunks: int, repeats: int, root:
     cfg = Config(chunk_size=CHUNK, tiers=("disk",),
                  disk=DiskTierConfig(path=str(root / "tier"), capacity=num_bytes * 4, fsync=True))
     engine = CacheEngine(cfg, layout, "bench")
-    disk = engine.stack.tiers[0]
 
     def store() -> None:
         engine.store(tokens, kv)
         engine.flush()
 
-    paths = [disk.path(k) for k in engine.keys(tokens)]
+    def drop_chunk_files() -> None:
+        drop_page_cache(list((root / "tier").rglob("*.kvc")))
 
     chunk_bytes = num_bytes // num_chunks
     raw = [memoryview(bytes(os.urandom(chunk_bytes))) for _ in range(num_chunks)]
@@ -87,9 +90,9 @@ def bench_disk(name: str, layout: KVLayout, num_chunks: int, repeats: int, root:
             with open(path, "rb") as f:
                 f.readinto(buf)
 
-    store_s, write_s = paired(store, raw_write, repeats, setup_ours=disk.clear)
+    store_s, write_s = paired(store, raw_write, repeats, setup_ours=lambda: engine.clear_tier("disk"))
     retrieve_s, read_s = paired(lambda: engine.retrieve(tokens, out=out), raw_read, repeats,
-                                setup_ours=lambda: drop_page_cache(paths), setup_base=lambda: drop_page_cache(raw_paths))
+                                setup_ours=drop_chunk_files, setup_base=lambda: drop_page_cache(raw_paths))
     assert torch.equal(out, kv), "disk tier returned different bytes"
     engine.close()
     return [_row("disk", "store", name, num_bytes, store_s, write_s, "file write+fsync, same bytes"),
@@ -99,9 +102,10 @@ def bench_disk(name: str, layout: KVLayout, num_chunks: int, repeats: int, root:
 def bench_lookup(num_tokens: int = 32768, repeats: int = 50) -> dict:
     layout = LAYOUTS["smollm2-135m"]
     tokens = list(range(num_tokens))
-    engine = CacheEngine(Config(chunk_size=CHUNK, tiers=("cpu",)), layout, "bench")
-    for key in engine.keys(tokens):  # mark all chunks present without 190 MB of data: tiny blobs
-        engine.stack.tiers[0]._blobs[key] = b""  # noqa: SLF001 - bench-only shortcut, lookup reads no data
+    cpu = CpuTier(Config().cpu.capacity)
+    engine = CacheEngine(Config(chunk_size=CHUNK, tiers=("cpu",)), layout, "bench", tiers=[cpu])
+    for key in engine.keys(tokens):  # mark all chunks present without 190 MB of data: lookup reads no data
+        cpu.put(key, b"")
     assert engine.lookup(tokens) == num_tokens
     seconds = timed(lambda: engine.lookup(tokens), repeats)
     hash_s = timed(lambda: engine.keys(tokens), repeats)
@@ -110,7 +114,8 @@ def bench_lookup(num_tokens: int = 32768, repeats: int = 50) -> dict:
             "hash_ms": round(hash_s * 1e3, 3), "target_ms": 1.0, "ok": seconds < 1e-3}
 
 
-def run(as_json: bool = False, repeats: int = 3, quick: bool = False, redis_url: str | None = None) -> list[dict]:
+def run(as_json: bool = False, repeats: int = 3, quick: bool = False, redis_url: str | None = None,
+        mooncake: bool = False) -> list[dict]:
     torch.set_num_threads(os.cpu_count() or 1)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kvfabric-bench-", dir=os.environ.get("KVFABRIC_BENCH_DIR")) as tmp:
@@ -125,6 +130,9 @@ def run(as_json: bool = False, repeats: int = 3, quick: bool = False, redis_url:
             rows += bench_redis(redis_url, repeats=repeats)
     except ImportError:
         pass
+    if mooncake:  # a private master and storage process on loopback (kvfabric.bench.tiers_mooncake)
+        from kvfabric.bench.tiers_mooncake import bench_mooncake
+        rows += bench_mooncake(repeats=max(repeats, 15))
     emit(rows, as_json, f"kvfabric bench tiers ({threads_note()}, {time.strftime('%H:%M:%S')})",
          ["tier", "op", "layout", "mb", "gbps", "baseline_gbps", "ratio", "baseline"])
     lookup = bench_lookup()

@@ -80,7 +80,7 @@ def bench_redis(url: str, sizes: Mapping[str, int] | tuple | list | None = None,
 
             def put() -> None:
                 if not tier.put(key, blob):
-                    raise RuntimeError(f"redis tier put failed: {dict(tier.counters)}")
+                    raise RuntimeError(f"redis tier put failed: {tier.counters.snapshot()}")
 
             def get() -> None:
                 got[0] = tier.get(key)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 from kvfabric.cluster import protocol as p
 from kvfabric.framing import no_delay, recv_into, send_all
+from kvfabric.counters import Counters
 from kvfabric.tiers.base import Blob, Tier
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,8 @@ class PeerServer:
         self._closing = threading.Event()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
-        self.counters: dict[str, int] = {"requests": 0, "chunks_sent": 0, "bytes_sent": 0, "missing": 0,
-                                         "errors": 0, "rejected": 0, "sendfile": 0}
+        self.counters = Counters({"requests": 0, "chunks_sent": 0, "bytes_sent": 0, "missing": 0,
+                                         "errors": 0, "rejected": 0, "sendfile": 0})
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -77,10 +78,6 @@ class PeerServer:
     def start(self) -> PeerServer:
         self._thread.start()
         return self
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self.counters[name] += n
 
     # ---- connections ---------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -96,7 +93,7 @@ class PeerServer:
                 continue
             no_delay(conn)
             if not self._slots.acquire(blocking=False):
-                self._count("rejected")
+                self.counters.add("rejected")
                 self._reject(conn, 503, "too many connections")
                 continue
             with self._lock:
@@ -120,29 +117,29 @@ class PeerServer:
                 except OSError:  # closed between requests (framing.PeerClosed is one), or idle too long
                     return
                 except p.ProtocolError as exc:
-                    self._count("errors")
+                    self.counters.add("errors")
                     conn.settimeout(1.0)
                     conn.sendall(p.encode_error(400, str(exc)))
                     return
                 if kind not in (p.FrameType.GET, p.FrameType.CONTROL):
-                    self._count("errors")
+                    self.counters.add("errors")
                     conn.sendall(p.encode_error(400, f"unexpected frame {kind.name}"))
                     return
                 if length > self.max_request_bytes:
-                    self._count("errors")
+                    self.counters.add("errors")
                     conn.sendall(p.encode_error(413, f"request of {length} bytes is over {self.max_request_bytes}"))
                     return
                 body = bytearray(length)
                 recv_into(conn, memoryview(body), self.io_timeout_s,
                              time.monotonic() + self.io_timeout_s)
-                self._count("requests")
+                self.counters.add("requests")
                 try:
                     if kind == p.FrameType.GET:
                         ok = self._get(conn, body)
                     else:
                         ok = self._control(conn, body)
                 except p.ProtocolError as exc:
-                    self._count("errors")
+                    self.counters.add("errors")
                     conn.sendall(p.encode_error(400, str(exc)))
                     return
                 if not ok:
@@ -151,7 +148,7 @@ class PeerServer:
             pass  # the client went away or stalled: drop the connection
         except Exception:  # never let a handler bug take the server down
             log.exception("peer connection failed")
-            self._count("errors")
+            self.counters.add("errors")
         finally:
             with self._lock:
                 self._conns.discard(conn)
@@ -165,7 +162,7 @@ class PeerServer:
     def _get(self, conn: socket.socket, body: bytearray) -> bool:
         token, tier_name, keys = p.decode_get(body)
         if not self._authorized(token):
-            self._count("errors")
+            self.counters.add("errors")
             conn.sendall(p.encode_error(401, "bad token"))
             return False
         if len(keys) > self.max_keys:
@@ -178,7 +175,7 @@ class PeerServer:
                 continue
             blob = self._read(tiers, key)
             if blob is None:
-                self._count("missing")
+                self.counters.add("missing")
                 conn.sendall(p.pack_header(p.FrameType.CHUNK, p.KEY_BYTES, p.Status.MISSING) + key)
                 if self.on_missing is not None:
                     try:
@@ -188,8 +185,8 @@ class PeerServer:
                 continue
             send_all(conn, [p.pack_header(p.FrameType.CHUNK, p.KEY_BYTES + len(blob), p.Status.OK), key, blob])
             with self._lock:
-                self.counters["chunks_sent"] += 1
-                self.counters["bytes_sent"] += len(blob)
+                self.counters.add("chunks_sent")
+                self.counters.add("bytes_sent", len(blob))
         conn.sendall(p.pack_header(p.FrameType.END, 4) + len(keys).to_bytes(4, "little"))
         return True
 
@@ -216,9 +213,9 @@ class PeerServer:
                 if conn.sendfile(f, 0, size) != size:
                     raise ConnectionError("file shrank while being sent")  # the client sees a failure
             with self._lock:
-                self.counters["chunks_sent"] += 1
-                self.counters["bytes_sent"] += size
-                self.counters["sendfile"] += 1
+                self.counters.add("chunks_sent")
+                self.counters.add("bytes_sent", size)
+                self.counters.add("sendfile")
             return True
         return False
 
@@ -237,7 +234,7 @@ class PeerServer:
     def _control(self, conn: socket.socket, body: bytearray) -> bool:
         token, message = p.decode_control(body)
         if not self._authorized(token):
-            self._count("errors")
+            self.counters.add("errors")
             conn.sendall(p.encode_error(401, "bad token"))
             return False
         if self.control is None:

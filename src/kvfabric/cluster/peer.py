@@ -25,11 +25,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kvfabric.counters import Counters
 from kvfabric.breaker import CircuitBreaker
 from kvfabric.cluster.client import ControllerClient, ControllerError
 from kvfabric.cluster.p2p_client import PeerError, PeerPool
@@ -81,7 +82,7 @@ class PeerTier(TierBase):
         self.miss_ttl_s = miss_ttl_s
         self.suspect_s = suspect_s
         self.max_cached_keys = max_cached_keys
-        self.counters: Counter[str] = Counter()
+        self.counters = Counters()
         self.breaker = CircuitBreaker(failures=2, backoff_max_s=10.0, backoff_start_s=0.5)
         self._located: OrderedDict[bytes, tuple[float, list[Holder]]] = OrderedDict()
         self._suspects: dict[str, float] = {}
@@ -102,7 +103,7 @@ class PeerTier(TierBase):
         """Avoid this peer for `suspect_s` (it failed a fetch)."""
         with self._lock:
             self._suspects[holder.instance_id] = time.monotonic() + self.suspect_s
-            self.counters["suspected"] += 1
+            self.counters.add("suspected")
 
     def _holders(self, key: bytes, now: float) -> list[Holder]:
         entry = self._located.get(key)
@@ -112,7 +113,7 @@ class PeerTier(TierBase):
 
     def _locate(self, keys: Sequence[bytes]) -> None:
         if not self.breaker.allow():
-            self.counters["lookups_skipped"] += 1
+            self.counters.add("lookups_skipped")
             return
         now = time.monotonic()
         exclude = [self.instance_id] if self.instance_id else []
@@ -132,11 +133,11 @@ class PeerTier(TierBase):
                                                                     int(hit.get("prefix_chunks", 0)), held[0]))
         except (ControllerError, KeyError, TypeError, ValueError) as exc:
             self.breaker.failure()
-            self.counters["lookup_errors"] += 1
+            self.counters.add("lookup_errors")
             log.debug("controller lookup failed: %s", exc)
             return
         self.breaker.success()
-        self.counters["lookups"] += 1
+        self.counters.add("lookups")
         now = time.monotonic()
         with self._lock:
             for key in keys:
@@ -191,11 +192,11 @@ class PeerTier(TierBase):
                 slot.event.set()
         except PeerError as exc:
             log.info("prefetch from %s failed: %s", holder.instance_id, exc)
-            self.counters["fetch_errors"] += 1
+            self.counters.add("fetch_errors")
             self.suspect(holder)
         except Exception:  # never leave a waiter hanging
             log.exception("prefetch from %s failed", holder.instance_id)
-            self.counters["fetch_errors"] += 1
+            self.counters.add("fetch_errors")
         finally:
             for slot in slots.values():
                 slot.event.set()
@@ -203,13 +204,13 @@ class PeerTier(TierBase):
     def _arrived(self, key: bytes, blob: memoryview | None, holder: Holder) -> None:
         with self._lock:
             if blob is None:
-                self.counters["peer_missing"] += 1
+                self.counters.add("peer_missing")
                 entry = self._located.get(key)
                 if entry is not None:  # that peer no longer has it
                     self._located[key] = (entry[0], [h for h in entry[1] if h.instance_id != holder.instance_id])
                 return
-            self.counters["chunks_fetched"] += 1
-            self.counters["bytes_fetched"] += len(blob)
+            self.counters.add("chunks_fetched")
+            self.counters.add("bytes_fetched", len(blob))
             self._fetched[key] = time.monotonic()
             self._fetched.move_to_end(key)
             while len(self._fetched) > MAX_SLOTS:
@@ -223,7 +224,7 @@ class PeerTier(TierBase):
         tried: set[str] = set()
         if slot is not None:
             if slot.event.wait(self.settings.fetch_timeout_s + self.settings.connect_timeout_s) and slot.blob is not None:
-                self.counters["hits"] += 1
+                self.counters.add("hits")
                 return slot.blob
             tried.add(slot.holder.instance_id)
         now = time.monotonic()
@@ -239,14 +240,14 @@ class PeerTier(TierBase):
                 blob = client.fetch_all([key], timeout_s=self.settings.fetch_timeout_s)[key]
             except PeerError as exc:
                 log.info("fetch from %s failed: %s", holder.instance_id, exc)
-                self.counters["fetch_errors"] += 1
+                self.counters.add("fetch_errors")
                 self.suspect(holder)
                 continue
             self._arrived(key, blob, holder)
             if blob is not None:
-                self.counters["hits"] += 1
+                self.counters.add("hits")
                 return blob
-        self.counters["misses"] += 1
+        self.counters.add("misses")
         return None
 
     def was_fetched(self, key: bytes, within_s: float = 30.0) -> bool:

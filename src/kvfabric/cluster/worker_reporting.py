@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from kvfabric.cluster.client import ControllerClient, ControllerError
+from kvfabric.counters import Counters
 from kvfabric.tiers.base import Blob, Scratch, Tier, TierUsage
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class Reporter:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.reconcile_interval_s = reconcile_interval_s
         self.registered = False
-        self.counters: dict[str, int] = {"registers": 0, "heartbeats": 0, "admits": 0, "evicts": 0, "errors": 0}
+        self.counters = Counters({"registers": 0, "heartbeats": 0, "admits": 0, "evicts": 0, "errors": 0})
         self._reported: dict[str, set[bytes]] = {name: set() for name in self.tiers}
         self._dirty: set[str] = set(self.tiers)
         self._lock = threading.Lock()
@@ -143,7 +144,7 @@ class Reporter:
                 self._tick()
             except Exception:
                 log.exception("cluster report failed")
-                self.counters["errors"] += 1
+                self.counters.add("errors")
             with self._cond:
                 self._ticks_done = tick
                 self._cond.notify_all()
@@ -155,7 +156,7 @@ class Reporter:
         try:
             if not self.registered:
                 self.client.register({**self.info(), "reset": True})
-                self.counters["registers"] += 1
+                self.counters.add("registers")
                 self._reported = {name: set() for name in self.tiers}
                 self.mark_all()
                 self.registered = True
@@ -174,13 +175,13 @@ class Reporter:
                 raise
             if dirty or now - self._last_heartbeat >= self.heartbeat_interval_s:  # usage changed, or due
                 reply = self.client.heartbeat(self.instance_id, self.info()["tiers"])
-                self.counters["heartbeats"] += 1
+                self.counters.add("heartbeats")
                 self._last_heartbeat = now
                 if not reply.get("known", False):
                     self.registered = False  # the controller forgot us: register and re-send everything
                     self._wake.set()
         except ControllerError as exc:
-            self.counters["errors"] += 1
+            self.counters.add("errors")
             log.debug("controller unreachable: %s", exc)
             if exc.status == 404:
                 self.registered = False
@@ -200,8 +201,8 @@ class Reporter:
                 raise ControllerError("the controller does not know this instance")
             reported.update(a)
             reported.difference_update(e)
-            self.counters["admits"] += len(a)
-            self.counters["evicts"] += len(e)
+            self.counters.add("admits", len(a))
+            self.counters.add("evicts", len(e))
 
     def close(self, unregister: bool = True) -> None:
         if self._stop.is_set():

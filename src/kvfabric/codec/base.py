@@ -14,7 +14,8 @@ from typing import Protocol
 
 import torch
 
-from kvfabric.codec.format import ChunkHeader
+from kvfabric.codec.format import ChunkFormatError, ChunkHeader
+from kvfabric.codec.raw import RawCodec
 from kvfabric.codec.registry import codec_for_id
 from kvfabric.layout import KVLayout
 
@@ -29,9 +30,17 @@ class Codec(Protocol):
     def decode(self, header: ChunkHeader, blob: memoryview, layout: KVLayout, out: torch.Tensor) -> None: ...
 
 
+class WrongLayoutError(ChunkFormatError):
+    """A well-formed chunk made for another layout, or another number of tokens, than the reader expects."""
+
+
 class Decoders:
     """One decoder per codec id, made on first use and kept: a codec may hold scratch buffers and worker threads
-    (cachegen) that are worth reusing from chunk to chunk. One instance per engine or receiver."""
+    (cachegen) that are worth reusing from chunk to chunk. One instance per engine or receiver.
+
+    `decode` and `view` are the one "check the header against the layout, then decode" step of every reader:
+    both raise WrongLayoutError for a chunk made for another layout or length, ChunkFormatError for a payload
+    that does not decode (the caller discards the chunk and counts a miss)."""
 
     def __init__(self) -> None:
         self._by_id: dict[int, Codec] = {}
@@ -41,3 +50,27 @@ class Decoders:
         if codec is None:
             codec = self._by_id[codec_id] = codec_for_id(codec_id)
         return codec
+
+    def decode(self, header: ChunkHeader, blob: bytes | bytearray | memoryview, layout: KVLayout,
+               out: torch.Tensor) -> None:
+        """Decode a parsed chunk into out [L, 2, H, T, D] (any float dtype; T the chunk's tokens)."""
+        _check_layout(header, layout, out.shape[3])
+        self[header.codec_id].decode(header, memoryview(blob), layout, out)
+
+    def view(self, header: ChunkHeader, blob: bytes | bytearray | memoryview, layout: KVLayout,
+             num_tokens: int) -> torch.Tensor:
+        """The chunk's KV [L, 2, H, num_tokens, D] in the layout dtype: a raw payload as a zero-copy view (valid
+        while `blob` is; read it, never write it), any other codec decoded into a new tensor."""
+        _check_layout(header, layout, num_tokens)
+        codec = self[header.codec_id]
+        if isinstance(codec, RawCodec):
+            return codec.view(header, blob, layout)
+        kv = torch.empty(header.shape, dtype=layout.torch_dtype)
+        codec.decode(header, memoryview(blob), layout, kv)
+        return kv
+
+
+def _check_layout(header: ChunkHeader, layout: KVLayout, num_tokens: int) -> None:
+    if header.fingerprint != layout.fingerprint or header.shape != layout.shape(num_tokens):
+        raise WrongLayoutError(f"chunk made for another layout or length {header.shape}, expected "
+                               f"{layout.shape(num_tokens)}")

@@ -2,6 +2,9 @@
 
 Fast path on both sides: encode copies the (possibly strided) tensor once, straight into the blob's payload
 region; decode views the payload as a tensor without copying and copies it once into the caller's buffer.
+A caller that produces the KV itself (the vLLM connector gathers it from the paged cache) skips the encode copy:
+`new_payload` hands out a blob whose payload region is a tensor to fill, and `seal` writes the header afterwards.
+`view` is the zero-copy read: the checked payload of a blob as a tensor, valid while the blob is.
 """
 from __future__ import annotations
 
@@ -43,6 +46,22 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
             d[i, t:t + step].copy_(s[i, t:t + step])
 
 
+def new_payload(layout: KVLayout, num_tokens: int) -> tuple[memoryview, torch.Tensor]:
+    """(blob, kv): an unsealed raw blob for `num_tokens` tokens and its payload region as a tensor
+    [L, 2, H, T, D] in the layout dtype, to be filled by the caller and then `seal`ed. Uninitialized memory
+    (torch.empty): no page is touched before the caller writes it (this runs on an inference engine's step)."""
+    buf = torch.empty(HEADER_BYTES + layout.num_bytes(num_tokens), dtype=torch.uint8)
+    return memoryview(buf.numpy()), buf[HEADER_BYTES:].view(layout.torch_dtype).view(layout.shape(num_tokens))
+
+
+def seal(blob: bytearray | memoryview, key: bytes, layout: KVLayout) -> None:
+    """Write the header of a raw blob whose payload holds the KV of `key` (checksums over the payload as it is)."""
+    num_bytes = len(blob) - HEADER_BYTES
+    header = ChunkHeader(RawCodec.codec_id, layout.dtype_code, 0, layout.fingerprint,
+                         layout.shape(num_bytes // layout.num_bytes(1)), key, num_bytes)
+    write_blob(header, blob)
+
+
 class RawCodec:
     name = "raw"
     codec_id = 0
@@ -50,17 +69,18 @@ class RawCodec:
 
     def encode(self, kv: torch.Tensor, key: bytes, layout: KVLayout) -> bytearray:
         layout.check(kv)
-        shape = tuple(kv.shape)
-        num_bytes = layout.num_bytes(shape[3])
-        blob = bytearray(HEADER_BYTES + num_bytes)
-        copy_into(payload_view(blob, layout.torch_dtype, shape), kv)
-        header = ChunkHeader(self.codec_id, layout.dtype_code, 0, layout.fingerprint, shape, key, num_bytes)  # type: ignore[arg-type]
-        write_blob(header, blob)
+        blob = bytearray(HEADER_BYTES + layout.num_bytes(kv.shape[3]))
+        copy_into(payload_view(blob, layout.torch_dtype, tuple(kv.shape)), kv)
+        seal(blob, key, layout)
         return blob
 
-    def decode(self, header: ChunkHeader, blob: memoryview, layout: KVLayout, out: torch.Tensor) -> None:
+    def view(self, header: ChunkHeader, blob: bytes | bytearray | memoryview, layout: KVLayout) -> torch.Tensor:
+        """The payload of a parsed blob as a tensor [L, 2, H, T, D] in the layout dtype, without a copy."""
         if header.payload_len != layout.num_bytes(header.num_tokens) or header.dtype_code != layout.dtype_code:
             raise ChunkFormatError("raw payload does not match the layout")
+        return payload_view(blob, layout.torch_dtype, header.shape)
+
+    def decode(self, header: ChunkHeader, blob: memoryview, layout: KVLayout, out: torch.Tensor) -> None:
         if tuple(out.shape) != header.shape:
             raise ChunkFormatError(f"chunk shape {header.shape} does not fit the output {tuple(out.shape)}")
-        copy_into(out, payload_view(blob, layout.torch_dtype, header.shape))
+        copy_into(out, self.view(header, blob, layout))

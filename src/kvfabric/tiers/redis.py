@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -33,6 +32,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ClusterError, RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
+from kvfabric.counters import Counters
 from kvfabric.breaker import CircuitBreaker
 from kvfabric.tiers.base import Blob, TierBase, TierUsage
 
@@ -72,7 +72,7 @@ class RedisTier(TierBase):
         self.timeout_s = float(timeout_s)
         self.capacity_bytes = capacity_bytes
         self.keys_limit = keys_limit
-        self.counters: Counter[str] = Counter()
+        self.counters = Counters()
         self.breaker = CircuitBreaker(breaker_failures, backoff_max_s)
         self._client: Any = None
         self._client_lock = threading.Lock()
@@ -102,7 +102,7 @@ class RedisTier(TierBase):
     def _call(self, op: str, fn: Callable[[Any], T]) -> T:
         """Run fn(client) under the breaker; raise _Unavailable (breaker open) or the error after counting it."""
         if not self.breaker.allow():
-            self.counters[f"{op}.skipped"] += 1
+            self.counters.add(f"{op}.skipped")
             raise _Unavailable
         try:
             result = fn(self.client())
@@ -110,18 +110,18 @@ class RedisTier(TierBase):
             if isinstance(exc, ResponseError) and not isinstance(exc, ClusterError):
                 # The server answered (e.g. OOM under maxmemory noeviction): it is alive, the breaker stays shut.
                 self.breaker.success()
-                self.counters[f"{op}.rejected"] += 1
+                self.counters.add(f"{op}.rejected")
                 log.debug("redis %s rejected: %s", op, exc)
                 raise
-            self.counters[f"{op}.errors"] += 1
+            self.counters.add(f"{op}.errors")
             if self.breaker.failure():
-                self.counters["breaker.opened"] += 1
+                self.counters.add("breaker.opened")
                 log.warning("redis tier %s unreachable (%s: %s); circuit open", self.url, type(exc).__name__, exc)
                 if self.is_cluster:
                     self._reset_client()  # re-read the slot map on the next try
             raise
         if self.breaker.success():
-            self.counters["breaker.closed"] += 1
+            self.counters.add("breaker.closed")
             log.warning("redis tier %s reachable again; circuit closed", self.url)
         return result
 
@@ -156,21 +156,21 @@ class RedisTier(TierBase):
         except Exception:  # noqa: BLE001
             return None
         if value is None:
-            self.counters["get.miss"] += 1
+            self.counters.add("get.miss")
         return value
 
     def put(self, key: bytes, blob: Blob) -> bool:
         if isinstance(blob, memoryview) and (blob.format != "B" or blob.ndim != 1):
             blob = blob.cast("B")  # redis-py writes len(arg) as the length: it must count bytes
         if len(blob) > self.capacity_bytes:
-            self.counters["put.too_large"] += 1
+            self.counters.add("put.too_large")
             return False
         name = redis_key(key)
         ttl = self.ttl_s if self.ttl_s > 0 else None
         try:
             self._call("put", lambda client: client.set(name, blob, ex=ttl))
         except Exception:  # noqa: BLE001 - dropped and counted (counters["put.*"]), never retried
-            self.counters["put.dropped"] += 1
+            self.counters.add("put.dropped")
             return False
         return True
 

@@ -24,10 +24,10 @@ Design (vLLM 0.32, CPU backend; LLM, scheduler (EngineCore) and worker are three
     metadata   what crosses the process boundary each step: loads and saves down, stats and stored keys back
     scheduler  lookups by key (no data read), per-request state, the per-step loads and saves
     worker     the step on the worker: synchronous loads, per-layer scatter and gather, load errors for recompute
-    reads      chunk reads for loads: verified blobs as zero-copy KV views in reusable buffers; a bad entry is a
-               counted miss, never a crash
-    saver      gathered chunks -> headers -> tier stack on a background thread: the step never waits for
-               checksums, disk or network
+    reads      chunk reads for loads (CacheEngine.read_chunk): zero-copy KV views in reusable buffers; a bad
+               entry is a counted miss, never a crash
+    saver      gathered chunk payloads -> CacheEngine.store_chunk on a background thread: the step never waits
+               for checksums, disk or network
     connector  KVFabricConnector: vLLM's hooks, delegated to the scheduler or worker side
 
 Stored chunks are true [layers, 2, heads, tokens, head_dim] KV, equal to transformers' K/V
@@ -44,11 +44,13 @@ from kvfabric.connectors.vllm.config import (
     resolve_config,
 )
 from kvfabric.connectors.vllm.connector import KVFabricConnector
-from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, SaveSpec
-# private names the tests use (tests/test_vllm_connector.py), re-exported explicitly (not part of __all__)
-from kvfabric.connectors.vllm.scheduler import _Lookup as _Lookup
-from kvfabric.connectors.vllm.scheduler import _SchedulerSide as _SchedulerSide
-from kvfabric.connectors.vllm.worker import _WorkerSide as _WorkerSide
+from kvfabric.connectors.vllm.metadata import (
+    KVFabricMetadata,
+    KVFabricWorkerMetadata,
+    LoadSpec,
+    RequestStats,
+    SaveSpec,
+)
 
 __all__ = [
     "CONNECTOR_KEYS",
@@ -58,6 +60,7 @@ __all__ = [
     "KVFabricMetadata",
     "KVFabricWorkerMetadata",
     "LoadSpec",
+    "RequestStats",
     "SaveSpec",
     "detect_cpu_kv_layout",
     "kv_transfer_config",

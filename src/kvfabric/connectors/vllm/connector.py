@@ -1,8 +1,8 @@
 """``KVFabricConnector``: vLLM's ``KVConnectorBase_V1`` hooks, delegated to the side this instance plays.
 
 Contract:
-- vLLM creates one instance per role: SCHEDULER (in EngineCore; hooks go to ``_SchedulerSide``) and WORKER (in
-  the model runner; hooks go to ``_WorkerSide``). A hook of the other side is a no-op or an empty answer; a
+- vLLM creates one instance per role: SCHEDULER (in EngineCore; hooks go to ``SchedulerSide``) and WORKER (in
+  the model runner; hooks go to ``WorkerSide``). A hook of the other side is a no-op or an empty answer; a
   scheduler hook on a worker instance is a bug (assert).
 - Both sides derive the same kvfabric Config, KVLayout and model id from vLLM's config (``config``), so the
   scheduler's chunk keys name what the worker stores.
@@ -27,8 +27,8 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvfabric.connectors.vllm.config import layout_from_vllm, model_id_from_vllm, resolve_config
-from kvfabric.connectors.vllm.scheduler import _SchedulerSide
-from kvfabric.connectors.vllm.worker import _WorkerSide
+from kvfabric.connectors.vllm.scheduler import SchedulerSide
+from kvfabric.connectors.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,8 +55,8 @@ class KVFabricConnector(KVConnectorBase_V1):
         self.layout = layout_from_vllm(vllm_config)
         self.model_id = model_id_from_vllm(vllm_config, self.options)
         block_size = vllm_config.cache_config.block_size
-        self._scheduler: _SchedulerSide | None = None
-        self._worker: _WorkerSide | None = None
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             policy = self.options["load_failure_policy"]
             if transfer.kv_load_failure_policy != policy:
@@ -65,10 +65,10 @@ class KVFabricConnector(KVConnectorBase_V1):
                 except Exception:  # pragma: no cover - a frozen config
                     logger.warning("kvfabric: cannot set kv_load_failure_policy=%s; a bad chunk fails its request",
                                    policy)
-            self._scheduler = _SchedulerSide(self.config, self.layout, self.model_id, block_size,
+            self._scheduler = SchedulerSide(self.config, self.layout, self.model_id, block_size,
                                              self.options["key_mode"])
         else:
-            self._worker = _WorkerSide(self.config, self.layout, self.model_id, block_size, self.options)
+            self._worker = WorkerSide(self.config, self.layout, self.model_id, block_size, self.options)
         logger.info("kvfabric connector (%s): model_id=%s layout=%s chunk_size=%d tiers=%s", role.name,
                     self.model_id, self.layout, self.config.chunk_size, ",".join(self.config.tiers))
 

@@ -5,19 +5,21 @@ Contract:
   keys already computed (the worker never hashes tokens) and the request's block table from token 0.
   A LoadSpec loads tokens [start, end) (start need not be chunk-aligned: vLLM may already hold a prefix);
   a SaveSpec saves the whole chunks [start, end) (both chunk-aligned).
-- Worker -> scheduler, ``KVFabricWorkerMetadata`` (only when there is something to say): per-request stats of the
-  step (added up by `add_stats`), and the keys that entered or left the worker's process-memory tier (the
-  scheduler mirrors them, since it cannot see that tier).
+- Worker -> scheduler, ``KVFabricWorkerMetadata`` (only when there is something to say): per-request
+  ``RequestStats`` of the step (added up with ``+``), and the keys that entered or left the worker's
+  process-memory tier (the scheduler mirrors them, since it cannot see that tier).
+- A finished request's ``kv_transfer_params["kvfabric"]`` is its summed ``RequestStats.as_params()``.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class LoadSpec:
     req_id: str
     keys: list[bytes]  # keys of the chunks covering [start, end), the first one holding token `start`
@@ -26,13 +28,39 @@ class LoadSpec:
     block_ids: list[int]  # block table from token 0, covering `end`
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class SaveSpec:
     req_id: str
     keys: list[bytes]  # keys of the whole chunks [start, end)
     start: int  # chunk-aligned
     end: int
     block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    """One request's connector stats, of a step or summed over its life (``+`` adds field by field)."""
+    external_hit_tokens: int = 0  # tokens planned to load from kvfabric
+    local_hit_tokens: int = 0  # tokens vLLM had in its own prefix cache
+    loaded_tokens: int = 0
+    failed_tokens: int = 0  # tokens whose chunk was missing or corrupt: vLLM recomputes them
+    saved_tokens: int = 0
+    load_read_s: float = 0.0
+    bytes_loaded: tuple[tuple[str, int], ...] = ()  # (tier, bytes read), sorted by tier
+
+    def __add__(self, other: RequestStats) -> RequestStats:
+        by_tier = dict(self.bytes_loaded)
+        for tier, num_bytes in other.bytes_loaded:
+            by_tier[tier] = by_tier.get(tier, 0) + num_bytes
+        summed = {name: getattr(self, name) + getattr(other, name) for name in _SUMMED}
+        return RequestStats(**summed, bytes_loaded=tuple(sorted(by_tier.items())))
+
+    def as_params(self) -> dict[str, Any]:
+        """The request's ``kv_transfer_params["kvfabric"]``: the counts, and ``bytes`` loaded per tier."""
+        return {**{name: getattr(self, name) for name in _SUMMED}, "bytes": dict(self.bytes_loaded)}
+
+
+_SUMMED = tuple(f.name for f in dataclasses.fields(RequestStats) if f.name != "bytes_loaded")
 
 
 @dataclass
@@ -43,24 +71,14 @@ class KVFabricMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVFabricWorkerMetadata(KVConnectorWorkerMetadata):
-    requests: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-request load/save stats of the step
+    requests: dict[str, RequestStats] = field(default_factory=dict)  # per-request stats of the step
     stored: list[bytes] = field(default_factory=list)  # keys now in the worker's process-memory tier
     removed: list[bytes] = field(default_factory=list)  # keys gone from it
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KVFabricWorkerMetadata):
             for req_id, stats in other.requests.items():
-                self.requests[req_id] = add_stats(self.requests.get(req_id, {}), stats)
+                self.requests[req_id] = self.requests.get(req_id, RequestStats()) + stats
             self.stored.extend(other.stored)
             self.removed.extend(other.removed)
         return self
-
-
-def add_stats(into: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
-    """Add `more` into `into`, key by key (nested dicts, e.g. bytes per tier, recursively); returns `into`."""
-    for key, value in more.items():
-        if isinstance(value, dict):
-            into[key] = add_stats(dict(into.get(key, {})), value)
-        else:
-            into[key] = into.get(key, 0) + value
-    return into

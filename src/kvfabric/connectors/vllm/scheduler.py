@@ -28,7 +28,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvfabric.config import Config, ConfigError
 from kvfabric.connectors.vllm.config import PARAMS_KEY
-from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, SaveSpec, add_stats
+from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, RequestStats, SaveSpec
 from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
 from kvfabric.tiers.factory import build_tiers
@@ -48,7 +48,26 @@ def _request_flags(request: Request) -> tuple[bool, bool]:
     return bool(ours.get("load", True)), bool(ours.get("store", True))
 
 
-class _Lookup:
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    num_chunks: int = 0  # leading chunks of the prompt that some tier holds
+    num_in_memory: int = 0  # how many of those the worker's process-memory tier holds
+
+
+@dataclass(frozen=True, slots=True)
+class _Match:
+    """The lookup of `get_num_new_matched_tokens`, kept until `update_state_after_alloc`."""
+    hit: PrefixHit
+    num_local_tokens: int  # tokens vLLM already had (its own prefix cache)
+
+
+@dataclass(frozen=True, slots=True)
+class _TokenSpan:
+    start: int
+    end: int
+
+
+class ChunkLookup:
     """Which leading chunks of a prompt the worker can load: keys only, no chunk data is read."""
 
     def __init__(self, config: Config, layout: KVLayout, model_id: str) -> None:
@@ -73,8 +92,7 @@ class _Lookup:
         return [ChunkKey(hashlib.sha256(self.root + b"vllm-block-hash" + bytes(block_hashes[(i + 1) * per_chunk - 1]))
                          .digest()) for i in range(num)]
 
-    def prefix(self, keys: Sequence[bytes]) -> tuple[int, int]:
-        """(leading chunks present anywhere, how many of those are in the worker's memory tier)."""
+    def prefix(self, keys: Sequence[bytes]) -> PrefixHit:
         in_memory = [key in self.mirror for key in keys]
         present = list(in_memory)
         for tier in self.tiers:
@@ -84,7 +102,7 @@ class _Lookup:
             for i, hit in enumerate(tier.contains_many(keys[first:]), start=first):
                 present[i] = present[i] or hit
         num = present.index(False) if False in present else len(keys)
-        return num, sum(in_memory[:num])
+        return PrefixHit(num, sum(in_memory[:num]))
 
     def close(self) -> None:
         for tier in self.tiers:
@@ -99,12 +117,12 @@ class _ReqState:
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0  # chunks [0, saved_upto) are stored or being stored
     next_computed: int = 0  # num_computed_tokens expected at the next schedule (a smaller one = rollback)
-    load: tuple[int, int] | None = None  # token range to load in the next step
+    load: _TokenSpan | None = None  # tokens to load in the next step
     host_tokens: int = 0
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: RequestStats = RequestStats()
 
 
-class _SchedulerSide:
+class SchedulerSide:
     def __init__(self, config: Config, layout: KVLayout, model_id: str, block_size: int, key_mode: str) -> None:
         self.chunk_size = config.chunk_size
         self.block_size = block_size
@@ -112,11 +130,11 @@ class _SchedulerSide:
         if key_mode == "vllm" and config.chunk_size % block_size:
             raise ConfigError(f"key_mode vllm needs chunk_size ({config.chunk_size}) to be a multiple of vLLM's "
                               f"block size ({block_size})")
-        self.lookup = _Lookup(config, layout, model_id)
+        self.lookup = ChunkLookup(config, layout, model_id)
         self._warned: set[str] = set()
         self.states: dict[str, _ReqState] = {}
         self.keys: dict[str, list[ChunkKey]] = {}  # per request: keys of its prompt's whole chunks
-        self.pending: dict[str, tuple[int, int, int]] = {}  # req -> (chunks present, in memory, local tokens)
+        self.pending: dict[str, _Match] = {}
 
     def request_keys(self, request: Request) -> list[ChunkKey]:
         """Keys of the request's whole prompt chunks ([] when it must not be cached in this key mode)."""
@@ -149,13 +167,12 @@ class _SchedulerSide:
         load, _ = _request_flags(request)
         req_id = request.request_id
         keys = self.request_keys(request) if load else []
+        hit = self.lookup.prefix(keys) if keys else PrefixHit()
+        self.pending[req_id] = _Match(hit, num_computed_tokens)
         if not keys:
-            self.pending[req_id] = (0, 0, num_computed_tokens)
             return 0
-        num_chunks, in_memory = self.lookup.prefix(keys)
-        self.pending[req_id] = (num_chunks, in_memory, num_computed_tokens)
-        hit = min(num_chunks * self.chunk_size, request.num_tokens - 1)  # a full hit leaves one token to compute
-        return max(0, hit - num_computed_tokens)
+        num = min(hit.num_chunks * self.chunk_size, request.num_tokens - 1)  # a full hit leaves one token to compute
+        return max(0, num - num_computed_tokens)
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         state = self.states.get(request.request_id)
@@ -167,17 +184,18 @@ class _SchedulerSide:
         req_id = request.request_id
         _, store = _request_flags(request)
         state = self.states.get(req_id)
+        match = self.pending.pop(req_id, _Match(PrefixHit(), 0))
+        local = match.num_local_tokens
         if state is None:
-            state = self.states[req_id] = _ReqState(len(request.prompt_token_ids or ()), can_store=store)
+            state = self.states[req_id] = _ReqState(len(request.prompt_token_ids or ()), can_store=store,
+                                                    stats=RequestStats(local_hit_tokens=local))
         state.keys = self.request_keys(request)
-        num_chunks, in_memory, local = self.pending.pop(req_id, (0, 0, 0))
         state.block_ids = list(blocks.get_block_ids()[0])
-        state.saved_upto = num_chunks * self.chunk_size  # already stored: never gathered again
+        state.saved_upto = match.hit.num_chunks * self.chunk_size  # already stored: never gathered again
         if num_external_tokens > 0:
-            state.load = (local, local + num_external_tokens)
+            state.load = _TokenSpan(local, local + num_external_tokens)
         # tokens served from the worker's process memory (the rest from shared tiers), for vLLM's hit metrics
-        state.host_tokens = max(0, min(num_external_tokens, in_memory * self.chunk_size - local))
-        state.stats.setdefault("local_hit_tokens", local)
+        state.host_tokens = max(0, min(num_external_tokens, match.hit.num_in_memory * self.chunk_size - local))
 
     def build_meta(self, out: SchedulerOutput) -> KVFabricMetadata:
         meta = KVFabricMetadata()
@@ -210,11 +228,11 @@ class _SchedulerSide:
             state.saved_upto = min(state.saved_upto, computed // cs * cs)
         state.next_computed = computed + scheduled
         if state.load is not None:
-            start, end = state.load
+            start, end = state.load.start, state.load.end
             state.load = None
             meta.loads.append(LoadSpec(req_id, state.keys[start // cs:-(-end // cs)], start, end,
                                        state.block_ids[:-(-end // bs)]))
-            state.stats["external_hit_tokens"] = state.stats.get("external_hit_tokens", 0) + end - start
+            state.stats += RequestStats(external_hit_tokens=end - start)
         if state.can_store and state.keys:
             end = min(state.next_computed, state.num_prompt_tokens, len(state.keys) * cs) // cs * cs
             if end > state.saved_upto:
@@ -231,12 +249,12 @@ class _SchedulerSide:
         for req_id, stats in meta.requests.items():
             state = self.states.get(req_id)
             if state is not None:
-                add_stats(state.stats, stats)
+                state.stats += stats
 
     def finished(self, request: Request) -> dict[str, Any] | None:
         state = self.states.get(request.request_id)
         self.forget(request.request_id)
-        return {PARAMS_KEY: dict(state.stats)} if state is not None else None
+        return {PARAMS_KEY: state.stats.as_params()} if state is not None else None
 
     def forget(self, req_id: str) -> None:
         self.states.pop(req_id, None)

@@ -3,20 +3,20 @@
 Contract, per step (vLLM calls the hooks in this order; loads are synchronous, so `read_loads` runs before the
 forward):
 - `bind(meta)`: the step's ``KVFabricMetadata`` (loads and saves with their chunk keys; the worker never hashes).
-- `read_loads()`: reads and verifies every chunk the step loads (``ChunkReader``: checksums, layout; a corrupt
-  chunk is deleted and counted) and keeps zero-copy views of the raw payloads. A missing or corrupt chunk ends
+- `read_loads()`: reads and verifies every chunk the step loads (``CacheEngine.read_chunk``: checksums, layout;
+  a corrupt chunk is deleted and counted) and keeps zero-copy views of the raw payloads. A missing or corrupt chunk ends
   that load there: the blocks from it to the end of the load are reported by `take_invalid_blocks` in the same
   step, vLLM (policy "recompute") rolls the request back to the first bad block and recomputes, and the
   request's saves of this step are dropped (their KV was computed over bad blocks).
 - `layer_load(layer)`: scatters that layer of every loaded chunk into the allocated slots, just before the
   layer's attention. A chunk holds all layers, so the reads themselves cannot be pipelined per layer.
 - `layer_save(layer, kv)`: right after the layer's attention, gathers the KV of the step's finished chunks out of
-  the paged cache into the buffers the ``Saver`` will store (one copy; the blocks may be reused once the step
-  ends).
+  the paged cache into engine payloads (``CacheEngine.new_payload``) that the ``Saver`` stores (one copy; the
+  blocks may be reused once the step ends).
 - `end_step()`: a load not scattered into every layer has its blocks reported (recompute), a save not gathered
   from every layer is dropped; complete saves go to the ``Saver`` (dropped and counted when its queue is full).
-- `worker_meta()`: per-request stats of the step, and the keys that entered or left the process-memory tier (the
-  scheduler mirrors them for its lookups).
+- `worker_meta()`: per-request ``RequestStats`` of the step, and the keys that entered or left the process-memory
+  tier (the scheduler mirrors them for its lookups).
 Paged layout: ``kvfabric.connectors.paged``; the K/V region layouts are measured at first use
 (``detect_cpu_kv_layout``), so stored chunks are true [layers, 2, heads, tokens, head_dim] KV.
 """
@@ -38,10 +38,10 @@ from kvfabric.config import Config
 from kvfabric.counters import Counters
 from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather, scatter
 from kvfabric.connectors.vllm.config import detect_cpu_kv_layout
-from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec
+from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, RequestStats
 from kvfabric.connectors.vllm.reads import ChunkReader
 from kvfabric.connectors.vllm.saver import ActiveSave, Saver
-from kvfabric.engine import CacheEngine
+from kvfabric.engine import CacheEngine, ChunkMiss
 from kvfabric.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -54,11 +54,11 @@ logger = init_logger(__name__)
 class _ActiveLoad:
     spec: LoadSpec
     end: int  # tokens [spec.start, end) were read; end < spec.end after a failure
-    sources: list[tuple[int, torch.Tensor]]  # (first token of the chunk, chunk KV [L, 2, H, C, D])
+    chunks: list[torch.Tensor]  # KV [L, 2, H, C, D] of the chunks read, the first one holding token spec.start
     layers_done: set[int] = field(default_factory=set)
 
 
-class _WorkerSide:
+class WorkerSide:
     def __init__(self, config: Config, layout: KVLayout, model_id: str, block_size: int,
                  options: dict[str, Any]) -> None:
         self.config = config
@@ -81,7 +81,7 @@ class _WorkerSide:
         self.loads: list[_ActiveLoad] = []
         self.saves: list[ActiveSave] = []
         self.failed_reqs: set[str] = set()
-        self.step_stats: dict[str, dict[str, Any]] = {}
+        self.step_stats: dict[str, RequestStats] = {}
         self.invalid_blocks: set[int] = set()
         self._reported: set[bytes] = set()
         self._tier_touched = False  # a load may have promoted (and so evicted) memory-tier entries
@@ -130,32 +130,33 @@ class _WorkerSide:
             return
         self.loads_read = True
         self._tier_touched = self._tier_touched or bool(self.meta.loads)
+        cs = self.chunk_size
         for spec in self.meta.loads:
             started = time.perf_counter()
-            stats = self.step_stats.setdefault(spec.req_id, {})
-            cs = self.chunk_size
-            end, sources = spec.end, []
-            first = spec.start // cs
-            for i in range(first, -(-spec.end // cs)):
-                kv = self.reader.read(spec.keys[i - first], stats)
-                if kv is None:
-                    end = max(spec.start, i * cs)
+            end, chunks, by_tier = spec.end, [], {}
+            for i, key in enumerate(spec.keys):  # chunk i holds tokens from (spec.start // cs + i) * cs
+                found = self.reader.read(key)
+                if isinstance(found, ChunkMiss):
+                    end = max(spec.start, (spec.start // cs + i) * cs)
                     break
-                sources.append((i * cs, kv))
+                chunks.append(found.kv)
+                by_tier[found.tier] = by_tier.get(found.tier, 0) + found.num_bytes
             if end < spec.end:
                 bad = blocks_of(spec.block_ids, self.block_size, end, spec.end)
                 self.invalid_blocks.update(bad)
                 self.failed_reqs.add(spec.req_id)
-                stats["failed_tokens"] = stats.get("failed_tokens", 0) + spec.end - end
                 self.counters.add("load_failed_tokens", spec.end - end)
                 logger.warning("kvfabric: request %s: chunk at token %d missing or corrupt; %d tokens (blocks %s...) "
                                "will be recomputed", spec.req_id, end, spec.end - end, bad[:4])
-            stats["loaded_tokens"] = stats.get("loaded_tokens", 0) + end - spec.start
             elapsed = time.perf_counter() - started
-            stats["load_read_s"] = stats.get("load_read_s", 0.0) + elapsed
+            self._add_stats(spec.req_id, RequestStats(loaded_tokens=end - spec.start, failed_tokens=spec.end - end,
+                                                      load_read_s=elapsed, bytes_loaded=tuple(sorted(by_tier.items()))))
             self.counters.add("load_read_ns", int(elapsed * 1e9))
             self.counters.add("loaded_tokens", end - spec.start)
-            self.loads.append(_ActiveLoad(spec, end, sources))
+            self.loads.append(_ActiveLoad(spec, end, chunks))
+
+    def _add_stats(self, req_id: str, stats: RequestStats) -> None:
+        self.step_stats[req_id] = self.step_stats.get(req_id, RequestStats()) + stats
 
     def layer_load(self, name: str) -> None:
         if self.meta is None or not self.meta.loads:
@@ -171,7 +172,8 @@ class _WorkerSide:
             if index in load.layers_done:
                 continue
             spec = load.spec
-            for first, kv in load.sources:
+            for i, kv in enumerate(load.chunks):
+                first = (spec.start // cs + i) * cs
                 lo, hi = max(spec.start, first), min(load.end, first + cs)
                 if lo < hi:  # this chunk's part of [spec.start, load.end): [2, H, hi-lo, D] of layer `index`
                     scatter(layer, spec.block_ids, lo, hi, kv[index, :, :, lo - first:hi - first, :])
@@ -188,14 +190,14 @@ class _WorkerSide:
         started = time.perf_counter_ns()
         cs = self.chunk_size
         if not self.saves:
-            self.saves = [ActiveSave(spec, [(first, *self.saver.chunk_buffer())
-                                            for first in range(spec.start, spec.end, cs)])
+            self.saves = [ActiveSave(spec, [self.engine.new_payload() for _ in range(spec.start, spec.end, cs)])
                           for spec in self.meta.saves]
         for save in self.saves:
             if save.spec.req_id in self.failed_reqs or index in save.layers_done:
                 continue
-            for first, kv, _ in save.chunks:
-                gather(layer, save.spec.block_ids, first, first + cs, kv[index])
+            for i, chunk in enumerate(save.chunks):
+                first = save.spec.start + i * cs
+                gather(layer, save.spec.block_ids, first, first + cs, chunk.kv[index])
             save.layers_done.add(index)
         self.counters.add("save_gather_ns", time.perf_counter_ns() - started)
 
@@ -219,8 +221,7 @@ class _WorkerSide:
             if not self.saver.submit(save):
                 self.counters.add("saves_dropped_queue_full")
                 continue
-            stats = self.step_stats.setdefault(spec.req_id, {})
-            stats["saved_tokens"] = stats.get("saved_tokens", 0) + spec.end - spec.start
+            self._add_stats(spec.req_id, RequestStats(saved_tokens=spec.end - spec.start))
         if self.stats_path and self.meta is not None and self.meta.loads:
             self.write_stats()
         self.saves = []
@@ -231,9 +232,8 @@ class _WorkerSide:
         removed: list[bytes] = []
         if "cpu" in self.config.tiers:
             self._reported.update(stored)
-            cpu = self.engine.stack.tiers[self.config.tiers.index("cpu")]
-            if stored or self._tier_touched or cpu.usage().num_chunks < len(self._reported):
-                present = set(cpu.keys())
+            if stored or self._tier_touched or self.engine.tier_usage("cpu").num_chunks < len(self._reported):
+                present = set(self.engine.tier_keys("cpu"))
                 removed = [key for key in self._reported if key not in present]
                 self._reported.difference_update(removed)
         self._tier_touched = False
@@ -248,9 +248,9 @@ class _WorkerSide:
 
     # -- stats and shutdown
     def stats(self) -> dict[str, Any]:
-        engine = self.engine.stats()  # counters are snapshotted under their locks
-        return {"connector": self.counters.snapshot(), "engine": engine["counters"],
-                "tiers": [dataclasses.asdict(usage) for usage in engine["tiers"]]}
+        engine = self.engine.stats()
+        return {"connector": self.counters.snapshot(), "engine": engine.counters,
+                "tiers": [dataclasses.asdict(usage) for usage in engine.tiers]}
 
     def write_stats(self) -> None:
         path = Path(self.stats_path)

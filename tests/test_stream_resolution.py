@@ -1,0 +1,156 @@
+"""Resolution adaptation (kvfabric.stream.policy.ResolutionPolicy) and video chunks over the stream: the policy's
+choices on a simulated clock, the fluctuating trace's bucket, and an end-to-end stream of video levels."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvfabric.codec.video import VideoCodec
+from kvfabric.layout import KVLayout
+from kvfabric.stream import Receiver, ThrottledSocket, TokenBucket, loopback_pair, prepare, send_prompt
+from kvfabric.stream import policy as policy_module
+from kvfabric.stream.policy import RAW, RECOMPUTE, ResolutionPolicy
+
+RAW_BYTES, V7_BYTES = 5_900_000, 1_550_000
+DECODE = {RAW: 0.005, "V0": 0.030, "V7": 0.040}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def simulate(monkeypatch, policy: ResolutionPolicy, bps: float, chunks: int) -> tuple[list[str], float]:
+    """Send `chunks` chunks at `bps` on a simulated clock; returns the choices and the time the receiver's worker
+    finishes (one worker, decoding in order while later chunks are on the wire)."""
+    clock = Clock()
+    monkeypatch.setattr(policy_module, "time", clock)
+    sizes = {RAW: [RAW_BYTES] * chunks, "V0": [int(RAW_BYTES / 1.17)] * chunks, "V7": [V7_BYTES] * chunks,
+             RECOMPUTE: [1024] * chunks}
+    picks, worker_free = [], clock.now
+    for i in range(chunks):
+        choice = policy.choose({o: s[i:] for o, s in sizes.items()}, 0.0)
+        send = sizes[choice.option][i] / bps
+        clock.now += send
+        work = policy.recompute_s if choice.option == RECOMPUTE else DECODE[choice.option]
+        worker_free = max(clock.now, worker_free) + work
+        if choice.option != RECOMPUTE:
+            policy.observe(sizes[choice.option][i], send)
+        picks.append(choice.option)
+    return picks, worker_free - 100.0
+
+
+def test_slow_link_gets_the_smallest_frames(monkeypatch):
+    policy = ResolutionPolicy([RAW, "V0", "V7"], DECODE, initial_bps=12.5e6)
+    picks, _ = simulate(monkeypatch, policy, 12.5e6, 12)
+    assert picks == ["V7"] * 12
+
+
+def test_fast_link_with_a_busy_decoder_mixes_raw_and_frames(monkeypatch):
+    """At 1 Gbit/s raw is link-bound (47 ms) and V7 decode-bound (40 ms): alternating keeps both busy."""
+    policy = ResolutionPolicy([RAW, "V0", "V7"], DECODE, initial_bps=125e6)
+    picks, mixed = simulate(monkeypatch, policy, 125e6, 40)
+    assert {RAW, "V7"} <= set(picks) and 0.2 <= picks.count(RAW) / 40 <= 0.6
+    _, v7_only = simulate(monkeypatch, ResolutionPolicy(["V7"], DECODE, initial_bps=125e6), 125e6, 40)
+    _, raw_only = simulate(monkeypatch, ResolutionPolicy([RAW], DECODE, initial_bps=125e6), 125e6, 40)
+    assert mixed < 0.85 * min(v7_only, raw_only), (mixed, v7_only, raw_only)
+
+
+def test_only_the_previous_chunk_counts_and_recompute_is_the_fallback(monkeypatch):
+    policy = ResolutionPolicy([RAW, "V7"], DECODE, recompute_s=0.3)
+    assert policy.choose({RAW: [RAW_BYTES], "V7": [V7_BYTES], RECOMPUTE: [1024]}, 0.0).option == "V7"  # no estimate
+    policy.observe(10_000_000, 0.08)  # 125 MB/s
+    policy.observe(100_000, 0.1)  # then the link all but stopped: 1 MB/s
+    assert policy.estimate_bps() == pytest.approx(1e6)
+    assert policy.choose({RAW: [RAW_BYTES], "V7": [V7_BYTES], RECOMPUTE: [1024]}, 0.0).option == RECOMPUTE
+
+
+def test_trace_bucket_follows_its_trace():
+    from kvfabric.bench.stream_trace import TraceBucket
+    bucket = TraceBucket(((1000.0, 1.0), (10.0, 0.5)), 64)
+    t0 = bucket.t0
+    assert [bucket.rate_at(t0 + x) for x in (0.0, 0.99, 1.01, 1.49, 1.51, 4.25)] == [1000, 1000, 10, 10, 1000, 10]
+
+
+def test_video_levels_stream_end_to_end():
+    """A prompt prepared with video levels travels chunk by chunk under the resolution policy; the receiver decodes
+    codec id 3 into its buffer, every value within its chunk's stated bound (exact for the lossless level)."""
+    layout = KVLayout(2, 2, 16, "float16")
+    g = torch.Generator().manual_seed(0)
+    kv = (torch.randn(layout.shape(200), generator=g) + torch.randn(2, 2, 2, 1, 16, generator=g)).half()
+    prompt = prepare(list(range(200)), kv, layout, "m", 64, levels=(), video_levels=(0, 7), time_decode=True)
+    assert set(prompt.blobs) == {RAW, "V0", "V7"} and all(s > 0 for s in prompt.decode_s.values())
+    assert sum(map(len, prompt.blobs["V7"])) < 0.6 * sum(map(len, prompt.blobs[RAW]))
+    policy = ResolutionPolicy([RAW, "V0", "V7"], prompt.decode_s, initial_bps=2e6)
+    buf = torch.full(layout.shape(200), float("nan"))
+    rx = Receiver(layout, "m", buf, None)
+    cli, conn = loopback_pair()
+    box = {}
+    t0 = time.perf_counter()
+    th = threading.Thread(target=lambda: box.setdefault("rx", rx.receive(conn, t0)))
+    th.start()
+    report = send_prompt(ThrottledSocket(cli, TokenBucket(2e6, 16 * 1024)), prompt, policy, t0)
+    th.join(30)
+    for closeable in (cli, conn, rx):
+        closeable.close()
+    picks = [c.option for c in report.choices]
+    assert "V7" in picks and all(c.codec_id in (0, 3) for c in box["rx"].chunks)
+    for i, option in enumerate(picks):
+        s, e = prompt.span(i)
+        got, want = buf[:, :, :, s:e], kv[:, :, :, s:e]
+        if option == "V7":
+            bound = VideoCodec(7).error_bound(want, prompt.blobs["V7"][i], layout)
+            assert bool(((got - want.float()).abs() <= bound).all())
+        else:
+            assert torch.equal(got, want.float())
+
+
+def test_bench_stream_rejects_a_bad_ladder():
+    from click.testing import CliRunner
+
+    from kvfabric.cli import main
+    for ladder in ("0,x", "0,12"):
+        result = CliRunner().invoke(main, ["bench", "stream", "--trace-only", "--ladder", ladder])
+        assert result.exit_code == 2 and "--ladder" in result.output, result.output
+
+
+@pytest.mark.slow
+def test_bench_stream_trace_smoke():
+    """The fluctuating trace on the real model, briefly: adaptive and every fixed setting run and are compared."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kvfabric.cli import main
+    result = CliRunner().invoke(main, ["bench", "stream", "--json", "--trace-only", "--quick", "--trace-seconds", "2",
+                                       "--tokens", "512"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [(r["strategy"], r["option"]) for r in rows] == [("adaptive", "per chunk"), ("fixed", "raw"),
+                                                            ("fixed", "V0"), ("fixed", "V5"), ("fixed", "V6")]
+    assert all(r["mean_chunk_ms"] > 0 and r["chunks"] >= 2 for r in rows)
+    fixed = {r["option"]: r for r in rows if r["strategy"] == "fixed"}
+    assert fixed["raw"]["kl_mean"] == 0.0 and fixed["V0"]["kl_mean"] == 0.0 and fixed["V6"]["kl_mean"] > 0
+    assert rows[0]["best_fixed"] in fixed and rows[0]["vs_best_fixed"] < 1
+
+
+def test_a_jumpy_link_prices_in_the_risk_of_big_chunks(monkeypatch):
+    """After rate jumps between 125 and 12.5 MB/s, a raw chunk's expected send time includes the chance of a
+    drop mid-send; on a steady link it is bytes / rate."""
+    clock = Clock()
+    monkeypatch.setattr(policy_module, "time", clock)
+    steady, jumpy = ResolutionPolicy([RAW, "V7"], DECODE), ResolutionPolicy([RAW, "V7"], DECODE)
+    for i in range(10):
+        clock.now += 0.5
+        steady.observe(V7_BYTES, V7_BYTES / 125e6)
+        jumpy.observe(V7_BYTES, V7_BYTES / (125e6 if i % 2 else 12.5e6))
+    assert steady.send_s(RAW_BYTES, 125e6) == pytest.approx(RAW_BYTES / 125e6)
+    risky = jumpy.send_s(RAW_BYTES, 125e6)
+    assert RAW_BYTES / 125e6 * 1.2 < risky < RAW_BYTES / 12.5e6
+    assert jumpy.send_s(V7_BYTES, 125e6) / (V7_BYTES / 125e6) < risky / (RAW_BYTES / 125e6)  # small chunks: less
