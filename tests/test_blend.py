@@ -543,7 +543,9 @@ def test_bench_blend_smoke(tmp_path, capsys):
     assert [(t["setting"], t["metric"]) for t in targets[:3]] == [("blend@25.5", "speedup"),
                                                                   ("blend@25.5", "gap_closed"), ("blend@25.5", "gap_ans")]
     assert all(t["met"] == ("met" if t["value"] >= float(t["goal"][3:]) else "not met") for t in targets[:3])
-    assert {t["setting"] for t in targets[3:]} == {"blend@15"}
+    assert (targets[3]["setting"], targets[3]["metric"], targets[3]["met"]) == ("blend@25.5", "cpu_speedup", "-")
+    assert {t["setting"] for t in targets[4:]} == {"blend@15"}
+    assert all(r["cpu_s"] > 0 for r in out if "q" in r) and summary["blend@25.5"]["cpu_speedup"] > 0
     assert f1_score("Halvor Lund, in 1791", ["Halvor Lund"]) == pytest.approx(2 / 3)
     assert f1_score("", ["x"]) == 0.0
     assert exact_match("the Halvor Lund.", ["Halvor Lund"]) == 1.0 and exact_match("Lund", ["Halvor Lund"]) == 0.0
