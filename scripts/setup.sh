@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent set-up of everything kvfabric needs on a fresh machine:
 #   .venv (Python 3.11) with torch==2.13.0 (CPU build) and kvfabric[test]; the SmolLM2 model (converted once
-#   under ~/.cache/kvfabric/models). With --test also redis-server (Debian), the Mooncake client (kvfabric[mooncake]
-#   plus Debian's libibverbs1), the vLLM venv (.venv-vllm) and the SGLang venv (.venv-sglang).
+#   under ~/.cache/kvfabric/models). With --test also redis-server, chromium, prometheus and faketime (Debian),
+#   the Mooncake client (kvfabric[mooncake] plus Debian's libibverbs1), the vLLM venv (.venv-vllm) and the SGLang
+#   venv (.venv-sglang).
 # Re-running skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,10 +35,18 @@ echo "[setup] model"
 .venv/bin/kvfabric setup-model
 
 if [ "$with_test" = 1 ]; then
-  if ! command -v redis-server >/dev/null; then
-    echo "[setup] installing redis-server (Debian)"
+  # redis-server: the redis tier's tests; chromium: the controller's status page in a headless browser;
+  # prometheus: the deploy example's Prometheus scraping a demo instance (tests/test_deploy.py); faketime:
+  # clock jumps under a running redis-server and controller (tests/reliability)
+  missing=()
+  command -v redis-server >/dev/null || missing+=(redis-server)
+  command -v chromium >/dev/null || missing+=(chromium)
+  command -v prometheus >/dev/null || missing+=(prometheus)
+  command -v faketime >/dev/null || missing+=(faketime)
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "[setup] installing ${missing[*]} (Debian)"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+    apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
   if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
     echo "[setup] installing libibverbs1 (Debian; the Mooncake client links it, no RDMA device needed)"

@@ -129,6 +129,37 @@ def test_full_write_queue_drops_and_counts(tmp_path):
     stack.close()
 
 
+def test_delete_cancels_queued_writes_and_waits_only_for_the_one_in_progress(tmp_path):
+    """A delete must not wait for the whole write-behind queue (under load other threads keep it full)."""
+    started, release = threading.Event(), threading.Event()
+
+    class BlockedTier(DiskTier):
+        def put(self, k, blob):
+            started.set()
+            release.wait(30)  # the writer thread is stuck on the first write until the test lets it go
+            return super().put(k, blob)
+
+    disk = BlockedTier(tmp_path, BLOB_BYTES * 100)
+    stack = TierStack([CpuTier(BLOB_BYTES * 100), disk], write_queue_size=8)
+    for i in range(5):  # key 0 in progress (blocked), 1..4 queued
+        stack.put(key(i), make_blob(key(i)))
+    assert started.wait(10)
+    assert sorted(stack.delete([key(2), key(3), key(9)])) == [key(2), key(3)]  # returns while the writer is stuck
+    assert stack.prefix_length([key(2)]) == 0 and stack.get(key(3)) is None
+    stack.put(key(3), make_blob(key(3)))  # stored again after the delete: this write must land
+    deleting = threading.Thread(target=stack.delete, args=([key(0)],))
+    deleting.start()  # key 0 is being written: the delete waits for that write, then removes it
+    deleting.join(0.2)
+    assert deleting.is_alive()
+    release.set()
+    deleting.join(10)
+    assert not deleting.is_alive()
+    stack.flush()
+    assert disk.contains_many([key(i) for i in range(5)]) == [False, True, False, True, True]
+    assert stack.prefix_length([key(0)]) == 0
+    stack.close()
+
+
 def test_factory_builds_local_tiers_in_order_with_their_codecs(tmp_path):
     config = Config(tiers=("disk", "cpu"), disk=DiskTierConfig(path=str(tmp_path), codec="int8"))
     tiers = build_tiers(config)

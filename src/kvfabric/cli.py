@@ -141,6 +141,78 @@ def controller(ctx: click.Context) -> None:
     sys.exit(controller_main(ctx.args))
 
 
+@main.command("server")
+@config_option
+@click.option("--socket", "socket_path", default=None, metavar="PATH",
+              help="Control socket (default: config server.socket, else $KVFABRIC_HOME/server.sock).")
+@click.option("--cpus", default=None, metavar="LIST", help="Cores to pin the server to, e.g. 1 or 2-3 (default: config "
+              "server.cpus, else not pinned); its threads are sized to them.")
+@click.option("--metrics-port", type=int, default=None, help="Prometheus metrics on 127.0.0.1:PORT (default: config "
+              "server.metrics_port; 0 = off).")
+def server_cmd(config_path: str | None, socket_path: str | None, cpus: str | None, metrics_port: int | None) -> None:
+    """Run the host's cache process: tiers, codecs and streaming receives for every engine with `mode: server`."""
+    from kvfabric.remote.pool import PoolError
+    from kvfabric.server import serve
+    from kvfabric.server.listener import ServerError
+    config = _load(config_path)
+    try:
+        serve(config, socket_path, cpus, metrics_port, ready=click.echo)
+    except (ValueError, OSError, ServerError, PoolError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@config_option
+@click.option("--load", "load_ops", default=0.0, show_default=True,
+              help="Run the synthetic workload at about this many operations per second (0: serve only).")
+@click.option("--duration", default=0.0, show_default=True, help="Stop after this many seconds (0: at SIGINT/SIGTERM).")
+@click.option("--seed", default=0, show_default=True)
+def node(config_path: str | None, load_ops: float, duration: float, seed: int) -> None:
+    """Run a cache instance: the configured tiers, /metrics (metrics.port), KV events (kv_events), the cluster
+    (tier peer); --load drives a synthetic workload on it (a demo instance for dashboards)."""
+    from kvfabric.node import run_node
+    totals = run_node(_load(config_path), load_ops=load_ops, duration_s=duration, seed=seed,
+                      on_ready=lambda line: click.echo(line, err=True))
+    click.echo(json.dumps(totals))
+
+
+@main.command()
+@click.argument("urls", nargs=-1)
+@config_option
+@click.option("--watch", is_flag=True, help="Refresh until interrupted.")
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
+              help="Bearer token for a controller's /metrics (default: $KVFABRIC_CLUSTER__TOKEN).")
+@click.option("--iterations", default=0, hidden=True, help="With --watch: stop after N refreshes (tests).")
+def stats(urls: tuple[str, ...], config_path: str | None, watch: bool, interval: float, token_file: str | None,
+          iterations: int) -> None:
+    """A live view of kvfabric instances' /metrics: hit rate, tokens saved, tier usage, latency percentiles.
+    URLs default to this config's metrics endpoint (metrics.port)."""
+    from rich.console import Console
+
+    from kvfabric import statsview
+    if not urls:
+        config = _load(config_path)
+        if not config.metrics.port:
+            raise click.UsageError("give the URLs of /metrics endpoints, or set metrics.port in the config")
+        urls = (f"http://{config.metrics.host}:{config.metrics.port}/metrics",)
+    token = os.environ.get("KVFABRIC_CLUSTER__TOKEN") or None
+    if token_file:
+        with open(token_file) as f:
+            token = f.read().strip() or None
+    console = Console()
+    if watch:
+        try:
+            statsview.watch(urls, token, interval, console, iterations)
+        except KeyboardInterrupt:
+            pass
+        return
+    found = [statsview.scrape(url, token) for url in urls]
+    console.print(statsview.render(found))
+    if all(s.error for s in found):
+        sys.exit(1)
+
+
 @main.group()
 def profile() -> None:
     """Offline calibration of a model's codec tables (runs the model)."""
@@ -167,6 +239,35 @@ def profile_cachegen(texts: str, model_name: str, first: int, count: int, ctx_to
     path, prof = calibrate(Path(texts), model_name=model_name, first=first, count=count, ctx_tokens=ctx_tokens,
                            extra_texts=tuple(map(Path, extra_text)), shrink=shrink, out=Path(out) if out else None)
     click.echo(f"{path}: profile {prof.id:#018x}, delta channels {int(prof.dflag.sum())}/{prof.dflag.size}")
+
+
+@main.group()
+def droidspeak() -> None:
+    """DroidSpeak: reuse a sibling model's KV cache (same family, tokenizer and layout)."""
+
+
+@droidspeak.command("profile")
+@click.argument("sender")
+@click.argument("receiver")
+@click.option("--prompts", default=3, show_default=True, help="Profiling prompts (MuSiQue questions).")
+@click.option("--first", default=100, show_default=True, help="First question (0-99 trained the fine-tuned sibling).")
+@click.option("--passages", default=3, show_default=True, help="Passages per profiling prompt.")
+@click.option("--threshold", default=0.9, show_default=True, help="Share of the reuse KL gap the block must close.")
+@click.option("--stride", default=1, show_default=True, help="Score only blocks whose ends are multiples of this.")
+@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
+def droidspeak_profile(sender: str, receiver: str, prompts: int, first: int, passages: int, threshold: float,
+                       stride: int, data: str | None) -> None:
+    """Quality of RECEIVER reusing SENDER's KV for every contiguous recompute block; saves the pair's table."""
+    from kvfabric.droidspeak.pair import profile_pair
+    try:
+        table, path = profile_pair(sender, receiver, num_prompts=prompts, first=first, passages=passages,
+                                   stride=stride, data=data, log=click.echo)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    block = table.choose(threshold)
+    closed = table.gap_closed(block)
+    click.echo(f"{path}: reuse KL {table.kl[0][0]:.4f} (answer rows {table.kl_ans[0][0]:.4f}); chosen block "
+               f"[{block.start}, {block.stop}) of {table.num_layers} layers closes {closed[0]:.1%} / {closed[1]:.1%}")
 
 
 @main.group()
@@ -225,6 +326,20 @@ def bench_trace(traces: tuple[str, ...], as_json: bool, plot: str | None, capaci
         raise click.ClickException(str(exc)) from None
 
 
+@bench.command("soak")
+@click.option("--duration", default=600.0, show_default=True, help="Seconds of load.")
+@click.option("--threads", "num_threads", default=3, show_default=True, help="Load threads in each of the two processes.")
+@click.option("--json", "as_json", is_flag=True, help="One final JSON object.")
+@click.option("--plot", default=None, metavar="PNG", help="RSS, fds, threads, shm, Redis memory, hit ratio over time.")
+@click.option("--redis-url", default=None, help="Use this Redis (default: a private redis-server with maxmemory).")
+def bench_soak(duration: float, num_threads: int, as_json: bool, plot: str | None, redis_url: str | None) -> None:
+    """Sustained mixed load over cpu + shm + disk + redis from two processes: bounded resources, no wrong bytes,
+    no hangs, a stable hit ratio (exit status 1 if any of that fails)."""
+    from kvfabric.bench.soak import run
+    if not run(duration_s=duration, num_threads=num_threads, as_json=as_json, plot=plot, redis_url=redis_url).ok:
+        sys.exit(1)
+
+
 @bench.command("p2p")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--repeats", default=5, show_default=True)
@@ -244,16 +359,58 @@ def bench_vllm(ctx: click.Context) -> None:
     sys.exit(vllm_main(ctx.args))
 
 
+@bench.command("interference")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per (setup, link), then the sharing and copy rows.")
+@click.option("--steps", default=256, show_default=True, help="Decode steps of request A.")
+@click.option("--tokens", "b_tokens", default=4096, show_default=True, help="Prompt tokens of the fetched request B.")
+@click.option("--links", default="100,1000", show_default=True, help="Link rates in Mbit/s.")
+@click.option("--engine-cpu", default=0, show_default=True, help="The engine's core.")
+@click.option("--server-cpu", default=1, show_default=True, help="The server's core (set-up c).")
+@click.option("--vllm", "with_vllm", is_flag=True, help="Also the vLLM connector's miss-path overhead with mode: "
+              "server (paired runs; needs .venv-vllm or --vllm-python).")
+@click.option("--vllm-python", default=None, help="Python with vLLM installed (default: .venv-vllm).")
+def bench_interference(as_json: bool, steps: int, b_tokens: int, links: str, engine_cpu: int, server_cpu: int,
+                       with_vllm: bool, vllm_python: str | None) -> None:
+    """TPOT of a decoding request while another's prompt KV is fetched and decoded: none / in-process / in
+    `kvfabric server` on its own core; B's TTFT; two engines sharing a server; retrieve vs memcpy."""
+    from kvfabric.bench.interference import run
+    try:
+        rates = tuple(int(x) for x in links.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{links!r}: comma-separated Mbit/s", param_hint="--links") from None
+    run(as_json=as_json, steps=steps, b_tokens=b_tokens, links=rates, engine_cpu=engine_cpu, server_cpu=server_cpu)
+    if with_vllm:
+        from kvfabric.bench.common import emit
+        from kvfabric.bench.interference_vllm import run as run_vllm
+        row = run_vllm(vllm_python, num_tokens=b_tokens)
+        emit([row], as_json, "vLLM connector, mode: server: miss-path overhead (paired cold runs)",
+             ["tokens", "num_pairs", "off_s", "ttft_s", "miss_overhead_paired", "target_met"])
+
+
+@bench.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                         "help_option_names": []})
+@click.pass_context
+def bench_serve(ctx: click.Context) -> None:
+    """Serving workloads (long-document QA, multi-round chat) against vllm serve: vLLM alone, + kvfabric, + LMCache."""
+    from kvfabric.bench.serve import main as serve_main
+    sys.exit(serve_main(ctx.args))
+
+
 @bench.command("long-doc-qa")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per request, then a summary object.")
 @click.option("--docs", "num_docs", default=3, show_default=True)
 @click.option("--length", "doc_tokens", default=4096, show_default=True, help="Tokens per document.")
 @click.option("--question", "question_tokens", default=64, show_default=True, help="Tokens per question.")
 @click.option("--seed", default=0, show_default=True)
-def bench_long_doc_qa(as_json: bool, num_docs: int, doc_tokens: int, question_tokens: int, seed: int) -> None:
-    """TTFT of cache misses and hits on the real model, with the physical-limit decomposition."""
+@click.option("--model", default="smollm2-135m-instruct", show_default=True,
+              help="Builtin model (gemma3-270m, qwen2.5-coder-0.5b, ...) or a local HF folder.")
+@click.option("--kv-dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16",
+              show_default=True, help="Stored KV dtype; float32 for the exactness figure.")
+def bench_long_doc_qa(as_json: bool, num_docs: int, doc_tokens: int, question_tokens: int, seed: int, model: str,
+                      kv_dtype: str) -> None:
+    """TTFT of cache misses and hits on the real model, with the physical-limit decomposition and hit exactness."""
     from kvfabric.bench.long_doc_qa import run
-    run(num_docs, doc_tokens, question_tokens, seed, as_json)
+    run(num_docs, doc_tokens, question_tokens, seed, as_json, model, kv_dtype)
 
 
 
@@ -264,10 +421,14 @@ def bench_long_doc_qa(as_json: bool, num_docs: int, doc_tokens: int, question_to
 @click.option("--length", "ctx_tokens", default=2048, show_default=True, help="Context tokens per document.")
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--quick", is_flag=True, help="Fewer documents and codecs (a smoke run).")
-def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int, repeats: int, quick: bool) -> None:
+@click.option("--model", "model_name", default="smollm2-135m-instruct", show_default=True,
+              help="Builtin model (gemma3-270m, qwen2.5-coder-0.5b, ...) or a local HF folder.")
+def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int, repeats: int, quick: bool,
+                model_name: str) -> None:
     """Codec levels on the real model: size ratio vs fp16, top-1 and KL of the next 64 tokens, encode/decode MB/s."""
     from kvfabric.bench.codec import run
-    run(as_json=as_json, plot=plot, num_docs=num_docs, ctx_tokens=ctx_tokens, repeats=repeats, quick=quick)
+    run(as_json=as_json, plot=plot, num_docs=num_docs, ctx_tokens=ctx_tokens, repeats=repeats, quick=quick,
+        model_name=model_name)
 
 
 @bench.command("stream")
@@ -330,8 +491,11 @@ def bench_video(as_json: bool, num_docs: int, ctx_tokens: int, context_tokens: i
                    "per question).")
 @click.option("--report", "report_path", default=None, metavar="JSONL",
               help="Only summarise the JSON lines of an earlier (possibly unfinished) --json run.")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True,
+              help="Builtin Llama-family model (qwen2.5-coder-0.5b / -1.5b, ...) or a local folder; "
+                   "sliding-window models (Gemma 3) are refused at start-up.")
 def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers: str | None, passages: int,
-                data: str | None, auto: bool, oracle: bool, report_path: str | None) -> None:
+                data: str | None, auto: bool, oracle: bool, report_path: str | None, model: str) -> None:
     """CacheBlend on the real model: full prefill vs full reuse vs blend recomputing 15/25.5/41% vs random."""
     from kvfabric.bench import blend
     if report_path:
@@ -347,8 +511,25 @@ def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers
             BlendConfig(check_layers=layers)
         except ValueError as e:
             raise click.BadParameter(f"{check_layers!r}: {e}", param_hint="--check-layers") from None
-    blend.run(as_json=as_json, limit=limit, start=start, stride=stride, check_layers=layers, passages=passages,
-              data=data, auto=auto, oracle=oracle)
+    from kvfabric.blend.runner import UnsupportedModel
+    try:
+        blend.run(as_json=as_json, limit=limit, start=start, stride=stride, check_layers=layers, passages=passages,
+                  data=data, auto=auto, oracle=oracle, model=model)
+    except UnsupportedModel as exc:  # e.g. Gemma 3's sliding windows: say so, never compute wrong KV
+        raise click.ClickException(f"bench blend on {model}: {exc}") from None
+
+
+@bench.command("droidspeak")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per question and method, then summaries.")
+@click.option("--pair", default="finetuned", type=click.Choice(["finetuned"]), show_default=True)
+@click.option("--questions", "limit", default=3, show_default=True, help="MuSiQue questions to run.")
+@click.option("--start", default=110, show_default=True, help="First question (held out from training/profiling).")
+@click.option("--passages", default=10, show_default=True, help="Passages per question.")
+@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
+def bench_droidspeak(as_json: bool, pair: str, limit: int, start: int, passages: int, data: str | None) -> None:
+    """A receiver reusing a sibling's KV: full prefill vs naive reuse vs DroidSpeak at three budgets."""
+    from kvfabric.bench.droidspeak import run
+    run(pair=pair, as_json=as_json, limit=limit, start=start, passages=passages, data=data)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -165,6 +165,56 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """`kvfabric server` (one cache process per host) and the engines that use it with `mode: server`."""
+    socket: str = ""  # the control socket (mode 0600); "" = <KVFABRIC_HOME>/server.sock
+    token: str = ""  # shared secret every client must present; "" = the socket's file mode alone guards it
+    cpus: str = ""  # the server's cores, e.g. "1" or "2-3,6" ("" = not pinned); its threads are sized to them
+    pool_capacity: ByteSize = 512 * 2**20  # the data-plane pool in /dev/shm (slots of decoded KV), reserved at start
+    slot_bytes: ByteSize = 8 * 2**20  # one slot holds one chunk's KV in the layout dtype
+    max_slots_per_client: int = 8  # slots one client may lease at a time (reads in flight, stores being written)
+    max_store_queue: int = 16  # per client: committed chunks waiting to be encoded and persisted
+    max_clients: int = 64
+    timeout_s: float = 2.0  # client: deadline of each request; past it the request is a miss
+    retry_s: float = 1.0  # client: after the server failed, answer misses this long before reconnecting
+    metrics_port: int = 0  # Prometheus metrics on 127.0.0.1:<port>; 0 = off
+
+    def __post_init__(self) -> None:
+        if self.max_slots_per_client <= 0 or self.max_clients <= 0 or self.max_store_queue <= 0:
+            raise ConfigError("server.max_slots_per_client, max_clients and max_store_queue must be positive")
+        if self.timeout_s <= 0 or self.retry_s < 0:
+            raise ConfigError("server.timeout_s must be positive and server.retry_s 0 or more")
+        if self.slot_bytes > self.pool_capacity:
+            raise ConfigError(f"server.slot_bytes ({self.slot_bytes}) exceeds server.pool_capacity")
+
+    def resolved_socket(self) -> Path:
+        return Path(self.socket).expanduser() if self.socket else kvfabric_home() / "server.sock"
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """Prometheus metrics of this process (kvfabric.metrics): off unless a port is set."""
+    port: int = 0  # 0 = no endpoint; e.g. 9464 serves http://127.0.0.1:9464/metrics
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"metrics.port: must be 0 (off) or a TCP port, got {self.port}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """Chunk stored / removed events for KV-aware routers, in vLLM's wire format (kvfabric.events)."""
+    enabled: bool = False
+    endpoint: str = "tcp://127.0.0.1:5557"  # ZMQ PUB; "" = collect only (the vLLM connector hands them to vLLM)
+    replay_endpoint: str = ""  # ZMQ ROUTER answering replay requests from a sequence number
+    topic: str = "kvfabric"
+    buffer_steps: int = 10_000  # batches kept for replay
+    interval_s: float = 0.5  # how often queued events are published and vanished chunks looked for
+    max_tracked: int = 1_000_000  # chunks remembered for removal events (oldest forgotten first)
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     chunk_size: int = 256
     hash: Literal["sha256", "blake3"] = "sha256"
@@ -179,6 +229,10 @@ class Config:
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
     mooncake: MooncakeTierConfig = field(default_factory=MooncakeTierConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    mode: Literal["inproc", "server"] = "inproc"  # server: engines use `kvfabric server` (section `server`)
+    server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:

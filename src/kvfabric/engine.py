@@ -12,10 +12,16 @@ Contract:
   `out[..., :m, :]` is returned: the fast path (no allocation, one copy per chunk).
 - `read_chunk(key, out=None)`: one chunk by key, a `ChunkHit` (KV, serving tier, bytes read) or a `ChunkMiss`
   (missing, corrupt, wrong_layout); a chunk that fails its checks is discarded and counted, as in `retrieve`.
+  With `promote=False` a chunk from a lower tier is read into the caller's scratch and not promoted (a caller
+  that copies the KV elsewhere at once pays no allocation); `chunk_blob_bytes()` sizes such a scratch.
 - `new_payload()` then `store_chunk(key, payload)`: the caller lays a chunk's KV out in the payload (raw codec:
   the payload region of the very blob that will be stored, no encode copy); a chunk already held is skipped.
 - `delete(tokens)` removes a prompt's chunks from every tier; `tier_keys`, `tier_usage`, `clear_tier` address one
   tier by name; `stats()` is an `EngineStats` snapshot.
+- Observability (kvfabric.metrics, kvfabric.events): lookup / store / retrieve / read_chunk latencies and codec
+  times go into `histograms`; with `metrics.port` set the engine serves /metrics (its counters and tier usage are
+  read at scrape time); with `kv_events.enabled` it queues chunk stored / removed events (`events`) and, with an
+  endpoint, publishes them on ZMQ. Neither can fail the engine: an endpoint that cannot bind is logged.
 - Nothing here raises for a damaged or missing cache entry; errors are raised only for bad arguments. Counters
   are thread-safe; `read_chunk` and `store_chunk` may run on different threads (the vLLM connector's step and saver).
 """
@@ -26,20 +32,22 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 import torch
 
 from kvfabric.codec.base import Codec, Decoders, WrongLayoutError
-from kvfabric.codec.format import ChunkFormatError
+from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError
 from kvfabric.codec.raw import RawCodec, new_payload, seal
-from kvfabric.codec.registry import CodecChoice, parse_codec
+from kvfabric.codec.registry import CODECS, CodecChoice, parse_codec
 from kvfabric.config import Config
 from kvfabric.counters import Counters, merged
+from kvfabric.events import ChunkEvents, EventPublisher
 from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
+from kvfabric.metrics import EngineCollector, Histograms, MetricsEndpoint, engine_registry
 from kvfabric.tiers.base import Blob, Scratch, Tier, TierUsage
 from kvfabric.tiers.factory import build_tiers, codec_spec
 from kvfabric.tiers.stack import StackHit, TierStack
@@ -72,9 +80,38 @@ class ChunkPayload:
 class EngineStats:
     counters: dict[str, int]  # the engine's and its tier stack's counters, summed
     tiers: tuple[TierUsage, ...]  # fastest first
+    tier_counters: dict[str, dict[str, int]] = field(default_factory=dict)  # each tier's own counters, by name
+    breakers_open: dict[str, bool] = field(default_factory=dict)  # tiers with a circuit breaker: is it open
+    write_queue_depth: int = 0
+    write_queue_capacity: int = 0
+    p2p_server: dict[str, int] = field(default_factory=dict)  # the cluster node's P2P server counters
+    kv_events: dict[str, int] = field(default_factory=dict)  # events queued, by type; evicted / removed chunks
 
 
 _MISSING = ChunkMiss("missing")
+
+
+def chunks_to_store(layout: KVLayout, chunk_size: int, num_tokens: int, num_keys: int, kv: torch.Tensor,
+                    start: int) -> list[int]:
+    """`store`'s argument checks (shared by every cache with this seam): the chunk indices whose tokens kv
+    [L, 2, H, T, D], holding tokens [start, start + T) of a prompt of num_tokens, covers entirely."""
+    if start % chunk_size or not 0 <= start <= num_tokens:
+        raise ValueError(f"start must be a multiple of chunk_size={chunk_size} within the prompt, got {start}")
+    layout.check(kv)
+    end = start + kv.shape[3]
+    if end > num_tokens:
+        raise ValueError(f"kv holds {kv.shape[3]} tokens from {start}, beyond the prompt's {num_tokens} tokens")
+    return [i for i in range(start // chunk_size, num_keys) if min((i + 1) * chunk_size, num_tokens) <= end]
+
+
+def retrieve_buffer(layout: KVLayout, num_tokens: int, out: torch.Tensor | None) -> torch.Tensor:
+    """`retrieve`'s destination: `out` checked ([L, 2, H, >= num_tokens, D], any float dtype), or a new tensor."""
+    if out is None:
+        return torch.empty(layout.shape(num_tokens), dtype=layout.torch_dtype)
+    if out.dim() != 5 or out.shape[3] < num_tokens or tuple(out.shape[:3]) + (out.shape[4],) != \
+            layout.shape(0)[:3] + (layout.head_dim,):
+        raise ValueError(f"out must be {layout.shape(num_tokens)} or longer in dim 3, got {tuple(out.shape)}")
+    return out
 
 
 class CacheEngine:
@@ -107,6 +144,34 @@ class CacheEngine:
         # both release the GIL, so a load costs about max(I/O, copy) rather than their sum.
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfabric-reader")
         self._scratch = threading.local()
+        self.histograms = Histograms()
+        self.events: ChunkEvents | None = None
+        self._publisher: EventPublisher | None = None
+        self.metrics_endpoint: MetricsEndpoint | None = None
+        self._observe()
+
+    def _observe(self) -> None:
+        """Metrics endpoint, KV events and the cluster node's summary, as configured (see the module doc)."""
+        cfg, ev = self.config.metrics, self.config.kv_events
+        if self.node is not None:
+            self.node.stats_source = self.summary
+        if ev.enabled:
+            self.events = ChunkEvents(self.chunk_size, max_tracked=ev.max_tracked)
+            if ev.endpoint:
+                try:
+                    self._publisher = EventPublisher(
+                        self.events, self._holds, ev.endpoint,
+                        topic=ev.topic, replay_endpoint=ev.replay_endpoint, buffer_steps=ev.buffer_steps,
+                        interval_s=ev.interval_s)
+                except Exception as exc:  # noqa: BLE001 - e.g. the port is taken: events are optional
+                    log.warning("kv events: cannot publish on %s: %s", ev.endpoint, exc)
+        if cfg.port:
+            collector = EngineCollector(self.stats, self.histograms, model=self.model_id, codec=self.config.codec,
+                                        chunk_size=self.chunk_size)
+            try:
+                self.metrics_endpoint = MetricsEndpoint(engine_registry(collector), cfg.host, cfg.port)
+            except OSError as exc:
+                log.warning("metrics: cannot serve on %s:%d: %s", cfg.host, cfg.port, exc)
 
     def _build_tiers(self) -> list[Tier]:
         """The configured local tiers; with tier "peer", composed with a cluster node that serves them, reports
@@ -130,45 +195,75 @@ class CacheEngine:
 
     # ---- API ---------------------------------------------------------------------------------------------
     def lookup(self, tokens: Tokens) -> int:
+        started = time.perf_counter()
         keys = self.keys(tokens)
         num_hit = self.stack.prefix_length(keys)
-        self._counters.add("lookups")
-        return self._span(num_hit - 1, len(tokens))[1] if num_hit else 0
+        found = self._span(num_hit - 1, len(tokens))[1] if num_hit else 0
+        self.histograms.observe("kvfabric_lookup_seconds", time.perf_counter() - started)
+        c = self._counters
+        c.add("lookups")
+        c.add("lookup_tokens", len(tokens))
+        c.add("lookup_hit_tokens", found)
+        c.add("lookup_chunks", len(keys))
+        c.add("lookup_hit_chunks", num_hit)
+        return found
 
     def store(self, tokens: Tokens, kv: torch.Tensor, start: int = 0) -> int:
         num_tokens = len(tokens)
-        if start % self.chunk_size or not 0 <= start <= num_tokens:
-            raise ValueError(f"start must be a multiple of chunk_size={self.chunk_size} within the prompt, got {start}")
-        self.layout.check(kv)
-        end = start + kv.shape[3]
-        if end > num_tokens:
-            raise ValueError(f"kv holds {kv.shape[3]} tokens from {start}, beyond the prompt's {num_tokens} tokens")
+        started = time.perf_counter()
         keys = self.keys(tokens)
-        first = start // self.chunk_size
-        wanted = [i for i in range(first, len(keys)) if self._span(i, num_tokens)[1] <= end]
+        wanted = chunks_to_store(self.layout, self.chunk_size, num_tokens, len(keys), kv, start)
+        end = start + kv.shape[3]
         present = self.stack.contains_many([keys[i] for i in wanted], writable_only=True)
-        num_stored = 0
+        stored: list[int] = []
         for i, is_present in zip(wanted, present):
             if is_present:
                 continue
             s, e = self._span(i, num_tokens)
             self._put_chunk(keys[i], kv[:, :, :, s - start:e - start, :])
-            num_stored += 1
-        self._counters.add("chunks_stored", num_stored)
-        return num_stored
+            stored.append(i)
+        self.histograms.observe("kvfabric_store_seconds", time.perf_counter() - started, "store")
+        num_tokens_stored = sum(e - s for s, e in (self._span(i, num_tokens) for i in stored))
+        c = self._counters
+        c.add("stores")
+        c.add("store_tokens", end - start)
+        c.add("store_chunks", len(wanted))
+        c.add("chunks_stored", len(stored))
+        c.add("tokens_stored", num_tokens_stored)
+        if self.events is not None and stored:
+            self._announce(tokens, keys, stored)
+        return len(stored)
+
+    def _announce(self, tokens: Tokens, keys: list[ChunkKey], stored: list[int]) -> None:
+        """KV events for newly stored chunks, one BlockStored per run of consecutive chunks."""
+        ids = tokens.tolist() if isinstance(tokens, (torch.Tensor, np.ndarray)) else list(tokens)
+        run: list[int] = []
+        for i in [*stored, -1]:
+            if run and i != run[-1] + 1:
+                first, last = run[0], run[-1]
+                self.events.stored([keys[j] for j in run], keys[first - 1] if first else None,
+                                   ids[self._span(first, len(ids))[0]:self._span(last, len(ids))[1]])
+                run = []
+            run.append(i)
 
     def _put_chunk(self, key: bytes, kv: torch.Tensor, blob: Blob | None = None) -> None:
         """Store one chunk's KV [L, 2, H, C, D] under `key`: encoded once with the engine's codec (or `blob`, that
         encoding made by the caller) and once more for each other codec a tier asks for."""
         if blob is None:
-            blob = self.codec.encode(kv, key, self.layout)
+            blob = self._encode(self.codec, kv, key)
         encoded: dict[int, Blob] = {}  # id(codec) -> blob: tiers sharing a codec share one encoding
         per_level: dict[int, Blob] = {}
         for level, codec in self._tier_codecs.items():
             if id(codec) not in encoded:
-                encoded[id(codec)] = codec.encode(kv, key, self.layout)
+                encoded[id(codec)] = self._encode(codec, kv, key)
             per_level[level] = encoded[id(codec)]
         self.stack.put(key, blob, per_level)
+
+    def _encode(self, codec: Codec, kv: torch.Tensor, key: bytes) -> Blob:
+        started = time.perf_counter()
+        blob = codec.encode(kv, key, self.layout)
+        self.histograms.observe("kvfabric_codec_encode_seconds", time.perf_counter() - started, codec.name)
+        return blob
 
     def new_payload(self, num_tokens: int | None = None) -> ChunkPayload:
         """Where the caller lays out one chunk's KV [L, 2, H, T, D] (T = num_tokens, default chunk_size) for
@@ -182,34 +277,57 @@ class CacheEngine:
     def store_chunk(self, key: bytes, payload: ChunkPayload) -> bool:
         """Store a chunk laid out in `new_payload()` under `key`; False when a writable tier already holds it.
         The payload belongs to the engine from here on: the caller must not write into it again."""
+        started = time.perf_counter()
         if self.stack.contains_many([key], writable_only=True)[0]:
             return False
         if payload.blob is not None:
             seal(payload.blob, key, self.layout)
         self._put_chunk(key, payload.kv, payload.blob)
-        self._counters.add("chunks_stored")
+        self.histograms.observe("kvfabric_store_seconds", time.perf_counter() - started, "store_chunk")
+        num_tokens = payload.kv.shape[3]
+        for name, n in (("chunks_stored", 1), ("tokens_stored", num_tokens), ("store_chunks", 1),
+                        ("store_tokens", num_tokens)):
+            self._counters.add(name, n)
+        if self.events is not None:
+            self.events.stored([key], None, [])  # the caller knows the key only
         return True
 
     def read_chunk(self, key: bytes, out: torch.Tensor | None = None, *, num_tokens: int | None = None,
-                   scratch: Scratch | None = None) -> ChunkHit | ChunkMiss:
+                   scratch: Scratch | None = None, promote: bool = True) -> ChunkHit | ChunkMiss:
         """One chunk by key. With `out` [L, 2, H, T, D] (any float dtype, T the chunk's tokens) it is decoded
         into `out`. Without, `kv` holds num_tokens (default chunk_size) tokens in the layout dtype: a raw chunk
         is a zero-copy view, over `scratch` when the first tier reads into it (valid until the caller reuses
-        `scratch`) or over the stored blob (read it, never write it); other codecs decode into a new tensor."""
+        `scratch`) or over the stored blob (read it, never write it); other codecs decode into a new tensor.
+        `promote=False`: a chunk found below the first tier is not copied into the faster tiers, and every tier
+        reads into `scratch` (no fresh allocation: for a caller that copies the KV elsewhere right away)."""
+        started = time.perf_counter()
         num_tokens = out.shape[3] if out is not None else num_tokens or self.chunk_size
-        return self._take(key, self.stack.get(key, scratch), num_tokens, out)
+        result = self._take(key, self.stack.get(key, scratch, promote), num_tokens, out)
+        self.histograms.observe("kvfabric_retrieve_seconds", time.perf_counter() - started, "read_chunk")
+        self._counters.add("chunk_reads")
+        self._counters.add("chunk_read_requests")
+        if isinstance(result, ChunkHit):
+            self._counters.add("chunk_read_hits")
+        return result
+
+    def chunk_blob_bytes(self) -> int:
+        """Bytes of one whole chunk's blob with the raw codec (header + payload): the size a read buffer needs."""
+        return HEADER_BYTES + self.layout.num_bytes(self.chunk_size)
 
     def _take(self, key: bytes, found: StackHit | None, num_tokens: int,
               out: torch.Tensor | None) -> ChunkHit | ChunkMiss:
         """The checked, decoded chunk of a stack read, or a miss; a chunk that fails its checks is discarded."""
         if found is None:
             return _MISSING
+        started = time.perf_counter()
         try:
             if out is None:
                 kv = self._decoders.view(found.header, found.blob, self.layout, num_tokens)
             else:
                 self._decoders.decode(found.header, found.blob, self.layout, out)
                 kv = out
+            self.histograms.observe("kvfabric_codec_decode_seconds", time.perf_counter() - started,
+                                    _codec_name(found.header.codec_id))
         except ChunkFormatError as exc:
             log.warning("dropping undecodable chunk %s from tier %s: %s", key.hex()[:16], found.tier, exc)
             self.stack.discard(key)
@@ -219,12 +337,8 @@ class CacheEngine:
     def retrieve(self, tokens: Tokens, out: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = len(tokens)
         keys = self.keys(tokens)
-        if out is None:
-            out = torch.empty(self.layout.shape(num_tokens), dtype=self.layout.torch_dtype)
-        elif out.dim() != 5 or out.shape[3] < num_tokens or tuple(out.shape[:3]) + (out.shape[4],) != \
-                self.layout.shape(0)[:3] + (self.layout.head_dim,):
-            raise ValueError(f"out must be {self.layout.shape(num_tokens)} or longer in dim 3, got {tuple(out.shape)}")
-        num_done = 0
+        out = retrieve_buffer(self.layout, num_tokens, out)
+        num_done = num_chunks = 0
         started = time.perf_counter()
         with self.stack.pinned(keys):
             self.stack.prefetch(keys)
@@ -232,10 +346,16 @@ class CacheEngine:
                 s, e = self._span(i, num_tokens)
                 if isinstance(self._take(keys[i], found, e - s, out[:, :, :, s:e, :]), ChunkMiss):
                     break
-                num_done = e
-        self._counters.add("retrieves")
-        self._counters.add("tokens_retrieved", num_done)
-        self._counters.add("retrieve_ns", int((time.perf_counter() - started) * 1e9))
+                num_done, num_chunks = e, i + 1
+        elapsed = time.perf_counter() - started
+        self.histograms.observe("kvfabric_retrieve_seconds", elapsed, "retrieve")
+        c = self._counters
+        c.add("retrieves")
+        c.add("retrieve_tokens", num_tokens)
+        c.add("tokens_retrieved", num_done)
+        c.add("retrieve_chunks", len(keys))
+        c.add("retrieve_hit_chunks", num_chunks)
+        c.add("retrieve_ns", int(elapsed * 1e9))
         return out[:, :, :, :num_done, :]
 
     def _fetch_ahead(self, keys: Sequence[bytes]) -> Iterator[StackHit | None]:
@@ -263,8 +383,10 @@ class CacheEngine:
 
     def delete(self, tokens: Tokens) -> int:
         """Remove the chunks of `tokens` from every tier; returns how many chunks some tier held."""
-        self.stack.flush()  # a queued write must not land after the delete
-        return sum(any(tier.delete(key) for tier in self.stack.tiers) for key in self.keys(tokens))
+        held = self.stack.delete(self.keys(tokens))  # queued writes of these keys are cancelled
+        if self.events is not None:
+            self.events.removed(held)
+        return len(held)
 
     def flush(self) -> None:
         self.stack.flush()
@@ -287,9 +409,38 @@ class CacheEngine:
         self._tier(name).clear()
 
     def stats(self) -> EngineStats:
-        return EngineStats(merged(self._counters, self.stack.counters), tuple(t.usage() for t in self.stack.tiers))
+        tiers = self.stack.tiers
+        tier_counters = {t.name: c.snapshot() for t in tiers if isinstance(c := getattr(t, "counters", None), Counters)}
+        breakers = {t.name: b.is_open for t in tiers if (b := getattr(t, "breaker", None)) is not None}
+        return EngineStats(merged(self._counters, self.stack.counters), tuple(t.usage() for t in tiers),
+                           tier_counters, breakers, self.stack.queue_depth, self.stack.queue_capacity,
+                           self.node.server.counters.snapshot() if self.node is not None else {},
+                           self.events.counters.snapshot() if self.events is not None else {})
+
+    def sweep_events(self) -> None:
+        """Queue removal events for tracked chunks that no writable tier holds any more (evicted, expired, deleted
+        elsewhere); the engine's own publisher does this by itself, a caller that takes `events` calls it."""
+        if self.events is not None:
+            self.events.sweep(self._holds)
+
+    def _holds(self, keys: list[bytes]) -> list[bool]:
+        return self.stack.contains_many(keys, writable_only=True)
+
+    def summary(self) -> dict[str, int]:
+        """A few cumulative counts (the cluster node sends them with its heartbeats, for the controller's page)."""
+        c = merged(self._counters, self.stack.counters)
+        evictions = sum(t.counters.get("evicted") for t in self.stack.tiers
+                        if isinstance(getattr(t, "counters", None), Counters))
+        errors = sum(v for k, v in c.items() if k.startswith(("corrupt.", "failed_writes")) or k == "dropped_writes")
+        return {"lookup_tokens": c.get("lookup_tokens", 0), "hit_tokens": c.get("lookup_hit_tokens", 0),
+                "retrieved_tokens": c.get("tokens_retrieved", 0), "stored_chunks": c.get("chunks_stored", 0),
+                "evictions": evictions, "errors": errors + c.get("discarded", 0)}
 
     def close(self) -> None:
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
+        if self._publisher is not None:
+            self._publisher.close()
         self._reader.shutdown(wait=True)
         if self.node is not None:
             self.node.close()  # stop serving and reporting first: the stack then closes the tiers
@@ -300,3 +451,10 @@ class CacheEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_CODEC_NAMES = {entry.codec_id: entry.name for entry in CODECS}
+
+
+def _codec_name(codec_id: int) -> str:
+    return _CODEC_NAMES.get(codec_id, str(codec_id))

@@ -77,8 +77,14 @@ class ControllerClient:
     def register(self, body: dict) -> dict:
         return self.call("POST", "/v1/workers/register", body)
 
-    def heartbeat(self, instance_id: str, tiers: list[dict] | None) -> dict:
-        return self.call("POST", f"/v1/workers/{instance_id}/heartbeat", {"tiers": tiers})
+    def heartbeat(self, instance_id: str, tiers: list[dict] | None, stats: dict[str, int] | None = None) -> dict:
+        body: dict[str, Any] = {"tiers": tiers}
+        if stats:
+            body["stats"] = stats
+        return self.call("POST", f"/v1/workers/{instance_id}/heartbeat", body)
+
+    def history(self) -> dict:
+        return self.call("GET", "/v1/history")
 
     def events(self, instance_id: str, admit: dict[str, list[str]], evict: dict[str, list[str]]) -> dict:
         return self.call("POST", f"/v1/workers/{instance_id}/events", {"admit": admit, "evict": evict})

@@ -51,13 +51,22 @@ def check_bind(host: str, token: str | None) -> None:
 def run_controller(host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None,
                    index_url: str | None = "memory", *, index_is_cluster: bool = False, index_prefix: str = "kvfc:",
                    instance_ttl_s: float = 10.0, max_body_bytes: int = MAX_BODY_BYTES,
-                   control_timeout_s: float = 30.0, log_level: str = "warning") -> None:
-    """Serve the controller until interrupted (blocks). Raises ValueError for an unsafe bind."""
+                   control_timeout_s: float = 30.0, log_level: str = "warning", metrics_port: int = 0,
+                   metrics_host: str = "127.0.0.1") -> None:
+    """Serve the controller until interrupted (blocks). Raises ValueError for an unsafe bind. With
+    `metrics_port`, /metrics is also served there without a token (for a Prometheus on this host)."""
     import uvicorn
+
+    from kvfabric.metrics import MetricsEndpoint
     check_bind(host, token)
+    if metrics_port and not is_loopback(metrics_host):
+        raise ValueError(f"the metrics endpoint binds {metrics_host!r}: metrics are served without a token, on "
+                         "loopback only")
     index = open_index(index_url, is_cluster=index_is_cluster, prefix=index_prefix)
     app = create_app(index, token=token, instance_ttl_s=instance_ttl_s, max_body_bytes=max_body_bytes,
                      control_timeout_s=control_timeout_s)
+    if metrics_port:
+        MetricsEndpoint(app.controller.metrics.registry, metrics_host, metrics_port)  # a daemon thread
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, limit_concurrency=512,
                 timeout_keep_alive=30, h11_max_incomplete_event_size=64 * 1024, server_header=False)
 
@@ -73,6 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--instance-ttl", type=float, default=10.0, help="drop instances silent this long (s)")
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="also serve /metrics without a token on 127.0.0.1:PORT (0: only on the API port)")
     args = parser.parse_args(argv)
     token = os.environ.get("KVFABRIC_CLUSTER__TOKEN") or None
     if args.token_file:
@@ -82,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run_controller(args.host, args.port, token, args.index, index_prefix=args.index_prefix,
                        instance_ttl_s=args.instance_ttl, max_body_bytes=args.max_body_bytes,
-                       log_level=args.log_level)
+                       log_level=args.log_level, metrics_port=args.metrics_port)
     except ValueError as exc:
         print(f"kvfabric controller: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,9 @@
 """The controller's ASGI app: `create_app` builds the FastAPI routes over a `Controller`, wrapped in a `Guard`.
 
 - Every route except /v1/health requires `Authorization: Bearer <token>` when a token is configured (compared in
-  constant time, 401 otherwise).
+  constant time, 401 otherwise). HTTP Basic with the token as password is the same credential, for browsers:
+  the status page `/ui` (static HTML and a small script over /v1/instances and /v1/history) answers 401 with a
+  Basic challenge, and the browser then sends the credential with the page's own API calls.
 - Validation errors are answered 422 without echoing the input; an unreachable index backend (`backend_errors`)
   is answered 503.
 - A background task sweeps instances that missed their heartbeats every `sweep_interval_s` (default: half the
@@ -10,15 +12,18 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import hmac
 import logging
+from importlib import resources
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -31,6 +36,7 @@ from kvfabric.cluster.controller_models import (
     EventsRequest,
     HealthResponse,
     HeartbeatRequest,
+    HistoryResponse,
     InstanceId,
     InstancesResponse,
     KnownResponse,
@@ -79,11 +85,22 @@ def create_app(index: ChunkIndex | None = None, *, token: str | None = None, ins
 
     bearer = HTTPBearer(auto_error=False, description="the cluster token (required when one is configured)")
 
-    def authorize(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+    def is_authorized(request: Request) -> bool:
         if ctl.token is None:
-            return
-        given = credentials.credentials.encode() if credentials is not None else b""
-        if not hmac.compare_digest(given, ctl.token.encode()):
+            return True
+        scheme, _, value = request.headers.get("authorization", "").partition(" ")
+        given = b""
+        if scheme.lower() == "bearer":
+            given = value.strip().encode()
+        elif scheme.lower() == "basic":  # a browser: user name ignored, the token is the password
+            try:
+                given = base64.b64decode(value.strip(), validate=True).partition(b":")[2]
+            except (binascii.Error, ValueError):
+                given = b""
+        return hmac.compare_digest(given, ctl.token.encode())
+
+    def authorize(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if not is_authorized(request):
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
     errors = {code: {"model": ErrorResponse} for code in (400, 401, 413, 422)}
@@ -117,6 +134,19 @@ def create_app(index: ChunkIndex | None = None, *, token: str | None = None, ins
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     def metrics() -> Response:
         return Response(generate_latest(ctl.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/history", dependencies=auth, response_model=HistoryResponse)
+    def history() -> HistoryResponse:
+        return ctl.history()
+
+    page = resources.files("kvfabric.cluster").joinpath("ui/status.html").read_text()
+
+    @app.get("/ui", response_class=HTMLResponse, include_in_schema=False)
+    def status_page(request: Request) -> HTMLResponse:
+        if not is_authorized(request):
+            return HTMLResponse("<p>kvfabric controller: the cluster token is the password</p>", status_code=401,
+                                headers={"WWW-Authenticate": 'Basic realm="kvfabric", charset="UTF-8"'})
+        return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
     @app.post("/v1/lookup", dependencies=auth, response_model=LookupResponse)
     def lookup(req: LookupRequest) -> LookupResponse:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 
 class Guard:
@@ -97,4 +97,5 @@ class Metrics:
         self.indexed = Gauge("kvfabric_controller_indexed_chunks", "index entries per tier (last /instances or sweep)",
                              ["tier"], registry=r)
         self.moved_bytes = Counter("kvfabric_controller_moved_bytes", "bytes copied by move", registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ...
 

@@ -89,8 +89,13 @@ class RegisterResponse(BaseModel):
     instance_ttl_s: float
 
 
+StatName = Annotated[str, Field(pattern=r"^[a-z0-9_]{1,40}$")]
+Stats = Annotated[dict[StatName, Count], Field(max_length=32, json_schema_extra={"additionalProperties": False})]
+
+
 class HeartbeatRequest(Strict):
     tiers: Annotated[list[TierModel], Field(max_length=16)] | None = None
+    stats: Stats | None = None  # cumulative counts of the instance (lookup_tokens, hit_tokens, evictions, ...)
 
 
 class KnownResponse(BaseModel):
@@ -188,6 +193,24 @@ class InstanceView(BaseModel):
     registered_at: float
     last_seen: float
     age_s: float
+    stats: dict[str, int] = {}  # the counts of its last heartbeat
+
+
+class HistoryPoint(BaseModel):
+    t: float  # unix time of the heartbeat
+    stats: dict[str, int]
+
+
+class HistoryEvent(BaseModel):
+    t: float
+    instance_id: str
+    kind: str  # a count that went up between two heartbeats: evictions, errors
+    count: int
+
+
+class HistoryResponse(BaseModel):
+    instances: dict[str, list[HistoryPoint]]  # oldest first, one point per heartbeat that carried counts
+    events: list[HistoryEvent]  # newest last
 
 
 class InstancesResponse(BaseModel):

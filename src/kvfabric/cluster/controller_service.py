@@ -1,7 +1,8 @@
 """`Controller`: the state and logic behind the controller's HTTP routes (usable without HTTP in tests).
 
 - An instance whose last heartbeat is older than `instance_ttl_s` is gone for every operation, even before
-  `sweep` drops it and its entries from the index.
+  `sweep` drops it and its entries from the index; so is one whose heartbeat is stamped more than that in the
+  future (the wall clock was set back since).
 - A lookup keys the prompt once per distinct namespace and locates all keys in one index call; each instance's
   hit is its longest cached prefix, each chunk read from its fastest tier.
 - Commands that need a worker (pin, unpin, delete, clear, fetch for move) go over the P2P control channel in
@@ -11,7 +12,9 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +26,9 @@ from kvfabric.cluster.controller_models import (
     CommandResponse,
     EventsRequest,
     HeartbeatRequest,
+    HistoryEvent,
+    HistoryPoint,
+    HistoryResponse,
     InstanceHit,
     InstanceResult,
     InstancesResponse,
@@ -46,6 +52,10 @@ from kvfabric.hashing import chunk_keys
 log = logging.getLogger(__name__)
 
 CONTROL_BATCH = 4096  # keys per control message to a worker (stays under the P2P request bound)
+HISTORY_POINTS = 1800  # points kept per instance (an hour at the 2 s spacing)
+HISTORY_SPACING_S = 2.0  # at most one point per instance this often
+RECENT_EVENTS = 200
+EVENT_KINDS = ("evictions", "errors")
 
 
 class Controller:
@@ -60,15 +70,26 @@ class Controller:
         self.metrics = Metrics()
         self.peers = PeerPool(self.token, connect_timeout_s=connect_timeout_s, io_timeout_s=control_timeout_s,
                               pool_size=2)
+        # the status page's memory (this process only; a restarted controller starts a new history)
+        self._history: dict[str, deque[HistoryPoint]] = {}
+        self._recent: deque[HistoryEvent] = deque(maxlen=RECENT_EVENTS)
+        self._latest: dict[str, dict[str, int]] = {}
+        self._history_lock = threading.Lock()
 
     # ---- helpers ---------------------------------------------------------------------------------------------
+    def is_live(self, info: InstanceInfo, now: float) -> bool:
+        """Seen within the TTL. A last_seen more than a TTL in the future was stamped before the wall clock was
+        set back: stale too, else an instance that died just before the jump would look alive until the clock
+        caught up (a live one heartbeats again within the TTL and gets a fresh stamp)."""
+        return now - self.instance_ttl_s <= info.last_seen <= now + self.instance_ttl_s
+
     def alive(self, exclude: Sequence[str] = ()) -> list[InstanceInfo]:
-        cutoff = time.time() - self.instance_ttl_s
-        return [i for i in self.index.instances() if i.last_seen >= cutoff and i.instance_id not in exclude]
+        now = time.time()
+        return [i for i in self.index.instances() if self.is_live(i, now) and i.instance_id not in exclude]
 
     def instance(self, instance_id: str) -> InstanceInfo:
         info = self.index.get_instance(instance_id)
-        if info is None or info.last_seen < time.time() - self.instance_ttl_s:
+        if info is None or not self.is_live(info, time.time()):
             raise HTTPException(404, f"no live instance {instance_id!r}")
         return info
 
@@ -152,8 +173,36 @@ class Controller:
 
     def heartbeat(self, instance_id: str, req: HeartbeatRequest) -> KnownResponse:
         tiers = None if req.tiers is None else [TierInfo(**t.model_dump()) for t in req.tiers]
-        known = self.index.heartbeat(instance_id, tiers, time.time())
+        now = time.time()
+        known = self.index.heartbeat(instance_id, tiers, now)
+        if known and req.stats is not None:
+            self._record(instance_id, dict(req.stats), now)
         return KnownResponse(ok=known, known=known)
+
+    def _record(self, instance_id: str, stats: dict[str, int], now: float) -> None:
+        with self._history_lock:
+            prev = self._latest.get(instance_id)
+            for kind in EVENT_KINDS if prev is not None else ():
+                grew = stats.get(kind, 0) - prev.get(kind, 0)
+                if grew > 0:
+                    self._recent.append(HistoryEvent(t=now, instance_id=instance_id, kind=kind, count=grew))
+            self._latest[instance_id] = stats
+            points = self._history.setdefault(instance_id, deque(maxlen=HISTORY_POINTS))
+            if not points or now - points[-1].t >= HISTORY_SPACING_S:
+                points.append(HistoryPoint(t=now, stats=stats))
+
+    def history(self) -> HistoryResponse:
+        alive = {info.instance_id for info in self.alive()}
+        with self._history_lock:
+            for gone in [i for i in self._history if i not in alive]:
+                del self._history[gone]
+                self._latest.pop(gone, None)
+            return HistoryResponse(instances={i: list(p) for i, p in self._history.items()},
+                                   events=list(self._recent))
+
+    def latest_stats(self, instance_id: str) -> dict[str, int]:
+        with self._history_lock:
+            return dict(self._latest.get(instance_id, {}))
 
     def events(self, instance_id: str, req: EventsRequest) -> KnownResponse:
         admit = {t: [bytes.fromhex(k) for k in keys] for t, keys in req.admit.items()}
@@ -252,14 +301,18 @@ class Controller:
                 tiers=[TierModel(**vars_of(t)) for t in info.tiers],
                 namespaces=[NamespaceModel(**vars_of(n)) for n in info.namespaces],
                 indexed_chunks=counts, registered_at=info.registered_at, last_seen=info.last_seen,
-                age_s=max(0.0, now - info.last_seen)))
+                age_s=max(0.0, now - info.last_seen), stats=self.latest_stats(info.instance_id)))
         self.metrics.instances.set(len(views))
         for tier, n in totals.items():
             self.metrics.indexed.labels(tier).set(n)
         return InstancesResponse(instances=sorted(views, key=lambda v: v.instance_id))
 
     def sweep(self) -> list[str]:
-        gone = self.index.expire(time.time() - self.instance_ttl_s)
+        now = time.time()
+        gone = self.index.expire(now - self.instance_ttl_s)
+        for info in self.index.instances():  # stamped before the clock was set back (see is_live)
+            if info.last_seen > now + self.instance_ttl_s and self.index.unregister(info.instance_id):
+                gone.append(info.instance_id)
         if gone:
             log.info("dropped instances that missed their heartbeats: %s", ", ".join(gone))
             self.metrics.expired.inc(len(gone))

@@ -18,7 +18,7 @@ import os
 import re
 import secrets
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -48,6 +48,7 @@ class ClusterNode:
         self.instance_id = settings.instance_id or default_instance_id()
         self.token = settings.token or None
         self.namespaces = list(dict.fromkeys(namespaces))
+        self.stats_source: Callable[[], dict[str, int]] | None = None  # set by the engine: heartbeat counts
         self._closed = False
         refuse = None if settings.keep_fetched else self._refuse
         self.local: list[Tier] = [ObservedTier(t, self._changed, refuse) if t.name in settings.serve_tiers else t
@@ -63,7 +64,7 @@ class ClusterNode:
                                                   max(2.0, settings.lookup_timeout_s)),
                                  self.instance_id, self.info, self.served, interval_s=settings.report_interval_s,
                                  heartbeat_interval_s=settings.heartbeat_interval_s,
-                                 reconcile_interval_s=settings.reconcile_interval_s)
+                                 reconcile_interval_s=settings.reconcile_interval_s, stats=self._stats)
         self.tiers: list[Tier] = [*self.local, self.peer]
         self.server.start()
         self.reporter.start()
@@ -72,6 +73,9 @@ class ClusterNode:
         tiers = [asdict(tier.usage()) for tier in self.served.values()]  # name, num_chunks, num_bytes, capacity_bytes
         return {"instance_id": self.instance_id, "host": self.advertise_host, "port": self.server.port,
                 "tiers": tiers, "namespaces": [asdict(n) for n in self.namespaces]}
+
+    def _stats(self) -> dict[str, int]:
+        return self.stats_source() if self.stats_source is not None else {}
 
     def flush_reports(self, timeout_s: float = 10.0) -> bool:
         """Report now (blocking); True once the controller knows everything the served tiers hold."""

@@ -39,6 +39,7 @@ class ObservedTier:
         self.name, self.capacity_bytes = inner.name, inner.capacity_bytes
         self.is_trusted, self.is_read_only, self.is_persistent = inner.is_trusted, inner.is_read_only, inner.is_persistent
         self.is_shared, self.honors_capacity, self.honors_pins = inner.is_shared, inner.honors_capacity, inner.honors_pins
+        self.counters, self.breaker = getattr(inner, "counters", None), getattr(inner, "breaker", None)  # metrics
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         return self.inner.contains_many(keys)
@@ -93,10 +94,11 @@ class Reporter:
 
     def __init__(self, client: ControllerClient, instance_id: str, info: Callable[[], dict],
                  tiers: Mapping[str, Tier], *, interval_s: float = 0.25, heartbeat_interval_s: float = 2.0,
-                 reconcile_interval_s: float = 10.0) -> None:
+                 reconcile_interval_s: float = 10.0, stats: Callable[[], dict[str, int]] | None = None) -> None:
         self.client = client
         self.instance_id = instance_id
         self.info = info
+        self.stats = stats  # cumulative counts sent with each heartbeat (the controller's status page)
         self.tiers = dict(tiers)
         self.interval_s = interval_s
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -174,7 +176,8 @@ class Reporter:
                     self._dirty |= dirty  # try again next tick
                 raise
             if dirty or now - self._last_heartbeat >= self.heartbeat_interval_s:  # usage changed, or due
-                reply = self.client.heartbeat(self.instance_id, self.info()["tiers"])
+                reply = self.client.heartbeat(self.instance_id, self.info()["tiers"],
+                                              self.stats() if self.stats is not None else None)
                 self.counters.add("heartbeats")
                 self._last_heartbeat = now
                 if not reply.get("known", False):

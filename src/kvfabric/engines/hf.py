@@ -11,8 +11,14 @@ Contract
      no reallocation. At least the last prompt token is always recomputed;
   4. newly computed whole chunks are stored (``cache.store``), then decoding runs
      (greedy, or sampling with an explicit seed).
+The cache is in-process (``CacheEngine``) or, with ``mode: server`` in the config, the host's ``kvfabric server``
+(``RemoteCache``: same calls; a server that is down is a miss, never an error).
 Compute is always fp32; the cache stores KV in ``kv_dtype`` (default float16). With
 float32 storage a hit gives the same logits as a full prefill (|diff| < 1e-4).
+Sliding-window layers (Gemma 3; the layout's window groups) live full-length in the same buffer: the model's
+mask applies the window by absolute position, so every window-layer row a prefill computes is there to store,
+and a hit restores exactly the rows a continuation reads (``KVLayout.window_start``); tested on Gemma-3-270m
+and Qwen2.5-Coder-0.5B in tests/test_hf_models.py.
 An ``HFEngine`` is not thread-safe (it owns one reusable buffer).
 """
 
@@ -30,6 +36,7 @@ import torch
 from kvfabric import CacheEngine, Config
 from kvfabric.engines.model import DEFAULT_MODEL, MARKER, ModelError, load_model
 from kvfabric.engines.runtime import BufferCache, default_num_threads, layout_for, use_fast_attention
+from kvfabric.remote import RemoteCache, open_cache
 
 PREFILL_PIECE = 512  # tokens per forward when the caller wants prefill progress
 
@@ -64,7 +71,7 @@ class HFEngine:
         self,
         model_name_or_path: str | Path = DEFAULT_MODEL,
         *,
-        cache: CacheEngine | None = None,
+        cache: CacheEngine | RemoteCache | None = None,
         config: Config | None = None,
         kv_dtype: str = "float16",
         model_id: str | None = None,
@@ -86,7 +93,7 @@ class HFEngine:
         self.model_id = model_id or _default_model_id(model_name_or_path)
         self._owns_cache = cache is None  # close() closes only a cache we built
         if cache is None:
-            cache = CacheEngine(config or Config(), layout_for(model.config, kv_dtype), self.model_id)
+            cache = open_cache(config or Config(), layout_for(model.config, kv_dtype), self.model_id)  # mode: server too
         self.cache = cache
         ours = layout_for(model.config, self.cache.layout.dtype)
         if self.cache.layout != ours:

@@ -111,11 +111,19 @@ def use_fast_attention(model: Any) -> bool:
 
 
 def layout_for(model_config: Any, kv_dtype: str = "float16") -> KVLayout:
-    """KVLayout of a HF decoder config (one KV head set per layer)."""
+    """KVLayout of a HF decoder config: its layer groups from `config.layer_types` (transformers folds Qwen2's
+    `use_sliding_window` / `max_window_layers` into it) and `config.sliding_window`. Raises ValueError for
+    attention kinds kvfabric cannot store (e.g. linear attention, chunked attention)."""
+    model_config = getattr(model_config, "text_config", None) or model_config  # multimodal wrappers (Gemma 3 4B+)
     heads = int(getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads)
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    return KVLayout(num_layers=int(model_config.num_hidden_layers), num_kv_heads=heads,
-                    head_dim=int(head_dim), dtype=kv_dtype)
+    head_dim = int(getattr(model_config, "head_dim", None)
+                   or model_config.hidden_size // model_config.num_attention_heads)
+    num_layers = int(model_config.num_hidden_layers)
+    layer_types = list(getattr(model_config, "layer_types", None) or ["full_attention"] * num_layers)
+    if len(layer_types) != num_layers:
+        raise ValueError(f"config.layer_types names {len(layer_types)} layers, the model has {num_layers}")
+    window = getattr(model_config, "sliding_window", None)
+    return KVLayout.from_layer_types(layer_types, heads, head_dim, int(window) if window else None, kv_dtype)
 
 
 def default_num_threads() -> int:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from kvfabric.counters import Counters
+
 Blob = bytes | bytearray | memoryview
 
 
@@ -131,6 +133,7 @@ class LRUIndex:
         self._sizes: OrderedDict[bytes, int] = OrderedDict()
         self._pins: Counter[bytes] = Counter()
         self.lock = threading.RLock()
+        self.counters = Counters()  # "evicted": keys dropped to stay within capacity
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._sizes
@@ -166,6 +169,8 @@ class LRUIndex:
                     continue  # pinned entries stay; the budget is exceeded until they are unpinned
                 self.num_bytes -= self._sizes.pop(old)
                 victims.append(old)
+            if victims:
+                self.counters.add("evicted", len(victims))
             return victims
 
     def remove(self, key: bytes) -> bool:
@@ -200,6 +205,11 @@ class IndexedTier(TierBase):
 
     def keys(self) -> list[bytes]:
         return self._index.keys()
+
+    @property
+    def counters(self) -> Counters:
+        """The tier's own counters (metrics): evictions."""
+        return self._index.counters
 
     def usage(self) -> TierUsage:
         return TierUsage(self.name, len(self._index), self._index.num_bytes, self.capacity_bytes)

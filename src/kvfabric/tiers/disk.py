@@ -9,6 +9,8 @@ Contract:
   answering "absent", so chunks written by another process after our start are found.
 - Not trusted: the stack verifies every blob read from here (checksums), so a damaged file is a counted miss.
 - Bytes on disk beyond `capacity_bytes` are evicted LRU-first, except pinned keys.
+- A directory deleted while running is made again by the next put (the index starts over); a full file system
+  makes puts fail (False, counted by the stack) until there is room again.
 """
 from __future__ import annotations
 
@@ -134,6 +136,16 @@ class DiskTier(IndexedTier):
     def put(self, key: bytes, blob: Blob) -> bool:
         if not self._index.can_fit(len(blob)):
             return False
+        if not self._write(key, blob):
+            if self._tmp.is_dir() or not self._recreate():
+                return False
+            if not self._write(key, blob):  # the cache directory was deleted under us: once more, recreated
+                return False
+        for victim in self._index.add(key, len(blob)):
+            self._unlink(victim)
+        return True
+
+    def _write(self, key: bytes, blob: Blob) -> bool:
         path = self.path(key)
         tmp = self._tmp / f"{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
@@ -147,8 +159,16 @@ class DiskTier(IndexedTier):
         except OSError:
             tmp.unlink(missing_ok=True)
             return False
-        for victim in self._index.add(key, len(blob)):
-            self._unlink(victim)
+        return True
+
+    def _recreate(self) -> bool:
+        """The directory is gone (deleted while running): make it again; the index forgets what was in it."""
+        try:
+            self._tmp.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return False
+        self._index.clear()
+        self.counters.add("directory_recreated")
         return True
 
     def _unlink(self, key: bytes) -> None:

@@ -11,6 +11,9 @@ Contract:
   per-tier codec); the others get `blob`. The first tier is written synchronously when it is trusted (process memory, cheap); every other
   tier is written by one background thread from a bounded queue. A full queue drops the write and counts it:
   the engine's step never waits for disk or network. `flush()` waits for queued writes.
+- `delete(keys)` removes chunks from every tier. Queued writes of those keys are cancelled and a write in
+  progress is waited for (only that one): a delete never waits for the whole queue, which other threads may keep
+  full (a flush there made deletes under load wait for seconds).
 - Queued writes are readable before they land (`pending`), so a store is visible to lookups at once.
 """
 from __future__ import annotations
@@ -46,7 +49,10 @@ class TierStack:
         self.counters = Counters()
         self._writable = tuple(i for i, tier in enumerate(self.tiers) if not tier.is_read_only)
         self._pending: dict[bytes, tuple[Blob, int]] = {}
+        self._cancelled: dict[bytes, int] = {}  # key -> queued items of it to skip (deleted while queued)
+        self._writing: bytes | None = None  # the key the writer thread is putting now
         self._lock = threading.Lock()
+        self._written = threading.Condition(self._lock)  # notified when the writer finishes a key
         self._queue: queue.Queue[tuple[bytes, Blob, tuple[int, ...], dict[int, Blob]] | None] = \
             queue.Queue(write_queue_size)
         self._writer = threading.Thread(target=self._write_loop, name="kvfabric-writer", daemon=True)
@@ -76,9 +82,11 @@ class TierStack:
                 present[i] = hit
         return present
 
-    def get(self, key: bytes, scratch: Scratch | None = None) -> StackHit | None:
+    def get(self, key: bytes, scratch: Scratch | None = None, promote: bool = True) -> StackHit | None:
         """The chunk's blob, its header and the tier's name, or None. With `scratch`, the first tier reads with
-        `get_into` (no allocation where the tier can); a blob from a later tier is kept for promotion. Order: a
+        `get_into` (no allocation where the tier can); a blob from a later tier is kept for promotion. With
+        `promote=False` a hit below the first tier is not promoted, so every tier reads into `scratch` (a caller
+        that copies the KV elsewhere at once, e.g. into vLLM's paged cache, pays no fresh allocation). Order: a
         trusted first tier (process memory), then writes still queued, then the other tiers."""
         for level, tier in enumerate(self.tiers):
             if level == int(self.tiers[0].is_trusted):  # right after process memory, before any slow tier
@@ -86,7 +94,7 @@ class TierStack:
                 if pending is not None:
                     self.counters.add("hit.pending")
                     return StackHit(pending[0], parse(pending[0], key, verify_payload=False), "pending")
-            if scratch is not None and level == 0:
+            if scratch is not None and (level == 0 or not promote):
                 blob = tier.get_into(key, scratch)
             else:
                 blob = tier.get(key)
@@ -101,7 +109,8 @@ class TierStack:
                 continue
             self.counters.add(f"hit.{tier.name}")
             self.counters.add(f"bytes_read.{tier.name}", len(blob))
-            if level > 0:
+            if level > 0 and promote:
+                self.counters.add("promoted")
                 self._write(key, blob, tuple(i for i in self._writable if i < level))
             return StackHit(blob, header, tier.name)
         self.counters.add("miss")
@@ -163,6 +172,18 @@ class TierStack:
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             key, blob, levels, per_level = item
+            with self._lock:
+                skip = self._cancelled.get(key, 0)
+                if skip:
+                    if skip == 1:
+                        del self._cancelled[key]
+                    else:
+                        self._cancelled[key] = skip - 1
+                else:
+                    self._writing = key
+            if skip:
+                self._queue.task_done()
+                continue
             try:
                 for level in levels:
                     tier = self.tiers[level]
@@ -174,8 +195,31 @@ class TierStack:
             finally:
                 with self._lock:
                     self._pending.pop(key, None)
+                    self._writing = None
+                    self._written.notify_all()
                 self._queue.task_done()
         self._queue.task_done()
+
+    def delete(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Remove `keys` from every tier (queued writes of them cancelled); returns the keys some tier held."""
+        queued = set()
+        with self._lock:
+            for key in keys:
+                if self._writing is not None and key == self._writing:
+                    self._written.wait_for(lambda k=key: self._writing != k)
+                if self._pending.pop(key, None) is not None:
+                    self._cancelled[key] = self._cancelled.get(key, 0) + 1
+                    queued.add(key)
+        return [key for key in keys if any([tier.delete(key) for tier in self.tiers]) or key in queued]
+
+    @property
+    def queue_depth(self) -> int:
+        """Writes waiting for the background writer (a metric)."""
+        return self._queue.qsize()
+
+    @property
+    def queue_capacity(self) -> int:
+        return self._queue.maxsize
 
     def flush(self) -> None:
         self._queue.join()

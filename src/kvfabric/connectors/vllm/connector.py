@@ -6,11 +6,18 @@ Contract:
   scheduler hook on a worker instance is a bug (assert).
 - Both sides derive the same kvfabric Config, KVLayout and model id from vLLM's config (``config``), so the
   scheduler's chunk keys name what the worker stores.
-- Loads are synchronous (``get_num_new_matched_tokens`` answers ``is_async=False``) and the connector never
-  delays a request's blocks (``request_finished`` answers False): it is a cache, so a dropped save is a future
-  miss (``requires_kv_delivery`` is False).
+- Loads are asynchronous by default (``load_mode: async``: ``get_num_new_matched_tokens`` answers
+  ``is_async=True``, the request waits in WAITING_FOR_REMOTE_KVS while other requests run, ``get_finished``
+  reports its load once the KV is in place, a failed chunk's blocks through ``get_block_ids_with_load_errors``
+  in the same pass), or synchronous and layer-wise (``load_mode: layerwise``: ``start_load_kv`` starts them,
+  ``wait_for_layer_load`` waits for one layer). The connector never delays a request's blocks
+  (``request_finished`` answers False): it is a cache, so a dropped save is a future miss
+  (``requires_kv_delivery`` is False).
 - The scheduler instance writes the configured load_failure_policy into vLLM's ``kv_load_failure_policy``
   (vLLM reads it right after creating the connector).
+- Metrics and KV events go through vLLM's own channels (``metrics``): per-step ``KVFabricStats`` from both sides,
+  made into kvfabric_* metrics of vLLM's registry by ``build_prom_metrics``; with ``--kv-events-config`` the
+  worker's chunk events reach the scheduler, which yields them from ``take_events`` as BlockStored / BlockRemoved.
 """
 from __future__ import annotations
 
@@ -27,11 +34,24 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvfabric.connectors.vllm.config import layout_from_vllm, model_id_from_vllm, resolve_config
+from kvfabric.connectors.vllm.metrics import (
+    EngineStatsSource,
+    KVFabricKVEvents,
+    KVFabricPromMetrics,
+    KVFabricStats,
+    LookupStats,
+    SchedulerEvents,
+    worker_events,
+)
 from kvfabric.connectors.vllm.scheduler import SchedulerSide
 from kvfabric.connectors.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -57,6 +77,11 @@ class KVFabricConnector(KVConnectorBase_V1):
         block_size = vllm_config.cache_config.block_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        has_events = bool(events_config is not None and events_config.enable_kv_cache_events)
+        self._lookups = LookupStats()
+        self._events = SchedulerEvents(self.config.chunk_size) if has_events else None
+        self._engine_stats: EngineStatsSource | None = None
         if role == KVConnectorRole.SCHEDULER:
             policy = self.options["load_failure_policy"]
             if transfer.kv_load_failure_policy != policy:
@@ -66,9 +91,12 @@ class KVFabricConnector(KVConnectorBase_V1):
                     logger.warning("kvfabric: cannot set kv_load_failure_policy=%s; a bad chunk fails its request",
                                    policy)
             self._scheduler = SchedulerSide(self.config, self.layout, self.model_id, block_size,
-                                             self.options["key_mode"])
+                                             self.options["key_mode"], self.options["load_mode"])
         else:
             self._worker = WorkerSide(self.config, self.layout, self.model_id, block_size, self.options)
+            self._engine_stats = EngineStatsSource(self._worker.engine)
+            if has_events:
+                self._worker.engine.events = worker_events(self.config.chunk_size)
         logger.info("kvfabric connector (%s): model_id=%s layout=%s chunk_size=%d tiers=%s", role.name,
                     self.model_id, self.layout, self.config.chunk_size, ",".join(self.config.tiers))
 
@@ -88,7 +116,7 @@ class KVFabricConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None:
-            self._worker.read_loads()
+            self._worker.start_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
@@ -103,11 +131,43 @@ class KVFabricConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.end_step()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return None, self._worker.finished_loads() or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_invalid_blocks() if self._worker is not None else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.worker_meta() if self._worker is not None else None
+
+    # ---- metrics and KV events (vLLM's channels; see kvfabric.connectors.vllm.metrics) ----
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._engine_stats is not None:
+            stats = self._engine_stats.take()
+            return None if stats.is_empty() else stats
+        return self._lookups.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVFabricStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVFabricPromMetrics:
+        return KVFabricPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_kv_cache_events(self) -> KVFabricKVEvents | None:
+        engine = self._worker.engine if self._worker is not None else None
+        if engine is None or engine.events is None:
+            return None
+        engine.sweep_events()
+        events = engine.events.take()
+        return KVFabricKVEvents(events) if events else None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._events.take() if self._events is not None else ()
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -118,7 +178,12 @@ class KVFabricConnector(KVConnectorBase_V1):
     # ---- scheduler ----
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens), False
+        num = self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+        self._lookups.record(request.num_tokens, num_computed_tokens + (num or 0))
+        if self._events is not None:
+            self._events.remember(request.request_id, list(request.prompt_token_ids or ()),
+                                  self._scheduler.request_keys(request))
+        return num, bool(num) and self._scheduler.is_async
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         assert self._scheduler is not None
@@ -130,12 +195,20 @@ class KVFabricConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_meta(scheduler_output)
+        meta = self._scheduler.build_meta(scheduler_output)
+        if self._events is not None:
+            for save in meta.saves:
+                self._events.saving(save.req_id, save.start, save.end)
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
             self._scheduler.update(connector_output)
+        if self._events is not None:
+            self._events.update(getattr(connector_output, "kv_cache_events", None))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = self._scheduler.finished(request) if self._scheduler is not None else None
+        if self._events is not None:
+            self._events.forget(request.request_id)
         return False, params
