@@ -119,8 +119,16 @@ def setup_model_cmd(name_or_path: str) -> None:
 @click.option("--keep-cache", is_flag=True, help="Do not remove the document's chunks first.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Also write TTFT vs context length (miss vs hit) to this PNG.")
-def demo(keep_cache: bool, plot: str | None) -> None:
+@click.option("--rag", is_flag=True, help="The RAG variant: the document's passages cached once, reused in a new order "
+                                         "per question (CacheBlend), each answer also from a full prefill.")
+def demo(keep_cache: bool, plot: str | None, rag: bool) -> None:
     """Ask questions about a long document: cold, warm from cpu, then warm from disk in a fresh process."""
+    if rag:
+        if keep_cache or plot:
+            raise click.UsageError("--rag takes neither --keep-cache nor --plot")
+        from kvfabric.demo_rag import run as run_rag
+        run_rag()
+        return
     from kvfabric.demo import run
     run(keep_cache=keep_cache, plot=plot)
 
@@ -501,7 +509,8 @@ def bench_video(as_json: bool, num_docs: int, ctx_tokens: int, context_tokens: i
 @click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
 @click.option("--auto", is_flag=True, help="Also run the load controller's own choice of ratio.")
 @click.option("--oracle", is_flag=True,
-              help="Also run 15 % with tokens ranked from a full prefill (a study: one more prefill per question).")
+              help="Also run the 25.5 % compute with tokens ranked from a full prefill (a study: one more prefill "
+                   "per question).")
 @click.option("--report", "report_path", default=None, metavar="JSONL",
               help="Only summarise the JSON lines of an earlier (possibly unfinished) --json run.")
 @click.option("--model", default="smollm2-135m-instruct", show_default=True,
@@ -509,7 +518,7 @@ def bench_video(as_json: bool, num_docs: int, ctx_tokens: int, context_tokens: i
                    "sliding-window models (Gemma 3) are refused at start-up.")
 def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers: str | None, passages: int,
                 data: str | None, auto: bool, oracle: bool, report_path: str | None, model: str) -> None:
-    """CacheBlend on the real model: full prefill vs full reuse vs blend at 5/15/30% vs random 15%."""
+    """CacheBlend on the real model: full prefill vs full reuse vs blend recomputing 15/25.5/41% vs random."""
     from kvfabric.bench import blend
     if report_path:
         blend.report(report_path, as_json)
