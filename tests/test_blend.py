@@ -22,6 +22,7 @@ from kvfabric import Config
 from kvfabric.blend import (BlendConfig, Blender, LlamaRunner, LoadController, PassageMatcher, PassageStore,
                             passage_digest, rotate)
 from kvfabric.blend import matcher as matcher_mod
+from kvfabric.blend import sparse
 
 
 # ---- matcher (no model) ----------------------------------------------------------------------------------
@@ -125,10 +126,26 @@ def test_blend_config_validation_and_gradual_fractions():
     fr = BlendConfig(check_layers=(1, 2, 3), gradual=2.0).fractions(0.15)
     assert fr == pytest.approx([0.3, 0.225, 0.15])
     assert BlendConfig(check_layers=(1, 2), gradual=10).fractions(0.5)[0] == 1.0
-    for bad in (dict(recompute_ratio=1.5), dict(check_layers=()), dict(check_layers=(2, 1)),
+    for bad in (dict(recompute_frac=1.5), dict(check_layers=()), dict(check_layers=(2, 1)), dict(check_layers=(0, 2)),
                 dict(gradual=0.5), dict(score="nope")):
         with pytest.raises(ValueError):
             BlendConfig(**bad)
+
+
+def test_recompute_frac_counts_every_layer_and_the_check_layers():
+    config = BlendConfig()  # check layers 2, 4, 6, 8; gradual 2
+    shares = config.layer_shares(0.15, 30)
+    # layers 0-2 run every token (layer 2 scores them all), then 0.3, 0.25, 0.2 between check layers, then 0.15
+    assert shares == pytest.approx([1, 1, 1, .3, .3, .25, .25, .2, .2] + [.15] * 21)
+    assert sum(shares) / 30 == pytest.approx(0.255)  # the first pass's "15 %"
+    assert sum(shares[1:]) / 29 == pytest.approx(0.229, abs=1e-3)  # what its bench reported (layer 0 left out)
+    for frac in (0.1, 0.15, 0.255, 0.41, 1.0):
+        assert sum(config.layer_shares(config.ratio_for(frac, 30), 30)) / 30 == pytest.approx(frac, abs=1e-6)
+    assert config.ratio_for(0.255, 30) == pytest.approx(0.15)
+    with pytest.raises(ValueError, match="every token runs up to the first one"):
+        config.ratio_for(0.09, 30)  # below 3 full layers of 30
+    with pytest.raises(ValueError):
+        config.ratio_for(0.2, 8)  # check layer 8 does not exist
 
 
 # ---- real model ------------------------------------------------------------------------------------------
@@ -189,22 +206,43 @@ def test_runner_equals_hf_when_every_token_is_computed(smol):
 
 
 @pytest.mark.parametrize("key_start", [0, 7])
-def test_scattered_query_attention_equals_dense_masked_attention(smol, key_start):
-    """Blocks of queries (unmasked prefix + masked window, merged by log-sum-exp) == one dense masked softmax."""
-    runner = LlamaRunner(smol[0])
+@pytest.mark.parametrize("call_cost", [0.0, 50_000.0, 1e12])  # many small blocks, the default, one block
+def test_planned_attention_equals_dense_masked_attention(key_start, call_cost):
+    """Planned blocks of scattered queries (unmasked prefix + masked window, merged by log-sum-exp) == one dense
+    masked softmax, for GQA heads, random positions, a run at the end, and first + last."""
     g = torch.Generator().manual_seed(0)
-    hq, hkv, n, d = runner.num_heads, runner.num_kv_heads, 300, runner.head_dim
+    hq, hkv, n, d, scale = 9, 3, 300, 64, 0.125
     keys, values = torch.randn(1, hkv, n, d, generator=g), torch.randn(1, hkv, n, d, generator=g)
     for positions in (torch.sort(torch.randperm(n - key_start, generator=g)[:150]).values + key_start,
-                      torch.arange(key_start, n)[-70:], torch.tensor([key_start, n - 1])):
+                      torch.arange(key_start, n)[-70:], torch.tensor([key_start, n - 1]),
+                      torch.tensor([key_start + 3])):
         q = torch.randn(1, hq, positions.numel(), d, generator=g)
-        got = runner._attend_sparse(q, keys[:, :, key_start:], values[:, :, key_start:], positions, key_start)
+        p = sparse.plan(positions - key_start, hq // hkv, call_cost=call_cost)
+        assert sum(b.stop - b.start for b in p.blocks) == positions.numel()
+        got = sparse.attend(p, q, keys[:, :, key_start:], values[:, :, key_start:], scale)  # [1, s, Hq, D]
         k_all = keys[0, :, key_start:].repeat_interleave(hq // hkv, 0)  # [Hq, n', D]
         v_all = values[0, :, key_start:].repeat_interleave(hq // hkv, 0)
-        scores = q[0] @ k_all.transpose(1, 2) * runner.scaling
+        scores = q[0] @ k_all.transpose(1, 2) * scale
         hidden = torch.arange(key_start, n).view(1, -1) > positions.view(-1, 1)
-        ref = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1) @ v_all
-        assert (got[0] - ref).abs().max() < 1e-5
+        ref = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1) @ v_all  # [Hq, s, D]
+        assert (got[0].transpose(0, 1) - ref).abs().max() < 1e-5
+    if call_cost == 0.0:  # (the merge matters: blocks with a prefix exist)
+        assert any(b.prefix > 0 for b in p.blocks)
+    with pytest.raises(ValueError):
+        sparse.plan(torch.tensor([3, 2]), 3)
+
+
+def test_plan_blocks_trade_calls_against_masked_pairs():
+    slots = np.sort(np.random.default_rng(0).choice(6000, 900, replace=False))
+    many, one = sparse.choose_blocks(slots, call_cost=0.0), sparse.choose_blocks(slots, call_cost=1e12)
+    assert one == [(0, 900)] and len(many) == -(-900 // sparse.UNIT)  # every unit its own block
+    mid = sparse.choose_blocks(slots, call_cost=50_000)
+    assert 1 < len(mid) < len(many)
+    assert [a for a, _ in mid[1:]] == [b for _, b in mid[:-1]] and mid[0][0] == 0 and mid[-1][1] == 900
+
+    def pairs(blocks):
+        return sum((b - a) * (slots[b - 1] + 1) for a, b in blocks)
+    assert pairs(many) <= pairs(mid) <= pairs(one)
 
 
 @pytest.mark.slow
@@ -214,8 +252,8 @@ def test_blend_with_every_token_recomputed_equals_hf(smol, blender32, prompt):
     ids = [t for seg in prompt for t in seg]
     ref = hf_logits(smol[0], ids)
     q_start = len(ids) - len(prompt[-1])
-    res = blender32.prefill(prompt, mode="blend", recompute_ratio=1.0, logits_from=q_start)
-    assert res.blended and res.reused_tokens == q_start
+    res = blender32.prefill(prompt, mode="blend", recompute_frac=1.0, logits_from=q_start)
+    assert res.blended and res.reused_tokens == q_start and res.recompute_frac == 1.0
     assert (res.logits - ref[q_start:]).abs().max() < 1e-4
     full = blender32.prefill(prompt, mode="full", logits_from=q_start)
     assert not full.blended and (full.logits - ref[q_start:]).abs().max() < 1e-4
@@ -264,9 +302,10 @@ def test_blend_recomputes_selected_tokens_and_closes_the_gap(smol, prompt):
         q_start = n - len(prompt[-1])
         full = b.prefill(prompt, mode="full", logits_from=q_start)
         reuse = b.prefill(prompt, mode="reuse", logits_from=q_start)
-        blend = b.prefill(prompt, mode="blend", recompute_ratio=0.3, logits_from=q_start)
-        rand = b.prefill(prompt, mode="random", recompute_ratio=0.3, logits_from=q_start, seed=3)
-        rand2 = b.prefill(prompt, mode="random", recompute_ratio=0.3, logits_from=q_start, seed=3)
+        frac = sum(gradual.layer_shares(0.3, 30)) / 30  # the compute of final ratio 0.3 with this schedule
+        blend = b.prefill(prompt, mode="blend", recompute_frac=frac, logits_from=q_start)
+        rand = b.prefill(prompt, mode="random", recompute_frac=frac, logits_from=q_start, seed=3)
+        rand2 = b.prefill(prompt, mode="random", recompute_frac=frac, logits_from=q_start, seed=3)
     fixed = len(prompt[-1])
     assert reuse.tokens_per_layer == [fixed] * 30  # nothing but the question computed
     tpl = blend.tokens_per_layer
@@ -275,6 +314,7 @@ def test_blend_recomputes_selected_tokens_and_closes_the_gap(smol, prompt):
     assert tpl[2] == fixed + round(0.6 * reused) and tpl[3] == fixed + round(0.45 * reused)  # gradual filtering
     assert tpl[4:] == [fixed + round(0.3 * reused)] * 26
     assert tpl == sorted(tpl, reverse=True)
+    assert blend.ratio == pytest.approx(0.3) and blend.recompute_frac == pytest.approx(frac, abs=0.01)
     assert torch.equal(rand.logits, rand2.logits)  # the control is seeded
     kl_reuse, kl_blend = kl(full.logits, reuse.logits), kl(full.logits, blend.logits)
     assert kl_reuse > 0.01
@@ -324,8 +364,8 @@ def test_a_caller_ranking_chooses_the_recomputed_tokens(blender32, prompt):
     ranking = torch.zeros(n)
     ranking[a:b] = 1.0
     reuse = blender32.prefill(prompt, mode="reuse", logits_from=q_start)
-    res = blender32.prefill(prompt, mode="blend", recompute_ratio=(b - a) / q_start, ranking=ranking,
-                            logits_from=q_start)
+    frac = sum(blender32.config.layer_shares((b - a) / q_start, 30)) / 30  # final ratio: one passage
+    res = blender32.prefill(prompt, mode="blend", recompute_frac=frac, ranking=ranking, logits_from=q_start)
     assert res.tokens_per_layer[-1] == len(prompt[-1]) + (b - a)
     last = blender32.runner.num_layers - 1
     assert not torch.equal(res.kv[last, :, :, a:b], reuse.kv[last, :, :, a:b])  # the ranked passage: recomputed
@@ -466,32 +506,46 @@ def test_controller_drives_the_ratio(smol, prompt):
         assert 0.1 <= second.ratio <= 0.4 and second.ratio == pytest.approx(expected)
         ctl.load_bytes_per_s = 1.0  # a very slow tier: recompute as much as allowed
         assert b.prefill(prompt).ratio == 0.4
-        assert b.prefill(prompt, recompute_ratio=0.2).ratio == 0.2  # an explicit ratio wins
+        explicit = b.prefill(prompt, recompute_frac=0.2)  # an explicit compute wins
+        assert explicit.ratio == pytest.approx(b.config.ratio_for(0.2, 30))
+        assert explicit.recompute_frac == pytest.approx(0.2, abs=0.01)
 
 
 @pytest.mark.slow
 def test_bench_blend_smoke(tmp_path, capsys):
-    from kvfabric.bench.blend import f1_score, report, run
+    from kvfabric.bench.blend import exact_match, f1_score, report, run
     text = resources.files("kvfabric").joinpath("data/demo_document.txt").read_text()
     paras = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 250][:2]
     data = [{"question": "Who founded Halvor's Point?", "answers": ["Halvor Lund"],
              "ctxs": [{"title": f"Part {i}", "text": p[:300]} for i, p in enumerate(paras)]}]
     path = tmp_path / "qa.json"
     path.write_text(json.dumps(data))
-    rows = run(as_json=True, limit=1, passages=2, data=path, ratios=(0.15,), max_new_tokens=4, answer_tokens=3,
+    rows = run(as_json=True, limit=1, passages=2, data=path, fracs=(0.15, 0.255), max_new_tokens=4, answer_tokens=3,
                oracle=True)
     out = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     settings_seen = [r["setting"] for r in out if "q" in r]
-    assert settings_seen == ["full", "reuse", "blend@15", "random@15", "oracle@15"]
+    assert settings_seen == ["full", "reuse", "blend@15", "blend@25.5", "random@25.5", "oracle@25.5"]
     by = {r["setting"]: r for r in out if "q" in r}
-    assert by["full"]["kl"] == 0 and by["full"]["top1"] == 1 and by["full"]["passages"] == 2
+    full = by["full"]
+    assert full["kl"] == 0 and full["top1"] == 1 and full["top1_ans"] == 1 and full["passages"] == 2
+    assert full["recompute_frac"] == 1.0 and full["same_answer"] == 1.0 and full["em"] in (0.0, 1.0)
+    assert by["reuse"]["recompute_frac"] == 0.0
+    for name, frac in (("blend@15", 0.15), ("blend@25.5", 0.255), ("random@25.5", 0.255)):
+        assert by[name]["recompute_frac"] == pytest.approx(frac, abs=0.02)  # measured, not the request
     reuse = by["reuse"]
     assert reuse["kl_q"] > 0 and reuse["kl"] >= min(reuse["kl_q"], reuse["kl_ans"])  # the parts bracket the mean
     assert reuse["kl"] <= max(reuse["kl_q"], reuse["kl_ans"])
-    assert by["oracle@15"]["kl"] < reuse["kl"]  # the oracle's 15 % fixes part of the reuse error
+    assert by["oracle@25.5"]["kl"] < reuse["kl"]  # the oracle's recompute fixes part of the reuse error
     path.with_suffix(".jsonl").write_text("\n".join(json.dumps(r) for r in out if "q" in r))
     summary = {s["setting"]: s for s in report(path.with_suffix(".jsonl")) if s.get("summary") == "blend"}
-    assert summary["oracle@15"]["kl_ans"] == pytest.approx(by["oracle@15"]["kl_ans"], abs=1e-4)
-    assert any(r.get("summary") == "targets" for r in rows)
+    assert summary["oracle@25.5"]["kl_ans"] == pytest.approx(by["oracle@25.5"]["kl_ans"], abs=1e-4)
+    targets = [r for r in rows if r.get("summary") == "targets"]
+    assert [(t["setting"], t["metric"]) for t in targets[:3]] == [("blend@25.5", "speedup"),
+                                                                  ("blend@25.5", "gap_closed"), ("blend@25.5", "gap_ans")]
+    assert all(t["met"] == ("met" if t["value"] >= float(t["goal"][3:]) else "not met") for t in targets[:3])
+    assert (targets[3]["setting"], targets[3]["metric"], targets[3]["met"]) == ("blend@25.5", "cpu_speedup", "-")
+    assert {t["setting"] for t in targets[4:]} == {"blend@15"}
+    assert all(r["cpu_s"] > 0 for r in out if "q" in r) and summary["blend@25.5"]["cpu_speedup"] > 0
     assert f1_score("Halvor Lund, in 1791", ["Halvor Lund"]) == pytest.approx(2 / 3)
     assert f1_score("", ["x"]) == 0.0
+    assert exact_match("the Halvor Lund.", ["Halvor Lund"]) == 1.0 and exact_match("Lund", ["Halvor Lund"]) == 0.0

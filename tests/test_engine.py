@@ -217,6 +217,23 @@ def test_read_chunk_without_out_is_a_view_over_the_callers_scratch(config):
         assert hit.kv.data_ptr() == start + HEADER_BYTES
 
 
+def test_read_chunk_without_promotion_reads_a_lower_tier_into_the_scratch(config):
+    """promote=False (the vLLM connector's loads): a chunk on disk behind a process-memory tier is read into the
+    caller's scratch and not copied into process memory."""
+    tokens, kv = list(range(32)), make_kv(32)
+    with CacheEngine(config, LAYOUT, "m") as engine:
+        engine.store(tokens, kv)
+        engine.flush()
+        engine.clear_tier("cpu")
+        scratch = Scratch()
+        hit = engine.read_chunk(engine.keys(tokens)[1], scratch=scratch, promote=False)
+        assert isinstance(hit, ChunkHit) and hit.tier == "disk" and torch.equal(hit.kv, kv[:, :, :, 16:32])
+        start = torch.frombuffer(scratch.view(hit.num_bytes), dtype=torch.uint8).data_ptr()
+        assert hit.kv.data_ptr() == start + HEADER_BYTES
+        assert engine.tier_keys("cpu") == []
+        assert engine.chunk_blob_bytes() == hit.num_bytes
+
+
 def _put_blob(cpu: CpuTier, key: bytes, header: ChunkHeader) -> None:
     blob = bytearray(HEADER_BYTES + header.payload_len)
     write_blob(header, blob)  # valid checksums: only the decoder can tell what is wrong

@@ -9,14 +9,22 @@ of ~1 min each), on the real SmolLM2-135M-Instruct (kvfabric.engines.model.ensur
 $KVFABRIC_TEST_MODEL_DIR), fp32, greedy, 256-token chunks:
 
   baseline  no connector, prefix caching off: the reference outputs
-  A (store) cold engine with the connector: p1 (1000 tokens), p2 (800), p4 (768 = 3 whole chunks) -> stored
+  A (store) cold engine with the connector: p1 (1000 tokens), p2 (800), p4 (768 = 3 whole chunks), and p4 with
+            cache_salt "t1" -> stored (the salted one in its own key namespace)
   corrupt   flip payload bytes of p2's chunk 1 on disk
   hf        the stored chunks of p4 equal transformers' K/V (the chunk format is engine-independent)
   B (load)  fresh engine (vLLM's own cache empty), same disk cache, in this order:
             p4: full-prompt hit (767 tokens external, the last one computed)
             p3: shares p1's first 600 tokens -> only the two whole shared chunks (512 tokens) hit
             p1: 512 tokens from vLLM's own cache (p3's blocks) + chunk 2 (256 tokens) external
-            p2: chunk 1 corrupt -> detected, blocks reported, vLLM recomputes, output still equal
+            p2: chunk 1 corrupt -> detected during the async load, blocks reported, vLLM recomputes, output equal
+            p4@t2: another salt: nothing hits (salted requests are isolated from unsalted and other salts)
+            p4@t1: the salt it was stored under: a full hit
+  layerwise fresh engine, load_mode "layerwise" (synchronous per-layer loads): p4 (full hit), p1 (768 loaded,
+            232 computed in the same step)
+  concurrent fresh engine (async loads): p3 with an unused salt decodes; p2 (cached) joins and waits for its KV
+            while p3 keeps decoding
+All loads but the layerwise phase's are asynchronous (the default load_mode).
 """
 from __future__ import annotations
 
@@ -116,7 +124,8 @@ def _model_dir() -> str:
         pytest.skip(f"no model: ensure_model() failed ({exc}); set KVFABRIC_TEST_MODEL_DIR")
 
 
-def _phase(phase: str, workdir: Path, model: str, names: str = "", timeout: int = 420) -> dict:
+def _phase(phase: str, workdir: Path, model: str, names: str = "", timeout: int = 1200) -> dict:
+    """One engine process running `phase`; `timeout` guards against a hang (a loaded 2-core host needs minutes)."""
     out = workdir / f"{phase}.json"
     cmd = [sys.executable, str(SCRIPT), phase, "--model", model, "--cache", str(workdir / "cache"),
            "--out", str(out), "--names", names]
@@ -125,7 +134,11 @@ def _phase(phase: str, workdir: Path, model: str, names: str = "", timeout: int 
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     env.setdefault("OMP_NUM_THREADS", "2")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
+    except subprocess.TimeoutExpired as exc:
+        tail = b"".join(x if isinstance(x, bytes) else (x or "").encode() for x in (exc.output, exc.stderr))
+        pytest.fail(f"phase {phase} ran past {timeout} s:\n{tail.decode(errors='replace')[-6000:]}")
     (workdir / f"{phase}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"phase {phase} failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
@@ -139,10 +152,12 @@ def runs(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("vllm_connector")
     results = {"prompts": _phase("prompts", work, model)["prompts"]}
     results["baseline"] = _phase("baseline", work, model, "p1,p2,p3,p4")
-    results["store"] = _phase("store", work, model, "p1,p2,p4")
+    results["store"] = _phase("store", work, model, "p1,p2,p4,p4@t1")
     results["corrupt"] = _phase("corrupt", work, model, "p2,1")
     results["hf"] = _phase("hf", work, model, "p4")["hf"]
-    results["load"] = _phase("load", work, model, "p4,p3,p1,p2")
+    results["load"] = _phase("load", work, model, "p4,p3,p1,p2,p4@t2,p4@t1")
+    results["layerwise"] = _phase("layerwise", work, model, "p4,p1")
+    results["concurrent"] = _phase("concurrent", work, model, "p3@fresh,p2")
     return results
 
 
@@ -151,15 +166,18 @@ def _out(runs: dict, phase: str, name: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one pays for the module's eight engine phases
 def test_cold_engine_stores_and_output_unchanged(runs):
     for name in ("p1", "p2", "p4"):
         got = _out(runs, "store", name)
         assert got["tokens"] == _out(runs, "baseline", name)["tokens"], name
         assert got["kvfabric"]["saved_tokens"] == len(runs["prompts"][name]) // CHUNK * CHUNK
-    assert runs["store"]["chunk_files"] == 3 + 3 + 3
+    assert runs["store"]["chunk_files"] == 3 + 3 + 3 + 3
+    assert _out(runs, "store", "p4@t1")["tokens"] == _out(runs, "baseline", "p4")["tokens"]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one pays for the module's eight engine phases
 def test_stored_chunks_are_the_models_kv(runs):
     """Chunks gathered from vLLM's paged cache equal transformers' K and V (so HF and vLLM can share them)."""
     hf = runs["hf"]
@@ -169,6 +187,7 @@ def test_stored_chunks_are_the_models_kv(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one pays for the module's eight engine phases
 def test_fresh_engine_full_prompt_hit(runs):
     got = _out(runs, "load", "p4")  # first request of a fresh engine: vLLM's own cache is empty
     stats = got["kvfabric"]
@@ -180,6 +199,7 @@ def test_fresh_engine_full_prompt_hit(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one pays for the module's eight engine phases
 def test_shared_prefix_only_shared_chunks_hit(runs):
     got = _out(runs, "load", "p3")  # p3 = p1[:600] + other tokens; p1 was stored by engine A
     assert got["kvfabric"]["external_hit_tokens"] == 512  # chunks 0-1; chunk 2 diverges at token 600
@@ -192,6 +212,7 @@ def test_shared_prefix_only_shared_chunks_hit(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one pays for the module's eight engine phases
 def test_corrupt_chunk_is_recomputed(runs):
     got = _out(runs, "load", "p2")
     stats = got["kvfabric"]
@@ -202,6 +223,48 @@ def test_corrupt_chunk_is_recomputed(runs):
     assert stats["saved_tokens"] >= 256  # the corrupt chunk was deleted, recomputed and stored again
     worker = runs["load"]["worker_stats"]
     assert worker["engine"].get("corrupt.disk", 0) >= 1
+    assert worker["connector"]["loads_async"] >= 4 and not worker["connector"].get("loads_layered")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one pays for the module's eight engine phases
+def test_salted_requests_are_isolated_in_tokens_mode(runs):
+    other = _out(runs, "load", "p4@t2")  # p4's KV is stored unsalted and under salt t1, not under t2
+    assert other["kvfabric"]["external_hit_tokens"] == 0 and other["num_cached_tokens"] == 0
+    same = _out(runs, "load", "p4@t1")
+    assert same["kvfabric"]["external_hit_tokens"] == 767 and same["kvfabric"]["loaded_tokens"] == 767
+    for got in (other, same):
+        assert got["tokens"] == _out(runs, "baseline", "p4")["tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one pays for the module's eight engine phases
+def test_layerwise_loads(runs):
+    full, partial = _out(runs, "layerwise", "p4"), _out(runs, "layerwise", "p1")
+    assert full["kvfabric"]["loaded_tokens"] == 767 and full["num_cached_tokens"] == 767
+    assert partial["kvfabric"]["loaded_tokens"] == 768 and partial["num_cached_tokens"] == 768
+    assert full["tokens"] == _out(runs, "baseline", "p4")["tokens"]
+    assert partial["tokens"] == _out(runs, "baseline", "p1")["tokens"]
+    worker = runs["layerwise"]["worker_stats"]["connector"]
+    assert worker["loads_layered"] == 2 and not worker.get("loads_async")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first one pays for the module's eight engine phases
+def test_async_load_while_another_request_decodes(runs):
+    run = runs["concurrent"]
+    decode, hit = run["results"]["p3@fresh"], run["results"]["p2"]
+    assert decode["tokens"][:len(_out(runs, "baseline", "p3")["tokens"])] == _out(runs, "baseline", "p3")["tokens"]
+    assert hit["tokens"] == _out(runs, "baseline", "p2")["tokens"]
+    assert hit["kvfabric"]["loaded_tokens"] == 768 and not hit["kvfabric"]["failed_tokens"]
+    assert decode["kvfabric"]["external_hit_tokens"] == 0  # its salt has no chunks: a cold prefill
+    steps = run["steps"]
+    added = steps.index({"hit_added": 1})
+    before = steps[added - 1].get("p3@fresh", 0)
+    # an engine output after p2 joined in which p3 got a token while p2 had none: p2 was waiting for its KV
+    waiting = [s for s in steps[added + 1:] if s.get("p3@fresh", 0) > before and "p2" not in s]
+    assert waiting, steps
+    assert runs["concurrent"]["worker_stats"]["connector"]["loads_async"] >= 1
 
 
 # ---- scheduler-side keys (vLLM importable, no engine) ------------------------------------------------------
@@ -226,22 +289,96 @@ def test_vllm_key_mode_names_the_last_block_of_each_chunk(tmp_path):
     assert len(set(keys)) == 3 and all(len(k) == 32 for k in keys)
 
 
-def test_token_keys_skip_requests_that_tokens_do_not_name(tmp_path):
+def test_token_keys_skip_lora_and_salt_selects_a_namespace(tmp_path):
     from types import SimpleNamespace
 
     pytest.importorskip("vllm")
+    from kvfabric import CacheEngine
     from kvfabric.config import Config
     from kvfabric.connectors.vllm.scheduler import SchedulerSide
     from kvfabric.layout import KVLayout
 
     config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
-    side = SchedulerSide(config, KVLayout(2, 1, 4, "float32"), "m", 128, "tokens")
+    layout = KVLayout(2, 1, 4, "float32")
+    side = SchedulerSide(config, layout, "m", 128, "tokens")
     plain = SimpleNamespace(request_id="a", prompt_token_ids=list(range(600)), lora_request=None, mm_features=[],
                             cache_salt=None, block_hashes=[])
-    assert len(side.request_keys(plain)) == 2
+    keys = side.request_keys(plain)
+    assert len(keys) == 2
     lora = SimpleNamespace(**{**vars(plain), "request_id": "b", "lora_request": object()})
-    salted = SimpleNamespace(**{**vars(plain), "request_id": "c", "cache_salt": "tenant"})
-    assert side.request_keys(lora) == [] and side.request_keys(salted) == []
+    assert side.request_keys(lora) == []
+    salted = side.request_keys(SimpleNamespace(**{**vars(plain), "request_id": "c", "cache_salt": "tenant"}))
+    other = side.request_keys(SimpleNamespace(**{**vars(plain), "request_id": "d", "cache_salt": "other"}))
+    assert len(salted) == len(other) == 2 and not {*salted} & {*keys} and not {*salted} & {*other}
+    # cache_salt S is kvfabric's tenant salt S: an engine configured with that salt shares the chunks
+    tenant = CacheEngine(Config.from_dict({**config.to_dict(), "salt": "tenant", "tiers": ["cpu"]}), layout, "m")
+    assert tenant.keys(plain.prompt_token_ids) == salted
+    tenant.close()
+    salted_config = Config.from_dict({**config.to_dict(), "salt": "base"})
+    both = SchedulerSide(salted_config, layout, "m", 128, "tokens").request_keys(
+        SimpleNamespace(**{**vars(plain), "cache_salt": "tenant"}))
+    assert not {*both} & {*salted}
+
+
+def test_a_chunk_that_failed_a_load_is_not_offered_again(tmp_path):
+    """An async load whose first chunk fails sends the request back to waiting with nothing computed; vLLM then
+    asks the scheduler again, which must not offer the same chunk (an endless load-fail loop otherwise)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from kvfabric import CacheEngine
+    from kvfabric.config import Config
+    from kvfabric.connectors.vllm.metadata import KVFabricWorkerMetadata
+    from kvfabric.connectors.vllm.scheduler import SchedulerSide
+    from kvfabric.layout import KVLayout
+
+    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
+    layout = KVLayout(2, 1, 4, "float32")
+    tokens = list(range(2 * CHUNK + 5))
+    with CacheEngine(config, layout, "m") as engine:
+        engine.store(tokens, torch.randn(layout.shape(2 * CHUNK)))
+        engine.flush()
+    side = SchedulerSide(config, layout, "m", 128, "tokens")
+    request = SimpleNamespace(request_id="a", prompt_token_ids=tokens, lora_request=None, mm_features=[],
+                              cache_salt=None, block_hashes=[], num_tokens=len(tokens), kv_transfer_params=None)
+    assert side.num_new_matched_tokens(request, 0) == 2 * CHUNK
+    keys = side.request_keys(request)
+    side.update(SimpleNamespace(kv_connector_worker_meta=KVFabricWorkerMetadata(failed=[keys[0]])))
+    assert side.num_new_matched_tokens(request, 0) == 0
+    side.lookup.close()
+
+
+def test_partial_last_chunk_is_looked_up_and_saved_with_save_partial_chunk(tmp_path):
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from kvfabric import CacheEngine
+    from kvfabric.config import Config
+    from kvfabric.connectors.vllm.scheduler import SchedulerSide
+    from kvfabric.layout import KVLayout
+
+    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["disk"], "disk": {"path": str(tmp_path)},
+                               "save_partial_chunk": True})
+    layout = KVLayout(2, 1, 4, "float32")
+    tokens = list(range(2 * CHUNK + 40))
+    side = SchedulerSide(config, layout, "m", 128, "tokens")
+    request = SimpleNamespace(request_id="a", prompt_token_ids=tokens, lora_request=None, mm_features=[],
+                              cache_salt=None, block_hashes=[], num_tokens=len(tokens), kv_transfer_params=None)
+    assert len(side.request_keys(request)) == 3  # two whole chunks and the partial one
+    assert side.num_new_matched_tokens(request, 0) == 0
+    side.after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([0, 1, 2, 3, 4],)), 0)
+    meta = side.build_meta(SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="a", block_ids=([0, 1, 2, 3, 4],), num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[]), num_scheduled_tokens={"a": len(tokens)},
+        finished_req_ids=set(), total_num_scheduled_tokens=len(tokens)))
+    (save,) = meta.saves
+    assert (save.start, save.end, len(save.keys)) == (0, len(tokens), 3)  # the partial chunk ends with the prompt
+    with CacheEngine(config, layout, "m") as engine:
+        engine.store(tokens, torch.randn(layout.shape(len(tokens))))
+        engine.flush()
+    side.forget("a")
+    assert side.num_new_matched_tokens(request, 0) == len(tokens) - 1  # all but the one token vLLM computes
+    side.lookup.close()
 
 
 def test_request_stats_add_up_across_steps_and_processes():
@@ -254,10 +391,44 @@ def test_request_stats_add_up_across_steps_and_processes():
     step2 = RequestStats(loaded_tokens=256, failed_tokens=512, bytes_loaded=(("cpu", 7), ("disk", 50)))
     meta = KVFabricWorkerMetadata({"a": step1}, [b"k1"], [])
     meta.aggregate(pickle.loads(pickle.dumps(KVFabricWorkerMetadata({"a": step2, "b": RequestStats(saved_tokens=256)},
-                                                                    [b"k2"], [b"k1"]))))
-    assert meta.stored == [b"k1", b"k2"] and meta.removed == [b"k1"]
+                                                                    [b"k2"], [b"k1"], [b"bad"]))))
+    assert meta.stored == [b"k1", b"k2"] and meta.removed == [b"k1"] and meta.failed == [b"bad"]
     assert meta.requests["b"].saved_tokens == 256
     params = meta.requests["a"].as_params()
     assert params == {"external_hit_tokens": 0, "local_hit_tokens": 0, "loaded_tokens": 512, "failed_tokens": 512,
                       "saved_tokens": 0, "load_read_s": 0.5, "bytes": {"cpu": 7, "disk": 150}}
     assert json.loads(json.dumps(params)) == params  # it rides in the request's output as plain JSON
+
+
+def test_scheduler_counts_chunks_a_peer_holds(tmp_path):
+    """With tier "peer", the scheduler's lookup asks the controller: chunks another instance holds are a hit (the
+    worker's peer tier fetches them), chunks nobody holds are not."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from kvfabric import CacheEngine
+    from kvfabric.cluster.controller_app import create_app
+    from kvfabric.cluster.index_memory import MemoryIndex
+    from kvfabric.config import ClusterConfig, Config
+    from kvfabric.connectors.vllm.scheduler import SchedulerSide
+    from kvfabric.layout import KVLayout
+    from tests.cluster_scripts.helpers import ControllerThread, wait_for
+
+    layout = KVLayout(2, 1, 4, "float32")
+    controller = ControllerThread(create_app(MemoryIndex(), token="t", instance_ttl_s=30, sweep_interval_s=0.2)).start()
+    try:
+        def config(name: str) -> Config:
+            return Config(chunk_size=CHUNK, tiers=("cpu", "peer"), cluster=ClusterConfig(
+                controller_url=controller.url, token="t", instance_id=name, report_interval_s=0.05,
+                heartbeat_interval_s=0.2, lookup_ttl_s=0.05))
+        tokens = list(range(3 * CHUNK + 10))
+        with CacheEngine(config("holder"), layout, "m") as holder:
+            side = SchedulerSide(config("vllm"), layout, "m", 128, "tokens")
+            request = SimpleNamespace(request_id="a", prompt_token_ids=tokens, lora_request=None, mm_features=[],
+                                      cache_salt=None, block_hashes=[], num_tokens=len(tokens), kv_transfer_params=None)
+            assert side.num_new_matched_tokens(request, 0) == 0  # nobody holds anything yet
+            holder.store(tokens, torch.randn(layout.shape(2 * CHUNK)))  # chunks 0-1 only
+            assert wait_for(lambda: side.num_new_matched_tokens(request, 0) == 2 * CHUNK)
+            side.lookup.close()
+    finally:
+        controller.stop()

@@ -119,8 +119,16 @@ def setup_model_cmd(name_or_path: str) -> None:
 @click.option("--keep-cache", is_flag=True, help="Do not remove the document's chunks first.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Also write TTFT vs context length (miss vs hit) to this PNG.")
-def demo(keep_cache: bool, plot: str | None) -> None:
+@click.option("--rag", is_flag=True, help="The RAG variant: the document's passages cached once, reused in a new order "
+                                         "per question (CacheBlend), each answer also from a full prefill.")
+def demo(keep_cache: bool, plot: str | None, rag: bool) -> None:
     """Ask questions about a long document: cold, warm from cpu, then warm from disk in a fresh process."""
+    if rag:
+        if keep_cache or plot:
+            raise click.UsageError("--rag takes neither --keep-cache nor --plot")
+        from kvfabric.demo_rag import run as run_rag
+        run_rag()
+        return
     from kvfabric.demo import run
     run(keep_cache=keep_cache, plot=plot)
 
@@ -131,6 +139,26 @@ def controller(ctx: click.Context) -> None:
     """Run the cluster controller (global chunk index, management API, /metrics). --help lists its options."""
     from kvfabric.cluster.controller import main as controller_main
     sys.exit(controller_main(ctx.args))
+
+
+@main.command("server")
+@config_option
+@click.option("--socket", "socket_path", default=None, metavar="PATH",
+              help="Control socket (default: config server.socket, else $KVFABRIC_HOME/server.sock).")
+@click.option("--cpus", default=None, metavar="LIST", help="Cores to pin the server to, e.g. 1 or 2-3 (default: config "
+              "server.cpus, else not pinned); its threads are sized to them.")
+@click.option("--metrics-port", type=int, default=None, help="Prometheus metrics on 127.0.0.1:PORT (default: config "
+              "server.metrics_port; 0 = off).")
+def server_cmd(config_path: str | None, socket_path: str | None, cpus: str | None, metrics_port: int | None) -> None:
+    """Run the host's cache process: tiers, codecs and streaming receives for every engine with `mode: server`."""
+    from kvfabric.remote.pool import PoolError
+    from kvfabric.server import serve
+    from kvfabric.server.listener import ServerError
+    config = _load(config_path)
+    try:
+        serve(config, socket_path, cpus, metrics_port, ready=click.echo)
+    except (ValueError, OSError, ServerError, PoolError) as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @main.command()
@@ -211,6 +239,57 @@ def profile_cachegen(texts: str, model_name: str, first: int, count: int, ctx_to
     path, prof = calibrate(Path(texts), model_name=model_name, first=first, count=count, ctx_tokens=ctx_tokens,
                            extra_texts=tuple(map(Path, extra_text)), shrink=shrink, out=Path(out) if out else None)
     click.echo(f"{path}: profile {prof.id:#018x}, delta channels {int(prof.dflag.sum())}/{prof.dflag.size}")
+
+
+@profile.command("flexicache")
+@click.option("--model", "model_name", default="smollm2-135m-instruct", show_default=True)
+@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
+@click.option("--steps", default=256, show_default=True, help="Greedy decode steps per prompt.")
+@click.option("--threshold", default=None, type=float, help="Stability below which a head is unstable.")
+@click.option("--out", default=None, type=click.Path(dir_okay=False),
+              help="Write here instead of over the shipped table.")
+@click.option("--json", "as_json", is_flag=True, help="Print the study's figures as one JSON object.")
+def profile_flexicache(model_name: str, data: str | None, steps: int, threshold: float | None, out: str | None,
+                       as_json: bool) -> None:
+    """Rebuild FlexiCache's head table: top-K page overlap between decode steps t and t+16 per (layer, KV head),
+    on the demo document and MuSiQue prompts (tens of minutes on a CPU)."""
+    from pathlib import Path
+
+    from kvfabric.bench.common import emit_summary
+    from kvfabric.engines.flexicache.study import DEFAULT_THRESHOLD, profile, report
+    path, table = profile(model_name, DEFAULT_THRESHOLD if threshold is None else threshold,
+                          Path(out) if out else None, data=data, steps=steps,
+                          progress=lambda m: click.echo(m, err=True))
+    emit_summary(report(table), as_json, f"head table {path}")
+
+
+@main.group()
+def droidspeak() -> None:
+    """DroidSpeak: reuse a sibling model's KV cache (same family, tokenizer and layout)."""
+
+
+@droidspeak.command("profile")
+@click.argument("sender")
+@click.argument("receiver")
+@click.option("--prompts", default=3, show_default=True, help="Profiling prompts (MuSiQue questions).")
+@click.option("--first", default=100, show_default=True, help="First question (0-99 trained the fine-tuned sibling).")
+@click.option("--passages", default=3, show_default=True, help="Passages per profiling prompt.")
+@click.option("--threshold", default=0.9, show_default=True, help="Share of the reuse KL gap the block must close.")
+@click.option("--stride", default=1, show_default=True, help="Score only blocks whose ends are multiples of this.")
+@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
+def droidspeak_profile(sender: str, receiver: str, prompts: int, first: int, passages: int, threshold: float,
+                       stride: int, data: str | None) -> None:
+    """Quality of RECEIVER reusing SENDER's KV for every contiguous recompute block; saves the pair's table."""
+    from kvfabric.droidspeak.pair import profile_pair
+    try:
+        table, path = profile_pair(sender, receiver, num_prompts=prompts, first=first, passages=passages,
+                                   stride=stride, data=data, log=click.echo)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    block = table.choose(threshold)
+    closed = table.gap_closed(block)
+    click.echo(f"{path}: reuse KL {table.kl[0][0]:.4f} (answer rows {table.kl_ans[0][0]:.4f}); chosen block "
+               f"[{block.start}, {block.stop}) of {table.num_layers} layers closes {closed[0]:.1%} / {closed[1]:.1%}")
 
 
 @main.group()
@@ -302,16 +381,58 @@ def bench_vllm(ctx: click.Context) -> None:
     sys.exit(vllm_main(ctx.args))
 
 
+@bench.command("interference")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per (setup, link), then the sharing and copy rows.")
+@click.option("--steps", default=256, show_default=True, help="Decode steps of request A.")
+@click.option("--tokens", "b_tokens", default=4096, show_default=True, help="Prompt tokens of the fetched request B.")
+@click.option("--links", default="100,1000", show_default=True, help="Link rates in Mbit/s.")
+@click.option("--engine-cpu", default=0, show_default=True, help="The engine's core.")
+@click.option("--server-cpu", default=1, show_default=True, help="The server's core (set-up c).")
+@click.option("--vllm", "with_vllm", is_flag=True, help="Also the vLLM connector's miss-path overhead with mode: "
+              "server (paired runs; needs .venv-vllm or --vllm-python).")
+@click.option("--vllm-python", default=None, help="Python with vLLM installed (default: .venv-vllm).")
+def bench_interference(as_json: bool, steps: int, b_tokens: int, links: str, engine_cpu: int, server_cpu: int,
+                       with_vllm: bool, vllm_python: str | None) -> None:
+    """TPOT of a decoding request while another's prompt KV is fetched and decoded: none / in-process / in
+    `kvfabric server` on its own core; B's TTFT; two engines sharing a server; retrieve vs memcpy."""
+    from kvfabric.bench.interference import run
+    try:
+        rates = tuple(int(x) for x in links.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{links!r}: comma-separated Mbit/s", param_hint="--links") from None
+    run(as_json=as_json, steps=steps, b_tokens=b_tokens, links=rates, engine_cpu=engine_cpu, server_cpu=server_cpu)
+    if with_vllm:
+        from kvfabric.bench.common import emit
+        from kvfabric.bench.interference_vllm import run as run_vllm
+        row = run_vllm(vllm_python, num_tokens=b_tokens)
+        emit([row], as_json, "vLLM connector, mode: server: miss-path overhead (paired cold runs)",
+             ["tokens", "num_pairs", "off_s", "ttft_s", "miss_overhead_paired", "target_met"])
+
+
+@bench.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                         "help_option_names": []})
+@click.pass_context
+def bench_serve(ctx: click.Context) -> None:
+    """Serving workloads (long-document QA, multi-round chat) against vllm serve: vLLM alone, + kvfabric, + LMCache."""
+    from kvfabric.bench.serve import main as serve_main
+    sys.exit(serve_main(ctx.args))
+
+
 @bench.command("long-doc-qa")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per request, then a summary object.")
 @click.option("--docs", "num_docs", default=3, show_default=True)
 @click.option("--length", "doc_tokens", default=4096, show_default=True, help="Tokens per document.")
 @click.option("--question", "question_tokens", default=64, show_default=True, help="Tokens per question.")
 @click.option("--seed", default=0, show_default=True)
-def bench_long_doc_qa(as_json: bool, num_docs: int, doc_tokens: int, question_tokens: int, seed: int) -> None:
-    """TTFT of cache misses and hits on the real model, with the physical-limit decomposition."""
+@click.option("--model", default="smollm2-135m-instruct", show_default=True,
+              help="Builtin model (gemma3-270m, qwen2.5-coder-0.5b, ...) or a local HF folder.")
+@click.option("--kv-dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16",
+              show_default=True, help="Stored KV dtype; float32 for the exactness figure.")
+def bench_long_doc_qa(as_json: bool, num_docs: int, doc_tokens: int, question_tokens: int, seed: int, model: str,
+                      kv_dtype: str) -> None:
+    """TTFT of cache misses and hits on the real model, with the physical-limit decomposition and hit exactness."""
     from kvfabric.bench.long_doc_qa import run
-    run(num_docs, doc_tokens, question_tokens, seed, as_json)
+    run(num_docs, doc_tokens, question_tokens, seed, as_json, model, kv_dtype)
 
 
 
@@ -322,10 +443,14 @@ def bench_long_doc_qa(as_json: bool, num_docs: int, doc_tokens: int, question_to
 @click.option("--length", "ctx_tokens", default=2048, show_default=True, help="Context tokens per document.")
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--quick", is_flag=True, help="Fewer documents and codecs (a smoke run).")
-def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int, repeats: int, quick: bool) -> None:
+@click.option("--model", "model_name", default="smollm2-135m-instruct", show_default=True,
+              help="Builtin model (gemma3-270m, qwen2.5-coder-0.5b, ...) or a local HF folder.")
+def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int, repeats: int, quick: bool,
+                model_name: str) -> None:
     """Codec levels on the real model: size ratio vs fp16, top-1 and KL of the next 64 tokens, encode/decode MB/s."""
     from kvfabric.bench.codec import run
-    run(as_json=as_json, plot=plot, num_docs=num_docs, ctx_tokens=ctx_tokens, repeats=repeats, quick=quick)
+    run(as_json=as_json, plot=plot, num_docs=num_docs, ctx_tokens=ctx_tokens, repeats=repeats, quick=quick,
+        model_name=model_name)
 
 
 @bench.command("stream")
@@ -384,12 +509,16 @@ def bench_video(as_json: bool, num_docs: int, ctx_tokens: int, context_tokens: i
 @click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
 @click.option("--auto", is_flag=True, help="Also run the load controller's own choice of ratio.")
 @click.option("--oracle", is_flag=True,
-              help="Also run 15 % with tokens ranked from a full prefill (a study: one more prefill per question).")
+              help="Also run the 25.5 % compute with tokens ranked from a full prefill (a study: one more prefill "
+                   "per question).")
 @click.option("--report", "report_path", default=None, metavar="JSONL",
               help="Only summarise the JSON lines of an earlier (possibly unfinished) --json run.")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True,
+              help="Builtin Llama-family model (qwen2.5-coder-0.5b / -1.5b, ...) or a local folder; "
+                   "sliding-window models (Gemma 3) are refused at start-up.")
 def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers: str | None, passages: int,
-                data: str | None, auto: bool, oracle: bool, report_path: str | None) -> None:
-    """CacheBlend on the real model: full prefill vs full reuse vs blend at 5/15/30% vs random 15%."""
+                data: str | None, auto: bool, oracle: bool, report_path: str | None, model: str) -> None:
+    """CacheBlend on the real model: full prefill vs full reuse vs blend recomputing 15/25.5/41% vs random."""
     from kvfabric.bench import blend
     if report_path:
         blend.report(report_path, as_json)
@@ -404,8 +533,57 @@ def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers
             BlendConfig(check_layers=layers)
         except ValueError as e:
             raise click.BadParameter(f"{check_layers!r}: {e}", param_hint="--check-layers") from None
-    blend.run(as_json=as_json, limit=limit, start=start, stride=stride, check_layers=layers, passages=passages,
-              data=data, auto=auto, oracle=oracle)
+    from kvfabric.blend.runner import UnsupportedModel
+    try:
+        blend.run(as_json=as_json, limit=limit, start=start, stride=stride, check_layers=layers, passages=passages,
+                  data=data, auto=auto, oracle=oracle, model=model)
+    except UnsupportedModel as exc:  # e.g. Gemma 3's sliding windows: say so, never compute wrong KV
+        raise click.ClickException(f"bench blend on {model}: {exc}") from None
+
+
+@bench.command("droidspeak")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per question and method, then summaries.")
+@click.option("--pair", default="finetuned", type=click.Choice(["finetuned"]), show_default=True)
+@click.option("--questions", "limit", default=3, show_default=True, help="MuSiQue questions to run.")
+@click.option("--start", default=110, show_default=True, help="First question (held out from training/profiling).")
+@click.option("--passages", default=10, show_default=True, help="Passages per question.")
+@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
+def bench_droidspeak(as_json: bool, pair: str, limit: int, start: int, passages: int, data: str | None) -> None:
+    """A receiver reusing a sibling's KV: full prefill vs naive reuse vs DroidSpeak at three budgets."""
+    from kvfabric.bench.droidspeak import run
+    run(pair=pair, as_json=as_json, limit=limit, start=start, passages=passages, data=data)
+
+
+@bench.command("flexicache")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per (method, budget), then a summary.")
+@click.option("--plot", default=None, metavar="PNG", help="Write agreement and KL vs resident fraction.")
+@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
+@click.option("--steps", default=256, show_default=True, help="Teacher-forced decode steps per prompt.")
+@click.option("--budgets", default="10,20,30,50", show_default=True, help="Resident KV budgets, in percent.")
+@click.option("--methods", default="flexicache,quest,streaming,h2o,shuffled", show_default=True)
+@click.option("--musique", "num_musique", default=2, show_default=True, help="MuSiQue prompts (besides the document).")
+@click.option("--prompt", "only", multiple=True, help="Run only these prompts (doc:q2, musique:100, ...); repeatable.")
+@click.option("--study", "run_study", is_flag=True, help="Run the head-stability study instead.")
+@config_option
+def bench_flexicache(as_json: bool, plot: str | None, data: str | None, steps: int, budgets: str, methods: str,
+                     num_musique: int, only: tuple[str, ...], run_study: bool, config_path: str | None) -> None:
+    """FlexiCache decode KV memory vs dense KV, quest, streaming, h2o and a shuffled-split control (the config's
+    flexicache section sets page size, re-rank interval, slow pool ...; its kv_budget is ignored)."""
+    from kvfabric.bench import flexicache
+    if run_study:
+        flexicache.study(as_json=as_json, data=data, steps=steps)
+        return
+    try:
+        fractions = tuple(float(b) / 100 for b in budgets.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{budgets!r}: expected percentages like 10,20,30", param_hint="--budgets") from None
+    chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
+    unknown = set(chosen) - set(flexicache.METHODS)
+    if unknown or any(not 0 < f <= 1 for f in fractions):
+        raise click.BadParameter(f"methods from {', '.join(flexicache.METHODS)}, budgets in (0, 100]",
+                                 param_hint="--methods/--budgets")
+    flexicache.run(as_json=as_json, plot=plot, data=data, steps=steps, budgets=fractions, methods=chosen,
+                   num_musique=num_musique, only=only, config=_load(config_path).flexicache)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -192,6 +192,59 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FlexiCacheConfig:
+    """Head-aware decode KV memory of the reference engine (engines.flexicache); off while kv_budget is 0."""
+    kv_budget: float = 0.0  # fraction of the decode KV held in the fast pool; 0 = off (dense KV), 1 = all of it
+    page_size: int = 16  # tokens per KV page (per layer and KV head)
+    rerank_interval: int = 16  # stable heads re-rank their resident pages every N steps; unstable ones every step
+    recent_pages: int = 2  # the newest pages of every paged head stay resident (the one being written and before)
+    max_full_share: float = 0.25  # heads kept whole take at most this share of the budget
+    head_order: Literal["retention", "stability"] = "retention"  # which heads are kept whole first (heads.py)
+    radar_margin: float = 0.0  # between re-ranks, promote a page whose logit bound beats the K-th resident by this
+    radar_promotions: int = 1  # ... at most this many per head and step (the best first)
+    slow_pool: Literal["memory", "shm"] = "memory"  # where offloaded pages live: process memory or /dev/shm
+    head_table: str = ""  # a head table file; "" = the one shipped for the model (kvfabric profile flexicache)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.kv_budget <= 1.0:
+            raise ConfigError(f"flexicache.kv_budget: expected a fraction in [0, 1], got {self.kv_budget}")
+        for name in ("page_size", "rerank_interval", "recent_pages", "radar_promotions"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"flexicache.{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.max_full_share <= 1.0:
+            raise ConfigError(f"flexicache.max_full_share: expected a fraction in (0, 1], got {self.max_full_share}")
+        if self.radar_margin < 0.0:
+            raise ConfigError(f"flexicache.radar_margin: must be >= 0, got {self.radar_margin}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """`kvfabric server` (one cache process per host) and the engines that use it with `mode: server`."""
+    socket: str = ""  # the control socket (mode 0600); "" = <KVFABRIC_HOME>/server.sock
+    token: str = ""  # shared secret every client must present; "" = the socket's file mode alone guards it
+    cpus: str = ""  # the server's cores, e.g. "1" or "2-3,6" ("" = not pinned); its threads are sized to them
+    pool_capacity: ByteSize = 512 * 2**20  # the data-plane pool in /dev/shm (slots of decoded KV), reserved at start
+    slot_bytes: ByteSize = 8 * 2**20  # one slot holds one chunk's KV in the layout dtype
+    max_slots_per_client: int = 8  # slots one client may lease at a time (reads in flight, stores being written)
+    max_store_queue: int = 16  # per client: committed chunks waiting to be encoded and persisted
+    max_clients: int = 64
+    timeout_s: float = 2.0  # client: deadline of each request; past it the request is a miss
+    retry_s: float = 1.0  # client: after the server failed, answer misses this long before reconnecting
+    metrics_port: int = 0  # Prometheus metrics on 127.0.0.1:<port>; 0 = off
+
+    def __post_init__(self) -> None:
+        if self.max_slots_per_client <= 0 or self.max_clients <= 0 or self.max_store_queue <= 0:
+            raise ConfigError("server.max_slots_per_client, max_clients and max_store_queue must be positive")
+        if self.timeout_s <= 0 or self.retry_s < 0:
+            raise ConfigError("server.timeout_s must be positive and server.retry_s 0 or more")
+        if self.slot_bytes > self.pool_capacity:
+            raise ConfigError(f"server.slot_bytes ({self.slot_bytes}) exceeds server.pool_capacity")
+
+    def resolved_socket(self) -> Path:
+        return Path(self.socket).expanduser() if self.socket else kvfabric_home() / "server.sock"
+
+
+@dataclass(frozen=True, slots=True)
 class MetricsConfig:
     """Prometheus metrics of this process (kvfabric.metrics): off unless a port is set."""
     port: int = 0  # 0 = no endpoint; e.g. 9464 serves http://127.0.0.1:9464/metrics
@@ -230,8 +283,11 @@ class Config:
     mooncake: MooncakeTierConfig = field(default_factory=MooncakeTierConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    flexicache: FlexiCacheConfig = field(default_factory=FlexiCacheConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    mode: Literal["inproc", "server"] = "inproc"  # server: engines use `kvfabric server` (section `server`)
+    server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:

@@ -12,6 +12,8 @@ Contract:
   `out[..., :m, :]` is returned: the fast path (no allocation, one copy per chunk).
 - `read_chunk(key, out=None)`: one chunk by key, a `ChunkHit` (KV, serving tier, bytes read) or a `ChunkMiss`
   (missing, corrupt, wrong_layout); a chunk that fails its checks is discarded and counted, as in `retrieve`.
+  With `promote=False` a chunk from a lower tier is read into the caller's scratch and not promoted (a caller
+  that copies the KV elsewhere at once pays no allocation); `chunk_blob_bytes()` sizes such a scratch.
 - `new_payload()` then `store_chunk(key, payload)`: the caller lays a chunk's KV out in the payload (raw codec:
   the payload region of the very blob that will be stored, no encode copy); a chunk already held is skipped.
 - `delete(tokens)` removes a prompt's chunks from every tier; `tier_keys`, `tier_usage`, `clear_tier` address one
@@ -88,6 +90,29 @@ class EngineStats:
 
 
 _MISSING = ChunkMiss("missing")
+
+
+def chunks_to_store(layout: KVLayout, chunk_size: int, num_tokens: int, num_keys: int, kv: torch.Tensor,
+                    start: int) -> list[int]:
+    """`store`'s argument checks (shared by every cache with this seam): the chunk indices whose tokens kv
+    [L, 2, H, T, D], holding tokens [start, start + T) of a prompt of num_tokens, covers entirely."""
+    if start % chunk_size or not 0 <= start <= num_tokens:
+        raise ValueError(f"start must be a multiple of chunk_size={chunk_size} within the prompt, got {start}")
+    layout.check(kv)
+    end = start + kv.shape[3]
+    if end > num_tokens:
+        raise ValueError(f"kv holds {kv.shape[3]} tokens from {start}, beyond the prompt's {num_tokens} tokens")
+    return [i for i in range(start // chunk_size, num_keys) if min((i + 1) * chunk_size, num_tokens) <= end]
+
+
+def retrieve_buffer(layout: KVLayout, num_tokens: int, out: torch.Tensor | None) -> torch.Tensor:
+    """`retrieve`'s destination: `out` checked ([L, 2, H, >= num_tokens, D], any float dtype), or a new tensor."""
+    if out is None:
+        return torch.empty(layout.shape(num_tokens), dtype=layout.torch_dtype)
+    if out.dim() != 5 or out.shape[3] < num_tokens or tuple(out.shape[:3]) + (out.shape[4],) != \
+            layout.shape(0)[:3] + (layout.head_dim,):
+        raise ValueError(f"out must be {layout.shape(num_tokens)} or longer in dim 3, got {tuple(out.shape)}")
+    return out
 
 
 class CacheEngine:
@@ -187,16 +212,10 @@ class CacheEngine:
 
     def store(self, tokens: Tokens, kv: torch.Tensor, start: int = 0) -> int:
         num_tokens = len(tokens)
-        if start % self.chunk_size or not 0 <= start <= num_tokens:
-            raise ValueError(f"start must be a multiple of chunk_size={self.chunk_size} within the prompt, got {start}")
-        self.layout.check(kv)
-        end = start + kv.shape[3]
-        if end > num_tokens:
-            raise ValueError(f"kv holds {kv.shape[3]} tokens from {start}, beyond the prompt's {num_tokens} tokens")
         started = time.perf_counter()
         keys = self.keys(tokens)
-        first = start // self.chunk_size
-        wanted = [i for i in range(first, len(keys)) if self._span(i, num_tokens)[1] <= end]
+        wanted = chunks_to_store(self.layout, self.chunk_size, num_tokens, len(keys), kv, start)
+        end = start + kv.shape[3]
         present = self.stack.contains_many([keys[i] for i in wanted], writable_only=True)
         stored: list[int] = []
         for i, is_present in zip(wanted, present):
@@ -290,20 +309,26 @@ class CacheEngine:
         return True
 
     def read_chunk(self, key: bytes, out: torch.Tensor | None = None, *, num_tokens: int | None = None,
-                   scratch: Scratch | None = None) -> ChunkHit | ChunkMiss:
+                   scratch: Scratch | None = None, promote: bool = True) -> ChunkHit | ChunkMiss:
         """One chunk by key. With `out` [L, 2, H, T, D] (any float dtype, T the chunk's tokens) it is decoded
         into `out`. Without, `kv` holds num_tokens (default chunk_size) tokens in the layout dtype: a raw chunk
         is a zero-copy view, over `scratch` when the first tier reads into it (valid until the caller reuses
-        `scratch`) or over the stored blob (read it, never write it); other codecs decode into a new tensor."""
+        `scratch`) or over the stored blob (read it, never write it); other codecs decode into a new tensor.
+        `promote=False`: a chunk found below the first tier is not copied into the faster tiers, and every tier
+        reads into `scratch` (no fresh allocation: for a caller that copies the KV elsewhere right away)."""
         started = time.perf_counter()
         num_tokens = out.shape[3] if out is not None else num_tokens or self.chunk_size
-        result = self._take(key, self.stack.get(key, scratch), num_tokens, out)
+        result = self._take(key, self.stack.get(key, scratch, promote=promote), num_tokens, out)
         self.histograms.observe("kvfabric_retrieve_seconds", time.perf_counter() - started, "read_chunk")
         self._counters.add("chunk_reads")
         self._counters.add("chunk_read_requests")
         if isinstance(result, ChunkHit):
             self._counters.add("chunk_read_hits")
         return result
+
+    def chunk_blob_bytes(self) -> int:
+        """Bytes of one whole chunk's blob with the raw codec (header + payload): the size a read buffer needs."""
+        return HEADER_BYTES + self.layout.num_bytes(self.chunk_size)
 
     def _take(self, key: bytes, found: StackHit | None, num_tokens: int,
               out: torch.Tensor | None) -> ChunkHit | ChunkMiss:
@@ -328,11 +353,7 @@ class CacheEngine:
     def retrieve(self, tokens: Tokens, out: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = len(tokens)
         keys = self.keys(tokens)
-        if out is None:
-            out = torch.empty(self.layout.shape(num_tokens), dtype=self.layout.torch_dtype)
-        elif out.dim() != 5 or out.shape[3] < num_tokens or tuple(out.shape[:3]) + (out.shape[4],) != \
-                self.layout.shape(0)[:3] + (self.layout.head_dim,):
-            raise ValueError(f"out must be {self.layout.shape(num_tokens)} or longer in dim 3, got {tuple(out.shape)}")
+        out = retrieve_buffer(self.layout, num_tokens, out)
         num_done = num_chunks = 0
         started = time.perf_counter()
         with self.stack.pinned(keys), self.stack.load_permit() as permit:

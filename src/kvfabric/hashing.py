@@ -7,6 +7,10 @@ Contract:
   are a prefix of the keys, and any token change changes that chunk's key and every later one.
 - root = H(b"kvfabric/keys/v1" || model id || layout fingerprint || chunk size || tenant salt): caches of other
   models, layouts, chunk sizes or tenants never share a key.
+- Model families (DroidSpeak): `family_namespace(family, tokenizer, owner, kind)` is the model id of a namespace
+  shared by every model that declares the same family and tokenizer (the layout still goes into the root): the
+  chunks of kind `kind` that model `owner` stored there. It starts with a NUL byte, which no model name contains,
+  so it never equals a native namespace; models that declare no family keep only their native one.
 - Keys depend only on these inputs: never on Python's `hash()`, PYTHONHASHSEED, the process or the machine.
 - A trailing partial chunk gets a key only when asked (`include_partial`); its key differs from any full chunk's
   because the hashed input is shorter.
@@ -73,6 +77,14 @@ def root_key(model_id: str, layout: KVLayout, chunk_size: int, salt: str = "", h
         h.update(len(part).to_bytes(4, "little"))  # length-prefixed: no ambiguity between fields
         h.update(part)
     return h.digest()
+
+
+def family_namespace(family: str, tokenizer: str, owner: str, kind: str) -> str:
+    """The model id of ``owner``'s chunks of ``kind`` (``"kv"``, ``"hidden@<layer>"``) in a family namespace."""
+    for name, value in (("family", family), ("tokenizer", tokenizer), ("owner", owner), ("kind", kind)):
+        if not value or "\x00" in value:
+            raise ValueError(f"family namespace: {name} must be a non-empty string without NUL, got {value!r}")
+    return "\x00".join(("", "family/v1", family, tokenizer, owner, kind))
 
 
 def num_chunks(num_tokens: int, chunk_size: int, include_partial: bool = False) -> int:

@@ -1,9 +1,19 @@
-"""KV layout: the shape and dtype of one model's attention KV, and its fingerprint.
+"""KV layout: the shape and dtype of one model's attention KV, its layer groups, and its fingerprint.
 
 Contract: a `KVLayout` is an immutable value. Two layouts with the same fields have the same `fingerprint`
 on every machine; the fingerprint goes into chunk keys and chunk headers, so a cache written for another
-model shape or dtype can never be served (it is a different key, and the header check rejects it).
+model shape, layer-group map or dtype can never be served (it is a different key, and the header check rejects it).
 Tensor convention for a run of tokens: `[num_layers, 2, num_kv_heads, num_tokens, head_dim]` (2 = K, V).
+
+Layer groups (`LayerGroup`): layers with full attention (window 0) or with a sliding window of W tokens (a query
+at position q reads keys q-W < p <= q, W keys including itself: Gemma 3, Mistral). A layout with no window
+group has `groups == ()` (one implicit full group; the fingerprint is the one of a plain layout).
+
+What a chunk holds, for every group (the one place this is defined; docs/design/layer-groups.md):
+chunk i holds the K/V of ITS OWN tokens [iC, (i+1)C) at their own positions, for every layer, window layers
+included. After a cached prefix of N tokens a window group reads only positions [N-W+1, N) (`window_start`):
+W-1 rows, exactly what the engine itself keeps; rows before that are never read again, so a loader may skip
+them (`stale_rows`) but must leave finite values there (zeros), because the mask excludes them by position.
 """
 from __future__ import annotations
 
@@ -21,20 +31,96 @@ DTYPES: dict[str, tuple[torch.dtype, np.dtype, int]] = {
 }
 
 
+def _positive(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """Layers sharing one attention kind and one KV shape."""
+
+    layers: tuple[int, ...]  # sorted layer indices
+    num_kv_heads: int
+    head_dim: int
+    window: int = 0  # 0: full attention; W > 0: sliding window of W tokens (keys q-W < p <= q)
+
+    def __post_init__(self) -> None:
+        _positive("LayerGroup", "num_kv_heads", self.num_kv_heads)
+        _positive("LayerGroup", "head_dim", self.head_dim)
+        if not isinstance(self.window, int) or self.window < 0:
+            raise ValueError(f"LayerGroup.window must be an int >= 0 (0 = full attention), got {self.window!r}")
+        if not self.layers or list(self.layers) != sorted(set(self.layers)) or self.layers[0] < 0:
+            raise ValueError(f"LayerGroup.layers must be sorted, distinct, non-negative, got {self.layers!r}")
+
+    @property
+    def is_window(self) -> bool:
+        return self.window > 0
+
+    def window_start(self, num_tokens: int) -> int:
+        """First position this group still reads after a prefix of num_tokens (0 for full attention)."""
+        return max(0, num_tokens - self.window + 1) if self.window else 0
+
+    def describe(self) -> str:
+        kind = f"window {self.window}" if self.window else "full"
+        return f"{kind}: layers {list(self.layers)}, {self.num_kv_heads}x{self.head_dim}"
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str = "float16"
+    groups: tuple[LayerGroup, ...] = ()  # () = every layer full attention; else a partition of the layers
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+            _positive("KVLayout", name, getattr(self, name))
         if self.dtype not in DTYPES:
             raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not self.groups:
+            return
+        covered = sorted(layer for group in self.groups for layer in group.layers)
+        if covered != list(range(self.num_layers)):
+            raise ValueError(f"KVLayout.groups must cover layers 0..{self.num_layers - 1} exactly once, "
+                             f"got {[g.describe() for g in self.groups]}")
+        for group in self.groups:
+            # one KV tensor [L, 2, H, T, D] per chunk needs one H x D; groups that differ are refused here,
+            # at start-up, rather than stored in a shape nothing could load
+            if (group.num_kv_heads, group.head_dim) != (self.num_kv_heads, self.head_dim):
+                raise ValueError(f"layer group ({group.describe()}) has another KV shape than "
+                                 f"{self.num_kv_heads}x{self.head_dim}: kvfabric stores one [L, 2, H, T, D] "
+                                 "tensor per chunk and does not support per-group KV shapes yet")
+        if not any(group.is_window for group in self.groups):  # all full attention: the plain layout
+            object.__setattr__(self, "groups", ())
+
+    @classmethod
+    def from_layer_types(cls, layer_types: list[str] | tuple[str, ...], num_kv_heads: int, head_dim: int,
+                         window: int | None, dtype: str = "float16") -> KVLayout:
+        """Layout of a model whose layer i is `layer_types[i]` ("full_attention" or "sliding_attention", as in
+        transformers' `config.layer_types`), with sliding window `window`."""
+        kinds = sorted(set(layer_types))
+        unknown = set(kinds) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"unsupported attention layer types {sorted(unknown)}: kvfabric knows full_attention "
+                             "and sliding_attention")
+        if "sliding_attention" in kinds and not window:
+            raise ValueError("sliding_attention layers need a positive sliding window")
+        groups = tuple(
+            LayerGroup(tuple(i for i, t in enumerate(layer_types) if t == kind), num_kv_heads, head_dim,
+                       int(window) if kind == "sliding_attention" else 0)
+            for kind in kinds)
+        return cls(len(layer_types), num_kv_heads, head_dim, dtype, groups)
+
+    @property
+    def window_groups(self) -> tuple[LayerGroup, ...]:
+        return tuple(group for group in self.groups if group.is_window)
+
+    def stale_rows(self, num_tokens: int) -> tuple[tuple[tuple[int, ...], int], ...]:
+        """(layers, end) per window group: after a prefix of num_tokens those layers never read positions
+        [0, end) again (end = num_tokens - W + 1, or 0)."""
+        return tuple((g.layers, g.window_start(num_tokens)) for g in self.window_groups if g.window_start(num_tokens))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -56,8 +142,11 @@ class KVLayout:
 
     @property
     def fingerprint(self) -> bytes:
-        """8 stable bytes naming (layers, heads, head_dim, dtype); independent of Python's hash seed."""
+        """8 stable bytes naming (layers, heads, head_dim, dtype, layer groups); independent of Python's hash seed.
+        A layout without window groups keeps the fingerprint plain layouts always had."""
         text = f"L{self.num_layers}/H{self.num_kv_heads}/D{self.head_dim}/{self.dtype}"
+        for group in self.groups:
+            text += f"/G{group.window}:{','.join(map(str, group.layers))}:{group.num_kv_heads}x{group.head_dim}"
         return hashlib.sha256(text.encode()).digest()[:8]
 
     def check(self, kv: torch.Tensor, num_tokens: int | None = None) -> None:

@@ -2,12 +2,16 @@
 
     python connector_phases.py PHASE --model DIR --cache DIR --out FILE [--prompts FILE]
 
-Phases (--names: the prompts to serve, in order; for corrupt: "PROMPT,CHUNK_INDEX"):
+Phases (--names: the prompts to serve, in order, "NAME@SALT" for a request with that cache_salt; for corrupt:
+"PROMPT,CHUNK_INDEX"; for concurrent: "DECODE,HIT"):
   prompts   write the test prompts (token ids) to --out (no vLLM engine)
   baseline  engine without any connector (prefix caching off): greedy outputs of every prompt
   store     engine A with KVFabricConnector: serves `store` prompts (cold: stores their chunks); waits for the files
   corrupt   flip payload bytes of one stored chunk (no vLLM engine)
   load      fresh engine B with KVFabricConnector on the same cache: serves `load` prompts in order
+  layerwise fresh engine with load_mode "layerwise" (synchronous, per-layer loads): serves prompts in order
+  concurrent fresh engine (async loads): DECODE decodes; once it has tokens, HIT (a cached prompt) is added;
+            records which request got tokens in each engine output, to show DECODE decoding while HIT waits
   hf        compare the stored chunks of one prompt with Hugging Face transformers' K/V (no vLLM engine)
 
 Each engine phase writes {"results": {name: {"tokens", "text", "num_cached_tokens", "kvfabric", "seconds"}}, ...}.
@@ -37,7 +41,8 @@ def stats_path(cache: str, phase: str) -> Path:
 
 def extra_config(cache: str, phase: str) -> dict:
     return {"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": cache}, "model_id": MODEL_ID,
-            "stats_path": str(stats_path(cache, phase)), "key_mode": os.environ.get("KVFABRIC_TEST_KEY_MODE", "tokens")}
+            "stats_path": str(stats_path(cache, phase)), "key_mode": os.environ.get("KVFABRIC_TEST_KEY_MODE", "tokens"),
+            "load_mode": "layerwise" if phase == "layerwise" else "async"}
 
 
 def make_prompts(model: str) -> dict[str, list[int]]:
@@ -74,15 +79,22 @@ def make_llm(model: str, cache: str | None, phase: str = "", prefix_caching: boo
     return LLM(**kwargs)
 
 
+def token_prompt(prompts: dict[str, list[int]], name: str):
+    """The TokensPrompt of "NAME" or "NAME@SALT" (with that cache_salt)."""
+    from vllm.inputs import TokensPrompt
+
+    base, _, salt = name.partition("@")
+    return TokensPrompt(prompt_token_ids=prompts[base], **({"cache_salt": salt} if salt else {}))
+
+
 def serve(llm, prompts: dict[str, list[int]], names: list[str]) -> dict:
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     results = {}
     for name in names:  # one at a time: each request sees what the previous ones stored
         started = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompts[name])], params, use_tqdm=False)[0]
+        out = llm.generate([token_prompt(prompts, name)], params, use_tqdm=False)[0]
         results[name] = {
             "tokens": list(out.outputs[0].token_ids),
             "text": out.outputs[0].text,
@@ -92,6 +104,33 @@ def serve(llm, prompts: dict[str, list[int]], names: list[str]) -> dict:
         }
         print(f"[{name}] {json.dumps(results[name])}", flush=True)
     return results
+
+
+def concurrent(llm, prompts: dict[str, list[int]], decode: str, hit: str) -> dict:
+    """DECODE runs alone until it has 2 tokens, then HIT joins. Per engine output: tokens so far per request."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=3 * MAX_TOKENS, ignore_eos=True)
+    engine.add_request(decode, token_prompt(prompts, decode), params)
+    steps: list[dict[str, int]] = []
+    done: dict[str, dict] = {}
+    counts: dict[str, int] = {}
+    hit_added = False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            counts[out.request_id] = len(out.outputs[0].token_ids)
+            if out.finished:
+                done[out.request_id] = {"tokens": list(out.outputs[0].token_ids),
+                                        "num_cached_tokens": out.num_cached_tokens,
+                                        "kvfabric": (out.kv_transfer_params or {}).get("kvfabric")}
+        steps.append(dict(counts))
+        if not hit_added and counts.get(decode, 0) >= 2:
+            engine.add_request(hit, token_prompt(prompts, hit), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                                             ignore_eos=True))
+            hit_added = True
+            steps.append({"hit_added": 1})
+    return {"results": done, "steps": steps}
 
 
 def wait_for_chunks(cache: str, expected: int, timeout: float = 60.0) -> int:
@@ -146,7 +185,8 @@ def compare_with_hf(model: str, cache: str, tokens: list[int]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("phase", choices=["prompts", "baseline", "store", "corrupt", "load", "hf"])
+    ap.add_argument("phase", choices=["prompts", "baseline", "store", "corrupt", "load", "hf", "layerwise",
+                                      "concurrent"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--cache", required=True)
     ap.add_argument("--out", required=True)
@@ -175,9 +215,12 @@ def main() -> None:
             llm = make_llm(args.model, None if args.phase == "baseline" else args.cache, args.phase,
                            prefix_caching=args.phase != "baseline")
             out["startup_s"] = round(time.perf_counter() - started, 1)
-            out["results"] = serve(llm, prompts, names)
+            if args.phase == "concurrent":
+                out.update(concurrent(llm, prompts, *names))
+            else:
+                out["results"] = serve(llm, prompts, names)
             if args.phase == "store":
-                expected = sum(len(prompts[n]) // CHUNK for n in names)
+                expected = sum(len(prompts[n.partition("@")[0]]) // CHUNK for n in names)
                 out["chunk_files"] = wait_for_chunks(args.cache, expected)
             try:  # graceful: the worker's connector flushes its saver and writes its stats
                 llm.llm_engine.engine_core.shutdown(timeout=30)

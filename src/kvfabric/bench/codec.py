@@ -1,4 +1,8 @@
-"""`kvfabric bench codec`: size, quality and speed of every codec on the real model (SmolLM2-135M), held-out text.
+"""`kvfabric bench codec`: size, quality and speed of every codec on the real model, held-out text.
+
+`--model` picks the model (default SmolLM2-135M; Gemma 3, Qwen2 builtins or a local folder); each row names it
+and whether cachegen found a shipped profile for its layout (`profile`: false means the codec ran on statistics
+measured per chunk only, with no per-model tables).
 
 Quality: for each document, the context's KV (prefilled once, fp32) is stored through a codec in 256-token
 chunks and decoded back; the next 64 tokens of the document are then run teacher-forced on top of it. Against
@@ -29,6 +33,7 @@ import numpy as np
 import torch
 
 from kvfabric.bench.common import emit, threads_note
+from kvfabric.engines.model import DEFAULT_MODEL
 from kvfabric.engines.runtime import layout_for, load_for_inference, next_logprobs, prefill
 
 MUSIQUE = Path(__file__).resolve().parents[4] / "shared" / "data" / "musique_s.json"
@@ -128,9 +133,11 @@ def constriction_ceiling(num_symbols: int = 1 << 21) -> dict:
 
 
 def run(as_json: bool = False, plot: str | None = None, num_docs: int = 8, ctx_tokens: int = 2048,
-        next_tokens: int = 64, quick: bool = False, repeats: int = 3, quality: bool = True) -> list[dict]:
+        next_tokens: int = 64, quick: bool = False, repeats: int = 3, quality: bool = True,
+        model_name: str = DEFAULT_MODEL) -> list[dict]:
     """quality=False: sizes and speeds only (one document's KV, no teacher-forced evaluation)."""
     from kvfabric.codec.cachegen import CacheGenCodec
+    from kvfabric.codec.cachegen import profile as cachegen_profile
     from kvfabric.codec.format import parse
     from kvfabric.codec.registry import entry
     default_level = entry("cachegen").default_level
@@ -138,8 +145,9 @@ def run(as_json: bool = False, plot: str | None = None, num_docs: int = 8, ctx_t
         num_docs, ctx_tokens = min(num_docs, 2), min(ctx_tokens, 1024)
     if not quality:
         num_docs = 1
-    model, tok = load_for_inference()
+    model, tok = load_for_inference(model_name)
     layout = layout_for(model.config, "float16")
+    has_profile = cachegen_profile.for_layout(layout) is not None
     docs, held_out = held_out_texts(tok, num_docs, ctx_tokens + next_tokens)
     cands = codecs(quick)
     stats: dict[tuple[str, int], dict] = {(n, lvl): {"kl": [], "top1": [], "bytes": 0, "fp16": 0} for n, lvl, _ in cands}
@@ -174,7 +182,8 @@ def run(as_json: bool = False, plot: str | None = None, num_docs: int = 8, ctx_t
         row = {"codec": name, "level": lvl, "ratio": round(st["fp16"] / st["bytes"], 3),
                "bits": round(16 * st["bytes"] / st["fp16"], 3), "top1": round(float(top1.mean()), 4),
                "kl_mean": round(float(kl.mean()), 5), "kl_p99": round(float(kl.quantile(0.99)), 4),
-               "positions": int(kl.numel()) if quality else 0, "held_out": held_out}
+               "positions": int(kl.numel()) if quality else 0, "held_out": held_out, "model": model_name,
+               "profile": has_profile}
         if not quality:
             row.update(top1=None, kl_mean=None, kl_p99=None)
         row.update(_speed(make(), layout, speed_chunks, repeats))
@@ -188,7 +197,7 @@ def run(as_json: bool = False, plot: str | None = None, num_docs: int = 8, ctx_t
             row["lib_enc_mbps"], row["lib_dec_mbps"] = lib["enc_mbps"], lib["dec_mbps"]
             row["x_lib_dec"] = round(row["dec_mbps"] / max(lib["dec_mbps"], 1e-9), 1)
             row["x_lib_enc"] = round(row["enc_mbps"] / max(lib["enc_mbps"], 1e-9), 1)
-    emit(rows, as_json, f"codecs on SmolLM2-135M: {len(docs)} docs x {ctx_tokens} tokens, next {next_tokens} "
+    emit(rows, as_json, f"codecs on {model_name} (cachegen profile: {has_profile}): {len(docs)} docs x {ctx_tokens} tokens, next {next_tokens} "
          f"teacher-forced ({threads_note()})",
          ["codec", "level", "ratio", "bits", "top1", "kl_mean", "kl_p99", "enc_mbps", "dec_mbps", "enc_cpu_mbps",
           "dec_cpu_mbps"])

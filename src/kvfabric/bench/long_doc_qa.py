@@ -6,6 +6,10 @@ question. Rounds per document:
 - `cold`: with kvfabric, nothing cached yet (miss path: lookup, prefill, store) -> miss overhead vs nocache;
 - `warm-cpu`: another question, the document's KV from the cpu tier;
 - `warm-disk`: the cpu tier emptied, the KV from the disk tier.
+Exactness: after the rounds, the `nocache` prompt is asked again with the cache on (a hit of the document) and
+its next-token logits are compared with the reference prefill's (`hit_max_abs_dlogit`; the issue's bound is
+1e-4 with `--kv-dtype float32`; float16 storage rounds the KV). `--model` runs any builtin model (Gemma 3's
+sliding-window layers, Qwen2) or local folder.
 TTFT ends when the first token is picked; storing the new chunks (`store_s`, encode into the cpu tier, disk
 written in the background) follows it and is reported on its own. Each hit is decomposed against its physical
 limit measured in the same run: load = bytes loaded / memcpy bandwidth of the same bytes, plus the suffix's own
@@ -22,6 +26,7 @@ import torch
 
 from kvfabric.bench.common import emit, emit_summary, threads_note, timed
 from kvfabric.config import Config, DiskTierConfig
+from kvfabric.engines.model import DEFAULT_MODEL
 
 
 def _copy_gbps(num_bytes: int) -> float:
@@ -31,14 +36,15 @@ def _copy_gbps(num_bytes: int) -> float:
 
 
 def run(num_docs: int = 3, doc_tokens: int = 4096, question_tokens: int = 64, seed: int = 0,
-        as_json: bool = False) -> list[dict]:
+        as_json: bool = False, model: str = DEFAULT_MODEL, kv_dtype: str = "float16") -> list[dict]:
     from kvfabric.engines.hf import HFEngine
     rng = np.random.default_rng(seed)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kvfabric-ldqa-") as tmp:
         config = Config(disk=DiskTierConfig(path=os.path.join(tmp, "chunks")))
-        with HFEngine(config=config) as engine:
+        with HFEngine(model, config=config, kv_dtype=kv_dtype) as engine:
             vocab = min(engine.tokenizer.vocab_size, 49_000)
+            dlogits = []
             low = 100  # skip special / control tokens
             docs = [rng.integers(low, vocab, doc_tokens).tolist() for _ in range(num_docs)]
             engine.generate(docs[0][:64], max_new_tokens=1, use_cache=False)  # warm up kernels
@@ -48,6 +54,8 @@ def run(num_docs: int = 3, doc_tokens: int = 4096, question_tokens: int = 64, se
                 first = ("nocache", "cold") if d % 2 == 0 else ("cold", "nocache")
                 for round_name in (*first, "warm-cpu", "warm-disk"):
                     question = rng.integers(low, vocab, question_tokens).tolist()
+                    if round_name == "nocache":
+                        reference_prompt = doc + question
                     if round_name == "warm-disk":
                         cache.flush()
                         cache.clear_tier("cpu")  # the next hit comes from disk
@@ -62,6 +70,10 @@ def run(num_docs: int = 3, doc_tokens: int = 4096, question_tokens: int = 64, se
                                  "tier": "+".join(tiers) or "-", "bytes_loaded": bytes_loaded,
                                  "load_s": round(result.retrieve_s, 4), "suffix_s": round(result.prefill_s, 4),
                                  "store_s": round(result.store_s, 4)})
+                    if round_name == "nocache":
+                        reference = result.logits
+                again = engine.generate(reference_prompt, max_new_tokens=1)  # a hit of the same prompt
+                dlogits.append((again.logits - reference).abs().max().item() if again.hit_tokens else float("nan"))
             cache.flush()
     bw = _copy_gbps(max(r["bytes_loaded"] for r in rows) or 1)
     for r in rows:
@@ -72,7 +84,9 @@ def run(num_docs: int = 3, doc_tokens: int = 4096, question_tokens: int = 64, se
          f"({threads_note()}, memcpy {bw:.1f} GB/s)",
          ["doc", "round", "hit_tokens", "tier", "ttft_s", "load_s", "suffix_s", "store_s", "limit_s",
           "limit_ratio"])
-    summary = _summary(rows)
+    summary = _summary(rows) | {"model": engine.model_id, "kv_dtype": kv_dtype, "doc_tokens": doc_tokens,
+                                "layer_groups": [g.describe() for g in engine.layout.groups] or ["full: all layers"],
+                                "hit_max_abs_dlogit": max(dlogits), "hit_exact_1e-4": max(dlogits) < 1e-4}
     emit_summary(summary, as_json, "summary (medians over documents)")
     return rows + [summary]
 

@@ -1,20 +1,29 @@
-"""`kvfabric bench vllm`: TTFT of a real vLLM (CPU) with and without KVFabricConnector.
+"""`kvfabric bench vllm`: TTFT of a real vLLM (CPU) with and without KVFabricConnector, and with LMCache.
 
 For each prompt size (default 1k / 4k / 8k tokens, distinct texts so that no prompt is a prefix of another):
 
     cold        engine without any connector, first time it sees the prompt
-    kvf cold    engine with kvfabric, cold: the miss path (lookup, gather, background store)  -> overhead vs cold
-    paired      in the kvfabric engine, a same-size prompt with kvfabric switched off for that request
-                (kv_transfer_params), measured just before: the miss-path overhead without engine-to-engine noise
+    kvf cold    engine with kvfabric, cold: the miss path (lookup, gather, background store)
+    miss paired in the kvfabric engine, `--repeats` pairs of same-size prompts, kvfabric switched off for the first
+                of each pair (kv_transfer_params): the miss-path overhead without engine-to-engine noise, as the
+                median and [min, max] of on/off - 1
     floor       vLLM's own prefix-cache hit: the same prompt again in the no-connector engine
-    kvf hit     a FRESH engine with kvfabric on the same cache: cross-process reuse         -> ratio vs floor
+    kvf hit     a FRESH engine with kvfabric on the same cache: cross-process reuse (async load)  -> ratio vs floor
+                (kvfabric runs with save_partial_chunk: an exact repeat reuses all but one token, so a prompt
+                that is not a multiple of the chunk size computes 1 token where vLLM recomputes its last block)
+    load/copy   kvfabric's load time / (bytes loaded / the throughput of reading the same chunk files from the page
+                cache into a buffer and copying them into a tensor, measured in the same process)
+    lmc hit     `--compare lmcache` (the default): vLLM + LMCache (its LMCacheMPConnector and a standalone `lmcache
+                server`, LMCache's multi-process mode, the one that runs on CPU): a cold engine stores, a fresh one
+                hits. Skipped, with a note, where .venv-lmcache is absent (scripts/setup_lmcache_venv.sh)
 
-plus the tokens and bytes kvfabric loaded per tier, and the tokens each hit reused (vLLM's own hit recomputes
-the prompt's last block). TTFT = wall time of `generate(max_tokens=1)`. The columns come from three engine
-processes (start-ups of ~1 min); every engine gets a warm-up request first, and `VLLM_CPU_OMP_THREADS_BIND` is set
-explicitly (a kv_transfer_config changes vLLM's default binding, which would skew the comparison). vLLM must be
-importable by the Python that runs the engines: this one, or `--python`, or the repository's `.venv-vllm`
-(scripts/setup_vllm_venv.sh).
+plus the tokens and bytes kvfabric loaded per tier, the tokens each hit reused (vLLM's own hit recomputes the
+prompt's last block), and the inter-token latency of a decoding request while a cached prompt of the largest size
+loads asynchronously next to it, over its ITL alone. TTFT = wall time of `generate(max_tokens=1)`. Every column
+comes from its own engine process (start-ups of ~1 min); every engine gets a warm-up request first, and
+`VLLM_CPU_OMP_THREADS_BIND` is set explicitly (a kv_transfer_config changes vLLM's default binding, which would
+skew the comparison). vLLM must be importable by the Python that runs the engines: this one, or `--python`, or the
+repository's `.venv-vllm` (scripts/setup_vllm_venv.sh).
 
 Entry points: `main(argv)` (argparse; `--json` prints one JSON object per size), `run(...)` returns the rows.
 """
@@ -24,13 +33,15 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from kvfabric.bench.lmcache import LMCacheServer, find_lmcache_python
 
 DEFAULT_SIZES = (1024, 4096, 8000)
 CHUNK = 256
@@ -53,34 +64,39 @@ def find_python(python: str | None = None) -> str:
                      "or pass --python")
 
 
-def make_prompts(model: str, sizes: Sequence[int]) -> dict[str, list[int]]:
-    """Disjoint token slices of deterministic text (Python's own sources): for each size a measured prompt and a
-    same-size "off" prompt (the paired miss-path baseline), plus a warm-up prompt."""
-    import argparse as argparse_mod
-    import inspect
-    import json as json_mod
-    import logging
-    import typing
+TEXT_MODULES = ("argparse", "typing", "logging", "json.decoder", "json.encoder", "inspect", "dataclasses",
+                "subprocess", "tarfile", "zipfile", "pydoc", "_pydecimal", "shutil", "threading", "difflib",
+                "configparser", "calendar", "doctest", "pathlib", "smtplib", "ftplib", "imaplib", "socket",
+                "statistics", "unittest.case", "http.server", "email.message", "asyncio.base_events")
 
+
+def source_text(modules: Sequence[str] = TEXT_MODULES) -> str:
+    """Deterministic text: the sources of Python's own modules (same on every machine of one Python version)."""
+    import importlib
+    import inspect
+
+    return "\n".join(inspect.getsource(importlib.import_module(name)) for name in modules)
+
+
+def make_prompts(model: str, sizes: Sequence[int], repeats: int = 3) -> dict[str, list[int]]:
+    """Disjoint token slices of deterministic text: for each size the measured prompt `size`, `repeats` same-size
+    "off" prompts and `repeats - 1` "on" prompts (the paired miss-path runs: kvfabric off / on for the request,
+    alternating; the measured prompt is the first "on"), a prompt `itl` of the largest size (loaded while another
+    request decodes), and a warm-up prompt."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    import dataclasses
-    import subprocess as subprocess_mod
-    import tarfile
-    import zipfile
-
-    modules = (argparse_mod, typing, logging, json_mod.decoder, json_mod.encoder, inspect, dataclasses,
-               subprocess_mod, tarfile, zipfile)
-    ids = tok("\n".join(inspect.getsource(m) for m in modules)).input_ids
-    need = 2 * sum(sizes) + WARMUP_TOKENS
-    if len(ids) < need:
-        raise SystemExit(f"not enough text for {need} tokens ({len(ids)})")
-    prompts, at = {"warmup": ids[:WARMUP_TOKENS]}, WARMUP_TOKENS
-    for size in sizes:
-        for name in (str(size), f"{size}/off"):
-            prompts[name] = ids[at:at + size]
-            at += size
+    ids = tok(source_text()).input_ids
+    tags = ["", *(f"/off{r}" for r in range(repeats)), *(f"/on{r}" for r in range(1, repeats))]
+    names = ["warmup"] + [f"{size}{tag}" for size in sizes for tag in tags]
+    lengths = [WARMUP_TOKENS] + [int(name.split("/")[0]) for name in names[1:]] + [max(sizes)]
+    names.append("itl")
+    if len(ids) < sum(lengths):
+        raise SystemExit(f"not enough text for {sum(lengths)} tokens ({len(ids)})")
+    prompts, at = {}, 0
+    for name, length in zip(names, lengths):
+        prompts[name] = ids[at:at + length]
+        at += length
     return prompts
 
 
@@ -91,9 +107,11 @@ def _child(python: str, spec: dict[str, Any], workdir: Path, timeout: float) -> 
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the kvfabric CLI does: spinning OpenMP collapses on busy cores
+    src = str(Path(__file__).resolve().parents[2])  # this checkout's kvfabric, whichever venv runs the engine
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     log = workdir / f"engine-{spec['mode']}.log"
     with open(log, "w") as f:
-        proc = subprocess.run([python, "-m", "kvfabric.bench.vllm", "--_engine", str(spec_path)], stdout=f,
+        proc = subprocess.run([python, "-m", "kvfabric.bench.vllm_engine", str(spec_path)], stdout=f,
                               stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=workdir)
     if proc.returncode != 0 or not Path(spec["out"]).exists():
         raise RuntimeError(f"engine {spec['mode']} failed (rc={proc.returncode}); log: {log}\n"
@@ -101,8 +119,13 @@ def _child(python: str, spec: dict[str, Any], workdir: Path, timeout: float) -> 
     return json.loads(Path(spec["out"]).read_text())
 
 
+def _median_spread(values: Sequence[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
 def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str | None = None,
-        model: str | None = None, workdir: str | None = None, timeout: float = 3600) -> list[dict[str, Any]]:
+        model: str | None = None, workdir: str | None = None, timeout: float = 3600, repeats: int = 3,
+        lmcache: bool = True) -> list[dict[str, Any]]:
     python = find_python(python)
     if model is None:
         from kvfabric.engines.model import ensure_model
@@ -114,119 +137,97 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
     work.mkdir(parents=True, exist_ok=True)
     cache = work / "cache"
     prompts_path = work / "prompts.json"
-    prompts_path.write_text(json.dumps(make_prompts(model, sizes)))
-    common = {"model": model, "prompts": str(prompts_path), "cache": str(cache), "sizes": sizes}
+    prompts_path.write_text(json.dumps(make_prompts(model, sizes, repeats)))
+    common = {"model": model, "prompts": str(prompts_path), "cache": str(cache), "sizes": sizes, "repeats": repeats}
     log = (lambda msg: None) if as_json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     results = {}
     for mode in ("plain", "kvfabric-cold", "kvfabric-hit"):
         log(f"[bench vllm] engine {mode} ...")
-        results[mode] = _child(python, {**common, "mode": mode}, work, timeout)
+        spec = {**common, "mode": mode}
+        if mode == "kvfabric-hit":
+            spec["files"] = results["kvfabric-cold"]["files"]
+        results[mode] = _child(python, spec, work, timeout)
         log(f"[bench vllm] engine {mode}: start-up {results[mode]['startup_s']} s, "
             f"{json.dumps(results[mode]['ttft'])}")
-    rows = []
-    for size in sizes:
-        key = str(size)
-        cold = results["plain"]["ttft"][key]["cold"]
-        floor = results["plain"]["ttft"][key]["hit"]
-        kvf_cold = results["kvfabric-cold"]["ttft"][key]["cold"]
-        hit = results["kvfabric-hit"]["ttft"][key]
-        kvf = results["kvfabric-cold"]["ttft"][key]
-        rows.append({
-            "tokens": size, "cold_s": cold, "kvf_cold_s": kvf_cold, "miss_overhead": kvf_cold / cold - 1,
-            "paired_off_s": kvf["off"], "miss_overhead_paired": kvf_cold / kvf["off"] - 1,
-            "floor_s": floor, "floor_reused": results["plain"]["ttft"][key]["hit_cached"],
-            "kvf_hit_s": hit["cold"], "hit_vs_floor": hit["cold"] / floor, "kvf_reused": hit["cold_cached"],
-            "loaded_tokens": hit.get("loaded_tokens", 0), "bytes_loaded": hit.get("bytes_loaded", {}),
-            "stored_chunks": kvf.get("chunk_files"),
-        })
+    lmcache_python = find_lmcache_python() if lmcache else None
+    lmcache_note = "" if lmcache_python else (
+        "LMCache column skipped: no .venv-lmcache with lmcache and vllm (scripts/setup_lmcache_venv.sh)" if lmcache
+        else "LMCache: --compare none")
+    if lmcache_python:
+        server = LMCacheServer(lmcache_python, work, l1_gb=2.0)
+        try:
+            for mode in ("lmcache-cold", "lmcache-hit"):
+                log(f"[bench vllm] engine {mode} ...")
+                try:
+                    results[mode] = _child(lmcache_python, {**common, "mode": mode, "lmcache": server.extra_config()},
+                                           work, timeout)
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    lmcache_note = f"LMCache failed: {str(exc)[:300]}"
+                    break
+        finally:
+            server.stop()
+    if lmcache_note:
+        log(f"[bench vllm] {lmcache_note}")
+    rows = [_row(results, size, repeats, lmcache_note) for size in sizes]
+    itl = results["kvfabric-hit"].get("itl", {})
+    if itl:  # measured with a prompt of the largest size loading
+        rows[sizes.index(max(sizes))].update({k if k.startswith("itl_") else f"itl_{k}": v for k, v in itl.items()})
     if as_json:
         for row in rows:
             print(json.dumps(row), flush=True)
     else:
-        from kvfabric.bench.common import emit
-        table = [{"tokens": row["tokens"], "cold": row["cold_s"], "kvf cold": row["kvf_cold_s"],
-                  "miss": f"{row['miss_overhead']:+.1%}", "paired off": row["paired_off_s"],
-                  "miss paired": f"{row['miss_overhead_paired']:+.1%}", "floor": row["floor_s"],
-                  "kvf hit": row["kvf_hit_s"], "hit/floor": f"{row['hit_vs_floor']:.2f}x",
-                  "reused floor/kvf": f"{row['floor_reused']}/{row['kvf_reused']}",
-                  "loaded": ", ".join(f"{t} {b / 2**20:.0f}MiB" for t, b in row["bytes_loaded"].items())}
-                 for row in rows]
-        emit(table, False, "vLLM + kvfabric TTFT (s)", list(table[0]))
+        _table(rows)
+        if itl:
+            print(f"async load while another request decodes: ITL during the load / alone = "
+                  f"{itl['ratio']:.2f} ({itl['num_during']} tokens during the load)", file=sys.stderr)
         print(f"work dir: {work}", file=sys.stderr)
     return rows
 
 
-# ---- child: one engine -------------------------------------------------------------------------------------
-def _engine(spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def _row(results: dict[str, Any], size: int, repeats: int, lmcache_note: str) -> dict[str, Any]:
+    key = str(size)
+    plain, cold, hit = (results[m]["ttft"][key] for m in ("plain", "kvfabric-cold", "kvfabric-hit"))
+    overheads = [on / off - 1 for on, off in zip(cold["on"], cold["off"])]
+    median, low, high = _median_spread(overheads)
+    load_s, copy_bps = hit.get("load_s", 0.0), hit.get("pagecache_copy_bps", 0.0)
+    bytes_loaded = sum(hit.get("bytes_loaded", {}).values())
+    floor_s = bytes_loaded / copy_bps if copy_bps else 0.0
+    row = {
+        "tokens": size, "cold_s": plain["cold"], "kvf_cold_s": cold["on"][0], "miss_overhead": cold["on"][0] /
+        plain["cold"] - 1, "miss_overhead_paired": median, "miss_overhead_paired_min": low,
+        "miss_overhead_paired_max": high, "paired_runs": len(overheads),
+        "floor_s": plain["hit"], "floor_reused": plain["hit_cached"],
+        "kvf_hit_s": hit["cold"], "hit_vs_floor": hit["cold"] / plain["hit"], "kvf_reused": hit["cold_cached"],
+        "loaded_tokens": hit.get("loaded_tokens", 0), "bytes_loaded": hit.get("bytes_loaded", {}),
+        "load_s": load_s, "pagecache_copy_MBps": copy_bps / 1e6, "load_vs_copy": load_s / floor_s if floor_s else None,
+    }
+    if "lmcache-hit" in results:
+        lm_hit = results["lmcache-hit"]["ttft"][key]
+        row.update({"lmcache_cold_s": results["lmcache-cold"]["ttft"][key]["cold"], "lmcache_hit_s": lm_hit["cold"],
+                    "lmcache_reused": lm_hit["cold_cached"], "kvf_vs_lmcache": hit["cold"] / lm_hit["cold"]})
+    else:
+        row["lmcache_note"] = lmcache_note
+    return row
 
-    mode, cache = spec["mode"], spec["cache"]
-    prompts = json.loads(Path(spec["prompts"]).read_text())
-    stats_path = Path(cache).parent / f"stats-{mode}.json"
-    kwargs: dict[str, Any] = dict(model=spec["model"], dtype="float32", enforce_eager=True,
-                                  max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=2 << 30, max_num_seqs=4, seed=0)
-    if mode != "plain":
-        from kvfabric.connectors.vllm import kv_transfer_config
-        kwargs["kv_transfer_config"] = kv_transfer_config({
-            "chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": cache}, "model_id": MODEL_ID,
-            "stats_path": str(stats_path)})
-    started = time.perf_counter()
-    llm = LLM(**kwargs)
-    startup = time.perf_counter() - started
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    params_off = SamplingParams(temperature=0.0, max_tokens=1,
-                                extra_args={"kv_transfer_params": {"kvfabric": {"load": False, "store": False}}})
 
-    def ttft(tokens: list[int], off: bool = False) -> tuple[float, int]:
-        t0 = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params_off if off else params, use_tqdm=False)
-        return time.perf_counter() - t0, int(out[0].num_cached_tokens or 0)
+def _table(rows: list[dict[str, Any]]) -> None:
+    from kvfabric.bench.common import emit
 
-    def worker_counters() -> dict[str, Any]:
-        try:
-            return json.loads(stats_path.read_text())["connector"]
-        except (OSError, ValueError, KeyError):
-            return {}
-
-    def chunk_files() -> int:
-        return sum(1 for _ in Path(cache).glob("??/*.kvc")) if Path(cache).exists() else 0
-
-    ttft(prompts["warmup"])
-    out: dict[str, Any] = {}
-    for size in spec["sizes"]:
-        key = str(size)
-        row: dict[str, Any] = {}
-        if mode == "kvfabric-hit":
-            before = worker_counters()
-            row["cold"], row["cold_cached"] = ttft(prompts[key])
-            after = worker_counters()
-            row["loaded_tokens"] = after.get("loaded_tokens", 0) - before.get("loaded_tokens", 0)
-            row["bytes_loaded"] = {k.split(".", 1)[1]: after[k] - before.get(k, 0) for k in after
-                                   if k.startswith("bytes_loaded.") and after[k] != before.get(k, 0)}
-        else:
-            if mode == "kvfabric-cold":  # same-size prompt, kvfabric off for this request: the paired baseline
-                row["off"], _ = ttft(prompts[f"{key}/off"], off=True)
-            expected = chunk_files() + size // CHUNK
-            row["cold"], row["cold_cached"] = ttft(prompts[key])
-            if mode == "plain":
-                row["hit"], row["hit_cached"] = ttft(prompts[key])
-            else:  # let the background save finish before the next measurement
-                deadline = time.time() + 120
-                while chunk_files() < expected and time.time() < deadline:
-                    time.sleep(0.1)
-                row["chunk_files"] = chunk_files()
-        out[key] = row
-        print(f"[{mode}] {key}: {json.dumps(row)}", flush=True)
-    Path(spec["out"]).write_text(json.dumps({"mode": mode, "startup_s": round(startup, 1), "ttft": out}))
-    try:
-        llm.llm_engine.engine_core.shutdown(timeout=30)
-    except Exception as exc:  # noqa: BLE001
-        print(f"engine shutdown: {exc!r}", flush=True)
-    sys.stdout.flush()
-    os._exit(0)
+    table = []
+    for row in rows:
+        line = {"tokens": row["tokens"], "cold": row["cold_s"], "kvf cold": row["kvf_cold_s"],
+                "miss paired": f"{row['miss_overhead_paired']:+.1%} [{row['miss_overhead_paired_min']:+.1%}, "
+                               f"{row['miss_overhead_paired_max']:+.1%}]",
+                "floor": row["floor_s"], "kvf hit": row["kvf_hit_s"], "hit/floor": f"{row['hit_vs_floor']:.2f}x",
+                "load/copy": f"{row['load_vs_copy']:.2f}x" if row["load_vs_copy"] else "-",
+                "reused floor/kvf": f"{row['floor_reused']}/{row['kvf_reused']}"}
+        if "lmcache_hit_s" in row:
+            line.update({"lmc hit": row["lmcache_hit_s"], "kvf/lmc": f"{row['kvf_vs_lmcache']:.2f}x"})
+        table.append(line)
+    emit(table, False, "vLLM + kvfabric TTFT (s); miss paired: median [min, max] of kvfabric on/off - 1",
+         list(table[0]))
+    if "lmcache_note" in rows[0]:
+        print(rows[0]["lmcache_note"], file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -236,13 +237,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--python", default=None, help="Python with vLLM installed (default: this one or .venv-vllm)")
     ap.add_argument("--model", default=None, help="HF model folder (default: kvfabric's SmolLM2 via ensure_model)")
     ap.add_argument("--workdir", default=None, help="where the cache, prompts and engine logs go (default: a temp dir)")
-    ap.add_argument("--_engine", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--repeats", type=int, default=3, help="paired miss-path runs per size (median and spread)")
+    ap.add_argument("--compare", choices=("lmcache", "none"), default="lmcache",
+                    help="the LMCache column (vLLM + LMCache in its MP mode, from .venv-lmcache), or none")
     args = ap.parse_args(argv)
-    if args._engine:
-        _engine(args._engine)
-        return 0
     run([int(s) for s in args.sizes.split(",") if s], as_json=args.json, python=args.python, model=args.model,
-        workdir=args.workdir)
+        workdir=args.workdir, repeats=args.repeats, lmcache=args.compare == "lmcache")
     return 0
 
 

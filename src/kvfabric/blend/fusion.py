@@ -15,8 +15,10 @@ kept in a :class:`~kvfabric.blend.store.PassageStore` (a CacheEngine namespace `
       the tokens still active are compared with the cached ones, the reused tokens are ranked by that deviation
       (by default weighted by the attention the computed tokens pay them: ``BlendConfig.score``) and
       only the top fraction stays active (gradual filtering: ``gradual`` x ratio at the first check layer, narrowing
-      linearly to ``recompute_ratio`` at the last); later layers run only for the active tokens (plus every computed
-      token) and write their K/V over the cached ones;
+      linearly to the final ratio at the last); later layers run only for the active tokens (plus every computed
+      token) and write their K/V over the cached ones. ``recompute_frac`` (default ``BlendConfig.recompute_frac``,
+      or the load controller's choice) is the compute: the share of the reused tokens recomputed per layer,
+      averaged over all layers, a check layer counted with every token it scores; the final ratio follows from it;
     - ``"random"``: the same, with random scores (the control).
   ``ranking`` (a score per prompt token, higher first) replaces the blend score at every check layer: a study tool,
   e.g. the oracle of ``kvfabric bench blend --oracle`` built from a full prefill.
@@ -141,7 +143,7 @@ class Blender:
 
     @torch.inference_mode()
     def prefill(self, segments: Sequence[Sequence[int]], *, mode: Mode = "blend", reuse: Sequence[bool] | None = None,
-                recompute_ratio: float | None = None, logits_from: int | None = None, capacity: int | None = None,
+                recompute_frac: float | None = None, logits_from: int | None = None, capacity: int | None = None,
                 seed: int = 0, ranking: torch.Tensor | None = None) -> BlendResult:
         started = time.perf_counter()
         if mode not in MODES:
@@ -181,17 +183,16 @@ class Blender:
         if not spans or mode == "full":
             return self._full(tokens, kv, logits_from, started, mode, fallback or ("" if mode == "full" else "miss"))
 
+        num_layers = self.runner.num_layers
         if mode == "reuse":
             ratio = 0.0
-        elif recompute_ratio is not None:
-            ratio = float(recompute_ratio)
-        elif self.controller is not None:
+        elif recompute_frac is not None:
+            ratio = self.config.ratio_for(float(recompute_frac), num_layers)
+        elif self.controller is not None:  # the controller thinks per layer: it gives the final ratio
             per_layer = reused * self.store.layout.num_bytes(1) // self.store.group
             ratio = self.controller.choose(reused, per_layer, fixed_tokens=n - reused)
         else:
-            ratio = self.config.recompute_ratio
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"recompute_ratio must be in [0, 1], got {ratio}")
+            ratio = self.config.ratio_for(self.config.recompute_frac, num_layers)
         checks = [] if mode == "reuse" else list(self.config.check_layers)
         first_loaded = checks[0] if checks else 0  # layers before it run for every token: no load needed
         groups = sorted({self.store.group_of(l) for l in range(first_loaded, self.runner.num_layers)})
@@ -227,10 +228,10 @@ class Blender:
         n = len(tokens)
         num_reused = n - int(fixed.sum())
         ids = torch.tensor(tokens)
-        cos_all, sin_all = runner.rope(torch.arange(n))
         keep = dict(zip(checks, self.config.fractions(ratio))) if checks else {}
         first = checks[0] if checks else 0
         active = torch.arange(n) if first > 0 else torch.nonzero(fixed).view(-1)
+        run = runner.tokens(active, n)  # rope, slots and attention plan of the active set, shared by its layers
         hidden = runner.embed(ids[active])
         gen = torch.Generator().manual_seed(seed)
         per_layer: list[int] = []
@@ -243,14 +244,13 @@ class Blender:
             loader.wait(store.group_of(l))  # returns at once for a group that is not loaded
             wait_s += time.perf_counter() - t
             t = time.perf_counter()
-            rope = (cos_all[active], sin_all[active])
-            per_layer.append(int(active.numel()))
+            per_layer.append(run.num_tokens)
             if l in keep:
-                q, k, v = runner.qkv(l, hidden, rope)
+                q, k, v = runner.qkv(l, hidden, run.rope)
                 local_reused = torch.nonzero(~fixed[active]).view(-1)
                 pos_reused = active[local_reused]
                 old = (kv[l, 0][:, pos_reused], kv[l, 1][:, pos_reused])  # gathered (copies) before the write
-                runner.write_kv(kv, l, _as_index(active), k, v)  # fresh K/V for every active token
+                runner.write_kv(kv, l, run.slots, k, v)  # fresh K/V for every active token
                 if mode == "random":
                     scores = torch.rand(local_reused.numel(), generator=gen)
                 elif ranking is not None:  # the caller's own ranking (studies: an oracle built from a full prefill)
@@ -263,9 +263,10 @@ class Blender:
                 chosen = local_reused[torch.topk(scores, count).indices] if count else local_reused[:0]
                 selected = torch.sort(torch.cat([torch.nonzero(fixed[active]).view(-1), chosen])).values
                 active, hidden, q = active[selected], hidden[:, selected], q[:, :, selected]
-                hidden = runner.attend(l, hidden, q, kv, active, n)
+                run = runner.tokens(active, n)
+                hidden = runner.attend(l, hidden, q, kv, run)
             else:
-                hidden = runner.layer(l, hidden, kv, active, n, rope)
+                hidden = runner.layer(l, hidden, kv, run)
             dt = time.perf_counter() - t
             if l > first:
                 compute_s += dt
@@ -352,7 +353,3 @@ class Blender:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _as_index(positions: torch.Tensor) -> slice | torch.Tensor:
-    first, last = int(positions[0]), int(positions[-1])
-    return slice(first, last + 1) if last - first + 1 == positions.numel() else positions

@@ -7,10 +7,15 @@ Contract
   embedding), so with every token computed it equals the HF forward (fp32: logits within 1e-4).
 * KV lives in one fp32 workspace ``kv [L, 2, H_kv, T, D]`` (K after RoPE, as HF caches it). Token ``i`` of the
   prompt sits at position ``i`` and at slot ``i``: positions are slot indices.
-* :meth:`LlamaRunner.layer` runs one decoder layer for a chosen subset of tokens ``positions`` (sorted, any subset):
-  it writes their fresh K/V into slots ``positions`` of layer ``l`` and lets them attend, causally, to slots
-  ``[0, length)`` of that layer, whatever those slots hold (fresh or cached KV). Split in two
-  (:meth:`qkv` then :meth:`attend`) so a caller can look at the fresh K/V before it overwrites the old.
+* :meth:`LlamaRunner.tokens` describes a set of tokens (sorted positions, any subset) once: their RoPE, where their
+  K/V go, and how they attend (:class:`Tokens`). A caller that runs the same set through several layers builds it
+  once. :meth:`LlamaRunner.layer` runs one decoder layer for such a set: it writes their fresh K/V into their slots
+  of layer ``l`` and lets them attend, causally by position, to slots ``[key_start, length)`` of that layer,
+  whatever those slots hold (fresh or cached KV). Split in two (:meth:`qkv` then :meth:`attend`) so a caller can
+  look at the fresh K/V before it overwrites the old.
+* Attention: every slot in order runs the causal kernel; one token at the end (decode) attends to everything; any
+  other set (scattered queries, a suffix over a cached prefix) runs a plan of :mod:`kvfabric.blend.sparse` (blocks
+  of queries: an unmasked prefix and a masked window, merged by log-sum-exp).
 * :meth:`forward` runs a token run through all layers (prefill of a prompt, a passage, a suffix, decode steps).
 * :func:`rotate` applies RoPE by a position delta: K computed at positions ``p`` becomes K at ``p + delta``
   (RoPE is a rotation, R(p + d) = R(d) R(p)); exact up to fp error.
@@ -18,16 +23,15 @@ Everything here runs under ``torch.inference_mode`` by the callers; nothing is t
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kvfabric.blend import sparse
+
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-SPARSE_BLOCK = 64  # queries per block of scattered-query attention (fastest of 32-256 at 1k of 6k tokens)
-# torch's CPU flash-attention kernel; unlike scaled_dot_product_attention it also returns the log-sum-exp of
-# each query's scores, which lets two partial attentions merge exactly
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 class UnsupportedModel(ValueError):
@@ -48,6 +52,22 @@ def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """Re-rotate K in place by the rotation whose cos/sin ([D] or [s, D]) are given; returns k."""
     k.copy_(apply_rope(k, cos, sin))
     return k
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """A set of tokens as one layer runs them (built by :meth:`LlamaRunner.tokens`)."""
+    positions: torch.Tensor  # [s] sorted, distinct; also their slots in the workspace
+    slots: slice | torch.Tensor  # the same positions; a slice when contiguous (a copy instead of a scatter)
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [s, D]
+    length: int  # they attend to key slots [key_start, length), causally by position
+    key_start: int
+    kind: str  # "causal" (every slot in order), "last" (one token at the end: sees everything), "planned"
+    plan: sparse.Plan | None  # for "planned": the query blocks
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.numel())
 
 
 class LlamaRunner:
@@ -93,6 +113,25 @@ class LlamaRunner:
         cos, sin = self.rotary_emb(self._probe, positions.view(1, -1))
         return cos[0], sin[0]
 
+    def tokens(self, positions: torch.Tensor, length: int | None = None, key_start: int = 0) -> Tokens:
+        """Describe the tokens at ``positions`` [s] (sorted, distinct) attending to slots [key_start, length)
+        (default: up to the last position)."""
+        positions = positions.view(-1).to(torch.int64)
+        num, first, last = int(positions.numel()), int(positions[0]), int(positions[-1])
+        length = last + 1 if length is None else int(length)
+        if first < key_start or last >= length:
+            raise ValueError(f"positions [{first}, {last}] outside the keys [{key_start}, {length})")
+        slots: slice | torch.Tensor = slice(first, last + 1) if last - first + 1 == num else positions
+        plan = None
+        if first == key_start and num == length - key_start:
+            kind = "causal"
+        elif num == 1 and first == length - 1:
+            kind = "last"
+        else:
+            kind = "planned"
+            plan = sparse.plan(positions - key_start, self.num_heads // self.num_kv_heads, self.dtype)
+        return Tokens(positions, slots, self.rope(positions), length, key_start, kind, plan)
+
     def delta_rotation(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [D] of the rotation by ``delta`` positions (attention scaling of the rope undone)."""
         cos, sin = self.rope(torch.tensor([delta]))
@@ -118,69 +157,34 @@ class LlamaRunner:
         return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v
 
     @staticmethod
-    def write_kv(kv: torch.Tensor, l: int, positions: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write k, v [1, Hkv, s, D] into layer l at slots ``positions`` (a slice or a LongTensor)."""
-        if isinstance(positions, slice):
-            kv[l, 0, :, positions].copy_(k[0])
-            kv[l, 1, :, positions].copy_(v[0])
+    def write_kv(kv: torch.Tensor, l: int, slots: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [1, Hkv, s, D] into layer l at ``slots`` (a slice or a LongTensor, e.g. ``Tokens.slots``)."""
+        if isinstance(slots, slice):
+            kv[l, 0, :, slots].copy_(k[0])
+            kv[l, 1, :, slots].copy_(v[0])
         else:
-            kv[l, 0].index_copy_(1, positions, k[0])
-            kv[l, 1].index_copy_(1, positions, v[0])
+            kv[l, 0].index_copy_(1, slots, k[0])
+            kv[l, 1].index_copy_(1, slots, v[0])
 
-    def attend(self, l: int, hidden: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
-               length: int, key_start: int = 0) -> torch.Tensor:
-        """Attention of the tokens ``positions`` (q [1, Hq, s, D]) over slots [key_start, length) of layer l, causal
-        by position, then the MLP. hidden [1, s, E] is the layer input of the same tokens; returns the layer output."""
+    def attend(self, l: int, hidden: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, tokens: Tokens) -> torch.Tensor:
+        """Attention of ``tokens`` (q [1, Hq, s, D]) over their keys in layer l, then the MLP. hidden [1, s, E] is
+        the layer input of the same tokens; returns the layer output."""
         layer = self.layers[l]
-        attn = layer.self_attn
         s = q.shape[2]
-        keys = kv[l, 0, :, key_start:length].unsqueeze(0)
-        values = kv[l, 1, :, key_start:length].unsqueeze(0)
-        first, num_keys = int(positions[0]), length - key_start
-        if first == key_start and s == num_keys:  # every slot, in order: plain causal (the fastest kernel)
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scaling, enable_gqa=True)
-        elif s == 1 and first == length - 1:  # one token attending to everything (decode)
-            out = F.scaled_dot_product_attention(q, keys, values, scale=self.scaling, enable_gqa=True)
-        else:
-            out = self._attend_sparse(q, keys, values, positions, key_start)
-        out = attn.o_proj(out.transpose(1, 2).reshape(1, s, -1))
-        hidden = hidden + out
+        keys = kv[l, 0, :, tokens.key_start:tokens.length].unsqueeze(0)
+        values = kv[l, 1, :, tokens.key_start:tokens.length].unsqueeze(0)
+        if tokens.plan is not None:
+            out = sparse.attend(tokens.plan, q, keys, values, self.scaling)  # [1, s, Hq, D]
+        else:  # every slot in order (causal: the fastest kernel), or one token at the end attending to everything
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=tokens.kind == "causal",
+                                                 scale=self.scaling, enable_gqa=True).transpose(1, 2)
+        hidden = hidden + layer.self_attn.o_proj(out.reshape(1, s, -1))
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
-    def _attend_sparse(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                       key_start: int) -> torch.Tensor:
-        """Queries at scattered (increasing) positions, causal by position; q [1, Hq, s, D], keys/values
-        [1, Hkv, n, D] -> [1, Hq, s, D]. Why two kernel calls per block of queries: a masked kernel cannot skip
-        the keys a query never sees and pays for the mask on every score. A block of queries at positions
-        [p0, p1] sees every key before p0: that part runs unmasked (the fast kernel), only the window [p0, p1]
-        is masked, and the two partial softmaxes are merged by their log-sum-exp. The query heads that share a
-        KV head are stacked, so each key is read once per KV head (GQA)."""
-        _, num_q_heads, s, dim = q.shape
-        num_kv_heads = keys.shape[1]
-        group = num_q_heads // num_kv_heads
-        outs = []
-        for a in range(0, s, SPARSE_BLOCK):
-            b = min(s, a + SPARSE_BLOCK)
-            m = b - a
-            p0, p1 = int(positions[a]) - key_start, int(positions[b - 1]) + 1 - key_start  # key slots
-            qb = q[:, :, a:b].reshape(1, num_kv_heads, group * m, dim)  # [1, Hkv, group * m, D]
-            seen = torch.arange(p0, p1).view(1, -1) <= (positions[a:b] - key_start).view(-1, 1)  # [m, p1 - p0]
-            mask = torch.zeros(m, p1 - p0, dtype=q.dtype).masked_fill_(~seen, float("-inf")).repeat(group, 1)
-            out, lse = _flash(qb, keys[:, :, p0:p1], values[:, :, p0:p1], attn_mask=mask.view(1, 1, group * m, -1),
-                              scale=self.scaling)
-            if p0 > 0:
-                out0, lse0 = _flash(qb, keys[:, :, :p0], values[:, :, :p0], scale=self.scaling)
-                top = torch.maximum(lse, lse0)
-                w, w0 = (lse - top).exp().unsqueeze(-1), (lse0 - top).exp().unsqueeze(-1)
-                out = ((out * w + out0 * w0) / (w + w0)).to(q.dtype)
-            outs.append(out.reshape(1, num_q_heads, m, dim))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-
-    def layer(self, l: int, hidden: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, length: int,
-              rope: tuple[torch.Tensor, torch.Tensor], key_start: int = 0) -> torch.Tensor:
-        q, k, v = self.qkv(l, hidden, rope)
-        self.write_kv(kv, l, _as_slice(positions), k, v)
-        return self.attend(l, hidden, q, kv, positions, length, key_start)
+    def layer(self, l: int, hidden: torch.Tensor, kv: torch.Tensor, tokens: Tokens) -> torch.Tensor:
+        q, k, v = self.qkv(l, hidden, tokens.rope)
+        self.write_kv(kv, l, tokens.slots, k, v)
+        return self.attend(l, hidden, q, kv, tokens)
 
     # ---- whole model -------------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, kv: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None,
@@ -197,20 +201,13 @@ class LlamaRunner:
             raise ValueError(f"workspace holds {kv.shape[3]} tokens, need {length}")
         if length > self.max_positions:
             raise ValueError(f"{length} tokens exceed the model's context of {self.max_positions}")
-        rope = self.rope(positions)
+        tokens = self.tokens(positions, length, key_start)
         hidden = self.embed(ids)
         for l in range(self.num_layers):
-            hidden = self.layer(l, hidden, kv, positions, length, rope, key_start)
+            hidden = self.layer(l, hidden, kv, tokens)
         return hidden[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden [s, E] -> fp32 logits [s, V]."""
         return self.lm_head(self.norm(hidden)).float()
 
-
-def _as_slice(positions: torch.Tensor) -> slice | torch.Tensor:
-    """A contiguous run of positions as a slice (a plain copy instead of a scatter)."""
-    first, last = int(positions[0]), int(positions[-1])
-    if last - first + 1 == positions.numel():
-        return slice(first, last + 1)
-    return positions

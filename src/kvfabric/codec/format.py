@@ -16,6 +16,10 @@ Layout of a chunk blob (all integers little-endian):
     84     8     xxh3-64 of bytes [0, 84): the header protects itself
     92     ...   payload (codec-specific)
 
+What the payload holds: the KV of the chunk's own tokens for every layer, sliding-window layers included (see
+`kvfabric.layout` for why and for which rows a load needs); the fingerprint names the layout's layer groups, so a
+chunk of another group map is refused like one of another model.
+
 Contract: `parse` accepts a blob only if every field checks out (magic, version, lengths, both checksums, the
 expected key); otherwise it raises `ChunkFormatError`, which callers turn into a counted miss. Nothing is
 unpickled, and no length read from the blob is used before it is bounds-checked against the blob's real size.

@@ -10,9 +10,17 @@ Contract
      pointer, so the suffix prefill and every decode step write K/V in place: no cat,
      no reallocation. At least the last prompt token is always recomputed;
   4. newly computed whole chunks are stored (``cache.store``), then decoding runs
-     (greedy, or sampling with an explicit seed).
+     (greedy, or sampling with an explicit seed). With a KV budget (``generate(kv_budget=0.3)`` or the config's
+     ``flexicache.kv_budget``) decoding runs on paged KV (engines.flexicache): the prompt's KV is paged per
+     (layer, KV head), only the budget's share stays in the fast pool, and ``result.decode_memory`` reports it.
+The cache is in-process (``CacheEngine``) or, with ``mode: server`` in the config, the host's ``kvfabric server``
+(``RemoteCache``: same calls; a server that is down is a miss, never an error).
 Compute is always fp32; the cache stores KV in ``kv_dtype`` (default float16). With
 float32 storage a hit gives the same logits as a full prefill (|diff| < 1e-4).
+Sliding-window layers (Gemma 3; the layout's window groups) live full-length in the same buffer: the model's
+mask applies the window by absolute position, so every window-layer row a prefill computes is there to store,
+and a hit restores exactly the rows a continuation reads (``KVLayout.window_start``); tested on Gemma-3-270m
+and Qwen2.5-Coder-0.5B in tests/test_hf_models.py.
 An ``HFEngine`` is not thread-safe (it owns one reusable buffer).
 """
 
@@ -28,8 +36,10 @@ from typing import Any
 import torch
 
 from kvfabric import CacheEngine, Config
+from kvfabric.engines.flexicache import DecodeMemoryStats, paged_kv
 from kvfabric.engines.model import DEFAULT_MODEL, MARKER, ModelError, load_model
 from kvfabric.engines.runtime import BufferCache, default_num_threads, layout_for, use_fast_attention
+from kvfabric.remote import RemoteCache, open_cache
 
 PREFILL_PIECE = 512  # tokens per forward when the caller wants prefill progress
 
@@ -47,6 +57,7 @@ class GenerationResult:
     store_s: float
     decode_s: float
     logits: torch.Tensor  # [vocab] fp32 next-token logits after the prompt
+    decode_memory: DecodeMemoryStats | None = None  # paged decode (kv_budget > 0): resident KV, moves, time
 
 
 def _default_model_id(name_or_path: str | Path) -> str:
@@ -64,7 +75,7 @@ class HFEngine:
         self,
         model_name_or_path: str | Path = DEFAULT_MODEL,
         *,
-        cache: CacheEngine | None = None,
+        cache: CacheEngine | RemoteCache | None = None,
         config: Config | None = None,
         kv_dtype: str = "float16",
         model_id: str | None = None,
@@ -79,14 +90,15 @@ class HFEngine:
         if getattr(model.config, "is_encoder_decoder", False) or not model.can_generate():
             raise ModelError(f"{model_name_or_path}: not a decoder-only causal LM")
         self.model = model.float().eval()
-        if fast_attention:
-            use_fast_attention(self.model)  # note: switches a caller-provided model too
+        # note: switches a caller-provided model too; paged decode needs it (its attention hook lives there)
+        self._hooked = fast_attention and use_fast_attention(self.model)
+        self.decode_config = (config or Config()).flexicache
         self.tokenizer = tokenizer
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.model_id = model_id or _default_model_id(model_name_or_path)
         self._owns_cache = cache is None  # close() closes only a cache we built
         if cache is None:
-            cache = CacheEngine(config or Config(), layout_for(model.config, kv_dtype), self.model_id)
+            cache = open_cache(config or Config(), layout_for(model.config, kv_dtype), self.model_id)  # mode: server too
         self.cache = cache
         ours = layout_for(model.config, self.cache.layout.dtype)
         if self.cache.layout != ours:
@@ -117,11 +129,12 @@ class HFEngine:
             self._buf = torch.empty(self.layout.shape(capacity), dtype=torch.float32)
         return self._buf[:, :, :, :num_tokens]
 
-    def _forward(self, ids: Sequence[int], cache: BufferCache, start: int) -> torch.Tensor:
+    def _forward(self, ids: Sequence[int], cache: Any, start: int, **hooks: Any) -> torch.Tensor:
         """Run tokens at positions [start, start + len(ids)); returns last-position logits [vocab] fp32."""
         input_ids = torch.tensor([list(ids)], dtype=torch.long)  # [1, q]
         positions = torch.arange(start, start + len(ids), dtype=torch.long).unsqueeze(0)  # [1, q]
-        out = self.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1,
+                         **hooks)
         return out.logits[0, -1].float()
 
     @staticmethod
@@ -144,10 +157,12 @@ class HFEngine:
         store: bool = True,
         chat: bool = False,
         progress: Callable[[int, int], None] | None = None,
+        kv_budget: float | None = None,
     ) -> GenerationResult:
         """Generate after ``prompt`` (text or token ids). ``temperature > 0`` samples and needs ``seed``.
         With ``progress``, the prefill runs in pieces of PREFILL_PIECE tokens and ``progress(done, total)`` is
-        called after each (same result up to float rounding; costs a little)."""
+        called after each (same result up to float rounding; costs a little). ``kv_budget`` in (0, 1] decodes
+        on paged KV holding that share resident (default: the config's flexicache.kv_budget; 0 = dense)."""
         t0 = time.perf_counter()
         ids = self.encode(prompt, chat=chat)
         n = len(ids)
@@ -159,6 +174,9 @@ class HFEngine:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if temperature > 0.0 and seed is None:
             raise ValueError("sampling (temperature > 0) needs an explicit seed")
+        budget = self.decode_config.kv_budget if kv_budget is None else kv_budget
+        if budget and not self._hooked:
+            raise ValueError("kv_budget needs the engine's fast attention path (fast_attention=True, an sdpa model)")
         max_new = min(max_new_tokens, self.max_positions - n)
         buf = self._workspace(n + max(max_new, 1))  # [L, 2, H, n + new, D] fp32
 
@@ -182,16 +200,24 @@ class HFEngine:
             stored = self.cache.store(ids, buf[:, :, :, got:n], start=got)  # KV of ids[got:n]
         t3 = time.perf_counter()
 
+        paged, hooks = None, {}
+        if budget and max_new > 1:  # the prompt's KV moves into pages; the dense buffer only served the prefill
+            paged = paged_kv(self.model.config, self.model_id, self.decode_config, n + max_new, budget=budget)
+            paged.ingest(buf, n)
+            kv_cache, hooks = paged, {"kv_attention": paged}
         pos = n
         while tokens and len(tokens) < max_new and tokens[-1] not in self.eos_ids:
-            tokens.append(self._pick(self._forward([tokens[-1]], kv_cache, pos), temperature, gen))
+            tokens.append(self._pick(self._forward([tokens[-1]], kv_cache, pos, **hooks), temperature, gen))
             pos += 1
+        decode_memory = paged.stats() if paged is not None and paged.step else None
+        if paged is not None:
+            paged.close()
         t4 = time.perf_counter()
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return GenerationResult(
             text=text, token_ids=tokens, prompt_tokens=n, hit_tokens=got, stored_chunks=stored,
             ttft_s=t2 - t0, retrieve_s=t1 - t0, prefill_s=t2 - t1, store_s=t3 - t2, decode_s=t4 - t3,
-            logits=logits.clone(),
+            logits=logits.clone(), decode_memory=decode_memory,
         )
 
     def close(self) -> None:

@@ -23,6 +23,10 @@ Contract
 * ``load_model(name_or_path, dtype) -> (model, tokenizer)``: eval-mode model.
 * ``installed_builtin(name) -> Path | None``: the folder if that builtin is set up.
 * ``setup_model(name) -> Path``: CLI helper printing where the model is.
+* Fine-tuned siblings (``engines.finetune.FINETUNED_MODELS``, e.g. ``smollm2-135m-musique``) are built once from
+  their base by their recipe, atomically and under the same lock discipline, into ``$KVFABRIC_HOME/models/<name>``.
+* ``model_family(name_or_path) -> str | None``: the family a model declares (builtin table, or ``family`` in its
+  marker); ``None`` for models that declare nothing.
 Anything that is not a causal LM raises :class:`ModelError` (a ``ValueError``).
 """
 
@@ -298,6 +302,56 @@ def _setup_builtin(name: str, spec: BuiltinModel) -> Path:
     return dest
 
 
+MODEL_FAMILIES: Mapping[str, str] = MappingProxyType({
+    "smollm2-135m-instruct": "smollm2-135m", "qwen2.5-coder-0.5b": "qwen2.5-coder", "qwen2.5-coder-1.5b": "qwen2.5-coder",
+})
+
+
+def model_family(name_or_path: str | Path) -> str | None:
+    """The declared family of a builtin name or a model folder (its marker's ``family``), else None."""
+    key = str(name_or_path).strip().lower()
+    if key in MODEL_FAMILIES:
+        return MODEL_FAMILIES[key]
+    marker = Path(name_or_path).expanduser() / MARKER
+    if marker.is_file():
+        meta = json.loads(marker.read_text())
+        return meta.get("family") or MODEL_FAMILIES.get(str(meta.get("name", "")).lower())
+    from kvfabric.engines.finetune import FINETUNED_MODELS
+    return FINETUNED_MODELS[key].family if key in FINETUNED_MODELS else None
+
+
+def _setup_finetuned(name: str) -> Path:
+    """Build the fine-tuned sibling ``name`` from its base (set up first), atomically, once."""
+    from filelock import FileLock
+
+    from kvfabric.engines.finetune import FINETUNED_MODELS, build_finetuned
+
+    recipe = FINETUNED_MODELS[name]
+    models = kvfabric_home() / "models"
+    dest = models / name
+    if _is_complete(dest):
+        return dest
+    base_dir = ensure_model(recipe.base)
+    models.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(models / f".{name}.lock")):
+        if _is_complete(dest):
+            return dest
+        for stale in models.glob(f".{name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        with tempfile.TemporaryDirectory(dir=models, prefix=f".{name}.tmp-") as tmp:
+            out = Path(tmp) / "out"
+            build_finetuned(name, base_dir, out)
+            meta = {"name": name, "family": recipe.family, "dtype": "float32",
+                    "recipe": {f: getattr(recipe, f) for f in recipe.__dataclass_fields__},
+                    "torch": torch.__version__}
+            (out / MARKER).write_text(json.dumps(meta, indent=2))
+            if dest.exists():
+                shutil.rmtree(dest)
+            os.replace(out, dest)
+        _console().log(f"model ready at {dest}")
+    return dest
+
+
 def installed_builtin(name: str) -> Path | None:
     """The folder of a builtin model already set up under ``$KVFABRIC_HOME``, else ``None`` (never downloads)."""
     if name.lower() not in BUILTIN_MODELS:
@@ -313,6 +367,9 @@ def ensure_model(name_or_path: str = DEFAULT_MODEL) -> Path:
     key = str(name_or_path).strip()
     if key.lower() in BUILTIN_MODELS:
         return _setup_builtin(key.lower(), BUILTIN_MODELS[key.lower()])
+    from kvfabric.engines.finetune import FINETUNED_MODELS
+    if key.lower() in FINETUNED_MODELS:
+        return _setup_finetuned(key.lower())
     path = Path(key).expanduser()
     if path.is_dir():
         check_causal_lm(path)

@@ -5,6 +5,8 @@ Contract:
   ``buf [L, 2, H, T, D]`` with a fill pointer: a forward writes K/V in place (no cat, no reallocation) and a
   full buffer raises RuntimeError.
 - `use_fast_attention(model)`: switches an sdpa model to the same attention math with native GQA under a mask.
+  A forward called with ``kv_attention=obj`` hands every layer's attention to ``obj.attend(module, query, key,
+  value, scaling) -> [B, q, Hq, D]`` instead (paged decode KV, attention probes), with the cache's own K/V.
 - `layout_for(model_config, kv_dtype)`: the KVLayout of a HF decoder config.
 - `default_num_threads()`: $OMP_NUM_THREADS, else every core this process may run on.
 - `load_for_inference(name)`: an fp32 eval model and its tokenizer, threads set, fast attention on.
@@ -85,6 +87,9 @@ def sdpa_gqa_attention(module: Any, query: torch.Tensor, key: torch.Tensor, valu
     """Stock sdpa, but with native GQA also under a mask (CPU kernels support it): stock sdpa copies
     the whole past per layer (repeat_kv) for every masked suffix prefill. q [B,Hq,q,D], k/v [B,Hkv,kv,D]."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    hook = kwargs.pop("kv_attention", None)
+    if hook is not None:  # the KV lives elsewhere (engines.flexicache) or the caller records attention
+        return hook.attend(module, query, key, value, scaling), None
     q_len = query.shape[2]
     if (query.device.type != "cpu" or q_len == 1 or key.shape[1] == query.shape[1]
             or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):
@@ -111,11 +116,19 @@ def use_fast_attention(model: Any) -> bool:
 
 
 def layout_for(model_config: Any, kv_dtype: str = "float16") -> KVLayout:
-    """KVLayout of a HF decoder config (one KV head set per layer)."""
+    """KVLayout of a HF decoder config: its layer groups from `config.layer_types` (transformers folds Qwen2's
+    `use_sliding_window` / `max_window_layers` into it) and `config.sliding_window`. Raises ValueError for
+    attention kinds kvfabric cannot store (e.g. linear attention, chunked attention)."""
+    model_config = getattr(model_config, "text_config", None) or model_config  # multimodal wrappers (Gemma 3 4B+)
     heads = int(getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads)
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    return KVLayout(num_layers=int(model_config.num_hidden_layers), num_kv_heads=heads,
-                    head_dim=int(head_dim), dtype=kv_dtype)
+    head_dim = int(getattr(model_config, "head_dim", None)
+                   or model_config.hidden_size // model_config.num_attention_heads)
+    num_layers = int(model_config.num_hidden_layers)
+    layer_types = list(getattr(model_config, "layer_types", None) or ["full_attention"] * num_layers)
+    if len(layer_types) != num_layers:
+        raise ValueError(f"config.layer_types names {len(layer_types)} layers, the model has {num_layers}")
+    window = getattr(model_config, "sliding_window", None)
+    return KVLayout.from_layer_types(layer_types, heads, head_dim, int(window) if window else None, kv_dtype)
 
 
 def default_num_threads() -> int:

@@ -68,8 +68,7 @@ class Receiver:
             raise W.ProtocolError("stream must start with a HELLO of sane size")
         meta = W.parse_hello(bytes(W.recv_exact(conn, head.length)))
         lay = meta["layout"]
-        if KVLayout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], lay["dtype"]) != self.layout or \
-                meta["model_id"] != self.model_id:
+        if lay.get("fingerprint") != self.layout.fingerprint.hex() or meta["model_id"] != self.model_id:
             raise W.ProtocolError("stream is for another model or layout")
         tokens, cs = meta["tokens"], meta["chunk_size"]
         n = len(tokens)

@@ -123,13 +123,15 @@ class TierStack:
         return self._slow_reads.permit()
 
     def get(self, key: bytes, scratch: Scratch | None = None, meta: AccessMeta = NO_META,
-            permit: LoadPermit | None = None) -> StackHit | None:
+            permit: LoadPermit | None = None, promote: bool = True) -> StackHit | None:
         """The chunk's blob, its header and the tier's name, or None. With `scratch`, the first tier reads with
-        `get_into` (no allocation where the tier can); a blob from a later tier is kept for promotion. Order: a
+        `get_into` (no allocation where the tier can); a blob from a later tier is kept for promotion. With
+        `promote=False` a hit below the first tier is not promoted, so every tier reads into `scratch` (a caller
+        that copies the KV elsewhere at once, e.g. into vLLM's paged cache, pays no fresh allocation). Order: a
         trusted first tier (process memory), then writes still queued, then the other tiers."""
         if permit is None and self._slow_reads.limit and len(self.tiers) > 1:
             with self.load_permit() as own:
-                return self.get(key, scratch, meta, own)
+                return self.get(key, scratch, meta, own, promote)
         for level, tier in enumerate(self.tiers):
             if level == int(self.tiers[0].is_trusted):  # right after process memory, before any slow tier
                 pending = self._pending.get(key)
@@ -139,7 +141,7 @@ class TierStack:
             if level > 0 and permit is not None and not permit.allows():
                 self.counters.add("slow_read_refused")
                 break
-            blob = self._read(level, tier, key, scratch if level == 0 else None, meta)
+            blob = self._read(level, tier, key, scratch if level == 0 or not promote else None, meta)
             if blob is None:
                 continue
             try:
@@ -151,7 +153,7 @@ class TierStack:
                 continue
             self.counters.add(f"hit.{tier.name}")
             self.counters.add(f"bytes_read.{tier.name}", len(blob))
-            if level > 0:
+            if level > 0 and promote:
                 self._promote(level, key, blob, meta)
             return StackHit(blob, header, tier.name)
         self.counters.add("miss")

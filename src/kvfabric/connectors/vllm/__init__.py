@@ -12,7 +12,7 @@ this package and takes ``KVFabricConnector`` from it, so both names must keep re
 
 Configuration: ``kv_connector_extra_config`` holds kvfabric config keys (``Config``: chunk_size, tiers, disk.path,
 ...) plus the connector options (model_id, config_file, load_failure_policy, stats_path, save_queue_bytes,
-key_mode); precedence and meaning in ``kvfabric.connectors.vllm.config``.
+key_mode, load_mode, load_threads); precedence and meaning in ``kvfabric.connectors.vllm.config``.
 
 Per request, ``SamplingParams(extra_args={"kv_transfer_params": {"kvfabric": {"load": False, "store": False}}})``
 turns loading or storing off. Each finished request's output carries ``kv_transfer_params["kvfabric"]``: external
@@ -23,9 +23,9 @@ Design (vLLM 0.32, CPU backend; LLM, scheduler (EngineCore) and worker are three
     config     kv_transfer_config, connector options, layout and model id from vLLM's config, CPU KV layout probe
     metadata   what crosses the process boundary each step: loads and saves down, stats and stored keys back
     scheduler  lookups by key (no data read), per-request state, the per-step loads and saves
-    worker     the step on the worker: synchronous loads, per-layer scatter and gather, load errors for recompute
-    reads      chunk reads for loads (CacheEngine.read_chunk): zero-copy KV views in reusable buffers; a bad
-               entry is a counted miss, never a crash
+    worker     the step on the worker: starts loads, per-layer gather for saves, load errors for recompute
+    loads      background loads: chunk reads (CacheEngine.read_chunk) into pre-touched staging buffers and their
+               scatter into the paged cache; asynchronous (WAITING_FOR_REMOTE_KVS) or layer-wise within a step
     saver      gathered chunk payloads -> CacheEngine.store_chunk on a background thread: the step never waits
                for checksums, disk or network
     connector  KVFabricConnector: vLLM's hooks, delegated to the scheduler or worker side
@@ -36,6 +36,7 @@ Stored chunks are true [layers, 2, heads, tokens, head_dim] KV, equal to transfo
 from kvfabric.connectors.vllm.config import (
     CONNECTOR_KEYS,
     KEY_MODES,
+    LOAD_MODES,
     PARAMS_KEY,
     detect_cpu_kv_layout,
     kv_transfer_config,
@@ -55,6 +56,7 @@ from kvfabric.connectors.vllm.metadata import (
 __all__ = [
     "CONNECTOR_KEYS",
     "KEY_MODES",
+    "LOAD_MODES",
     "PARAMS_KEY",
     "KVFabricConnector",
     "KVFabricMetadata",

@@ -16,11 +16,17 @@ Contract:
     save_queue_bytes     bound on gathered KV waiting for the background saver (default 1 GiB; beyond it, saves are
                          dropped and counted, never waited for)
     key_mode             "tokens" (default): kvfabric's chained token-id keys, shared with kvfabric's other engines;
-                         requests with LoRA, multimodal inputs or a cache_salt are then not cached (token ids do not
-                         name their KV). "vllm": chunk key = our namespace + vLLM's block hash of the chunk's last
+                         a request's cache_salt S selects the key namespace of tenant salt S (kvfabric's `salt`,
+                         or "<salt>/S" when the config sets one), so salted and unsalted requests never share
+                         KV; requests with LoRA or multimodal inputs are not cached (token ids do not name
+                         their KV). "vllm": chunk key = our namespace + vLLM's block hash of the chunk's last
                          block (which folds in LoRA, multimodal inputs, cache_salt); needs vLLM's prefix caching on
                          (the default) and chunk_size a multiple of the block size; shared only between vLLM engines
                          with the same prefix_caching_hash_algo (sha256 by default is reproducible across processes).
+    load_mode            "async" (default): a request with a hit waits in vLLM's WAITING_FOR_REMOTE_KVS state while
+                         background threads load its KV and the other requests keep running; "layerwise": loads
+                         run within the step that computes the request, scattered one layer ahead of the forward
+    load_threads         background load threads (default 2; niced, so a running forward keeps the cores first)
 
 - `layout_from_vllm` / `model_id_from_vllm`: the KVLayout and key namespace; anything the connector cannot serve
   (tensor or pipeline parallel, an unsupported KV cache dtype) raises NotImplementedError at start-up.
@@ -47,8 +53,10 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-CONNECTOR_KEYS = ("model_id", "config_file", "load_failure_policy", "stats_path", "save_queue_bytes", "key_mode")
+CONNECTOR_KEYS = ("model_id", "config_file", "load_failure_policy", "stats_path", "save_queue_bytes", "key_mode",
+                  "load_mode", "load_threads")
 KEY_MODES = ("tokens", "vllm")
+LOAD_MODES = ("async", "layerwise")
 PARAMS_KEY = "kvfabric"  # our entry in a request's kv_transfer_params
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -82,6 +90,11 @@ def resolve_config(extra: dict[str, Any] | None) -> tuple[Config, dict[str, Any]
         raise ConfigError(f"load_failure_policy: {policy!r} is not one of recompute, fail")
     if options.setdefault("key_mode", "tokens") not in KEY_MODES:
         raise ConfigError(f"key_mode: {options['key_mode']!r} is not one of {', '.join(KEY_MODES)}")
+    if options.setdefault("load_mode", "async") not in LOAD_MODES:
+        raise ConfigError(f"load_mode: {options['load_mode']!r} is not one of {', '.join(LOAD_MODES)}")
+    threads = options.setdefault("load_threads", 2)
+    if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 64:
+        raise ConfigError(f"load_threads: {threads!r} is not an integer in [1, 64]")
     base = Config.load(options.get("config_file"), environ=_config_environ())  # YAML + KVFABRIC_* env
     return Config.from_dict(_merge(base.to_dict(), extra)), options
 

@@ -6,9 +6,13 @@ Contract:
   scheduler hook on a worker instance is a bug (assert).
 - Both sides derive the same kvfabric Config, KVLayout and model id from vLLM's config (``config``), so the
   scheduler's chunk keys name what the worker stores.
-- Loads are synchronous (``get_num_new_matched_tokens`` answers ``is_async=False``) and the connector never
-  delays a request's blocks (``request_finished`` answers False): it is a cache, so a dropped save is a future
-  miss (``requires_kv_delivery`` is False).
+- Loads are asynchronous by default (``load_mode: async``: ``get_num_new_matched_tokens`` answers
+  ``is_async=True``, the request waits in WAITING_FOR_REMOTE_KVS while other requests run, ``get_finished``
+  reports its load once the KV is in place, a failed chunk's blocks through ``get_block_ids_with_load_errors``
+  in the same pass), or synchronous and layer-wise (``load_mode: layerwise``: ``start_load_kv`` starts them,
+  ``wait_for_layer_load`` waits for one layer). The connector never delays a request's blocks
+  (``request_finished`` answers False): it is a cache, so a dropped save is a future miss
+  (``requires_kv_delivery`` is False).
 - The scheduler instance writes the configured load_failure_policy into vLLM's ``kv_load_failure_policy``
   (vLLM reads it right after creating the connector).
 - Metrics and KV events go through vLLM's own channels (``metrics``): per-step ``KVFabricStats`` from both sides,
@@ -87,7 +91,7 @@ class KVFabricConnector(KVConnectorBase_V1):
                     logger.warning("kvfabric: cannot set kv_load_failure_policy=%s; a bad chunk fails its request",
                                    policy)
             self._scheduler = SchedulerSide(self.config, self.layout, self.model_id, block_size,
-                                             self.options["key_mode"])
+                                             self.options["key_mode"], self.options["load_mode"])
         else:
             self._worker = WorkerSide(self.config, self.layout, self.model_id, block_size, self.options)
             self._engine_stats = EngineStatsSource(self._worker.engine)
@@ -112,7 +116,7 @@ class KVFabricConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None:
-            self._worker.read_loads()
+            self._worker.start_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
@@ -126,6 +130,11 @@ class KVFabricConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if self._worker is not None:
             self._worker.end_step()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return None, self._worker.finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_invalid_blocks() if self._worker is not None else set()
@@ -174,7 +183,7 @@ class KVFabricConnector(KVConnectorBase_V1):
         if self._events is not None:
             self._events.remember(request.request_id, list(request.prompt_token_ids or ()),
                                   self._scheduler.request_keys(request))
-        return num, False
+        return num, bool(num) and self._scheduler.is_async
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         assert self._scheduler is not None

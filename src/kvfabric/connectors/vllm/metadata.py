@@ -3,11 +3,15 @@
 Contract:
 - Scheduler -> worker, ``KVFabricMetadata`` (one per step): the loads and saves of the step, each with its chunk
   keys already computed (the worker never hashes tokens) and the request's block table from token 0.
-  A LoadSpec loads tokens [start, end) (start need not be chunk-aligned: vLLM may already hold a prefix);
-  a SaveSpec saves the whole chunks [start, end) (both chunk-aligned).
+  A LoadSpec loads tokens [start, end) (start need not be chunk-aligned: vLLM may already hold a prefix),
+  asynchronously (`is_async`: the request waits in WAITING_FOR_REMOTE_KVS, the load spans steps) or within the
+  step; a SaveSpec saves the chunks [start, end) (start chunk-aligned; end too, or the prompt's end for its
+  partial last chunk). `is_idle`: nothing is scheduled
+  this step (the worker may then wait briefly for an asynchronous load instead of returning at once).
 - Worker -> scheduler, ``KVFabricWorkerMetadata`` (only when there is something to say): per-request
   ``RequestStats`` of the step (added up with ``+``), and the keys that entered or left the worker's
-  process-memory tier (the scheduler mirrors them, since it cannot see that tier).
+  process-memory tier (the scheduler mirrors them, since it cannot see that tier), and the keys of chunks that
+  failed a load.
 - A finished request's ``kv_transfer_params["kvfabric"]`` is its summed ``RequestStats.as_params()``.
 """
 from __future__ import annotations
@@ -26,14 +30,16 @@ class LoadSpec:
     start: int  # load tokens [start, end) into the request's slots
     end: int
     block_ids: list[int]  # block table from token 0, covering `end`
+    is_async: bool = False
+    num_prompt_tokens: int = 0  # a last key may name a partial chunk: the prompt's tokens from its first token
 
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
     req_id: str
-    keys: list[bytes]  # keys of the whole chunks [start, end)
+    keys: list[bytes]  # keys of the chunks [start, end)
     start: int  # chunk-aligned
-    end: int
+    end: int  # chunk-aligned, or the prompt's end (its partial last chunk, with save_partial_chunk)
     block_ids: list[int]
 
 
@@ -67,6 +73,7 @@ _SUMMED = tuple(f.name for f in dataclasses.fields(RequestStats) if f.name != "b
 class KVFabricMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    is_idle: bool = False
 
 
 @dataclass
@@ -74,6 +81,7 @@ class KVFabricWorkerMetadata(KVConnectorWorkerMetadata):
     requests: dict[str, RequestStats] = field(default_factory=dict)  # per-request stats of the step
     stored: list[bytes] = field(default_factory=list)  # keys now in the worker's process-memory tier
     removed: list[bytes] = field(default_factory=list)  # keys gone from it
+    failed: list[bytes] = field(default_factory=list)  # chunks that were missing or corrupt when loaded
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KVFabricWorkerMetadata):
@@ -81,4 +89,5 @@ class KVFabricWorkerMetadata(KVConnectorWorkerMetadata):
                 self.requests[req_id] = self.requests.get(req_id, RequestStats()) + stats
             self.stored.extend(other.stored)
             self.removed.extend(other.removed)
+            self.failed.extend(other.failed)
         return self

@@ -3,13 +3,20 @@
 Contract:
 - `num_new_matched_tokens` hashes the prompt into kvfabric chunk keys (the same chained keys ``CacheEngine`` uses,
   or vLLM's block hashes, see key_mode in ``config``) and counts the leading chunks present, in (a) a mirror of the
-  keys the worker reported stored in its process-memory tier (the reports ride back on the worker metadata), or
+  keys the worker reported stored in its process-memory tier (the reports ride back on the worker metadata),
   (b) a shared tier opened read-only in this process (disk: an index miss re-checks the filesystem, so stores by
-  any process are seen; shm; redis). No chunk data is read here. The answer is chunk-aligned, minus what vLLM
-  already has; a hit covering the whole prompt leaves its last token to compute.
-- Loads are synchronous (the connector answers ``is_async=False``), so vLLM sets ``has_sync_kv_loads`` for that
-  step and the runner calls ``start_load_kv`` BEFORE the forward (it calls it after the forward only in steps
-  without sync loads).
+  any process are seen; shm; redis), (c) with tier "peer", the cluster controller's lookup (chunks other
+  instances hold, which the worker's peer tier fetches), or (d) with ``mode: server``, the host's ``kvfabric
+  server`` (LOOKUP: it holds the worker's stores, so no mirror is needed; a server that is down answers 0). No chunk
+  data is read here. The answer is chunk-aligned, minus what vLLM already has; a hit covering the whole prompt
+  leaves its last token to compute.
+- Key mode "tokens": a request's ``cache_salt`` S moves its keys into the namespace of tenant salt S (see
+  ``config``); LoRA and multimodal requests are not cached.
+- Load mode "async": the connector answers ``is_async=True``; vLLM allocates the blocks, parks the request in
+  WAITING_FOR_REMOTE_KVS and calls `after_alloc` (a second call with 0 external tokens follows once the KV is in
+  place; it changes nothing). The load is emitted in the next `build_meta` although the request is not
+  scheduled. Load mode "layerwise": ``is_async=False``, so vLLM sets ``has_sync_kv_loads`` and the runner calls
+  ``start_load_kv`` BEFORE the forward; the load rides with the request's first scheduled step.
 - `build_meta` emits per step, with the chunk keys: loads (token range, block table) and saves (every whole prompt
   chunk that becomes complete this step and is not known to be stored, including chunks vLLM had cached locally).
   A rollback (vLLM recomputing after a failed load) moves the save mark back, so the recomputed chunks are saved.
@@ -31,6 +38,8 @@ from kvfabric.connectors.vllm.config import PARAMS_KEY
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, RequestStats, SaveSpec
 from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
+from kvfabric.remote import RemoteCache
+from kvfabric.tiers.base import Tier
 from kvfabric.tiers.factory import build_tiers
 
 if TYPE_CHECKING:
@@ -73,16 +82,36 @@ class ChunkLookup:
     def __init__(self, config: Config, layout: KVLayout, model_id: str) -> None:
         self.config = config
         self.chunk_size = config.chunk_size
+        self.model_id = model_id
+        self.layout = layout
         self.root = root_key(model_id, layout, config.chunk_size, config.salt, config.hash)
-        # process memory is per process; a peer tier would make the scheduler a cluster member (not supported:
-        # chunks that only peers hold are not reported as hits yet)
-        shared = tuple(name for name in config.tiers if name not in ("cpu", "peer"))
-        self.tiers = build_tiers(config, shared)
-        self.has_memory_tier = "cpu" in config.tiers
+        self._salted: dict[str, bytes] = {}  # cache_salt -> its namespace root
+        # process memory is per process (mirrored instead); the peer tier asks the controller who holds what;
+        # mode: server = the host's `kvfabric server` answers, and it sees the worker's stores: no mirror needed
+        self.server = RemoteCache(config, layout, model_id, name="vllm-scheduler") if config.mode == "server" else None
+        shared = () if self.server else tuple(name for name in config.tiers if name not in ("cpu", "peer"))
+        self.tiers: list[Tier] = build_tiers(config, shared)
+        if "peer" in config.tiers and self.server is None:
+            from kvfabric.cluster.peer import PeerTier
+            self.tiers.append(PeerTier(config.cluster))
+        self.has_memory_tier = "cpu" in config.tiers and self.server is None
         self.mirror: set[bytes] = set()  # keys the worker reported in its process-memory tier
 
-    def keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
-        return chunk_keys(tokens, self.root, self.chunk_size, False, self.config.hash)
+    def keys(self, tokens: Sequence[int], cache_salt: str | None = None) -> list[ChunkKey]:
+        """Keys of the prompt's whole chunks, plus its trailing partial chunk with `save_partial_chunk`."""
+        return chunk_keys(tokens, self.salted_root(cache_salt), self.chunk_size, self.config.save_partial_chunk,
+                          self.config.hash)
+
+    def salted_root(self, cache_salt: str | None) -> bytes:
+        """The key namespace of a request's cache_salt: kvfabric's tenant salt S (or "<config salt>/S")."""
+        if not cache_salt:
+            return self.root
+        root = self._salted.get(cache_salt)
+        if root is None:
+            salt = f"{self.config.salt}/{cache_salt}" if self.config.salt else cache_salt
+            root = self._salted[cache_salt] = root_key(self.model_id, self.layout, self.chunk_size, salt,
+                                                       self.config.hash)
+        return root
 
     def keys_from_block_hashes(self, block_hashes: Sequence[bytes], num_tokens: int, block_size: int) -> list[ChunkKey]:
         """Key mode "vllm": chunk i's key names vLLM's hash of the last block of the chunk (vLLM chains its block
@@ -93,6 +122,8 @@ class ChunkLookup:
                          .digest()) for i in range(num)]
 
     def prefix(self, keys: Sequence[bytes]) -> PrefixHit:
+        if self.server is not None:
+            return PrefixHit(self.server.lookup_keys(keys), 0)
         in_memory = [key in self.mirror for key in keys]
         present = list(in_memory)
         for tier in self.tiers:
@@ -104,9 +135,19 @@ class ChunkLookup:
         num = present.index(False) if False in present else len(keys)
         return PrefixHit(num, sum(in_memory[:num]))
 
+    def forget(self, keys: Sequence[bytes]) -> None:
+        """Chunks that failed a load (missing or corrupt; the worker has discarded them): never offered again until
+        stored anew. A disk tier re-checks its folder on an index miss, so a chunk saved again is found again."""
+        self.mirror.difference_update(keys)
+        for tier in self.tiers:
+            for key in keys:
+                tier.delete(key)
+
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()
+        if self.server is not None:
+            self.server.close()
 
 
 @dataclass
@@ -118,15 +159,18 @@ class _ReqState:
     saved_upto: int = 0  # chunks [0, saved_upto) are stored or being stored
     next_computed: int = 0  # num_computed_tokens expected at the next schedule (a smaller one = rollback)
     load: _TokenSpan | None = None  # tokens to load in the next step
+    async_end: int = 0  # end of an async load in flight: if vLLM resumes below it, a chunk failed (re-save it)
     host_tokens: int = 0
     stats: RequestStats = RequestStats()
 
 
 class SchedulerSide:
-    def __init__(self, config: Config, layout: KVLayout, model_id: str, block_size: int, key_mode: str) -> None:
+    def __init__(self, config: Config, layout: KVLayout, model_id: str, block_size: int, key_mode: str,
+                 load_mode: str = "async") -> None:
         self.chunk_size = config.chunk_size
         self.block_size = block_size
         self.key_mode = key_mode
+        self.is_async = load_mode == "async"
         if key_mode == "vllm" and config.chunk_size % block_size:
             raise ConfigError(f"key_mode vllm needs chunk_size ({config.chunk_size}) to be a multiple of vLLM's "
                               f"block size ({block_size})")
@@ -135,6 +179,7 @@ class SchedulerSide:
         self.states: dict[str, _ReqState] = {}
         self.keys: dict[str, list[ChunkKey]] = {}  # per request: keys of its prompt's whole chunks
         self.pending: dict[str, _Match] = {}
+        self.waiting: set[str] = set()  # async loads to emit in the next build_meta (the request is not scheduled)
 
     def request_keys(self, request: Request) -> list[ChunkKey]:
         """Keys of the request's whole prompt chunks ([] when it must not be cached in this key mode)."""
@@ -149,8 +194,7 @@ class SchedulerSide:
         elif self.key_mode == "vllm":
             keys = self.lookup.keys_from_block_hashes(request.block_hashes, len(tokens), self.block_size)
         else:
-            extra = [name for name, value in (("LoRA", request.lora_request), ("multimodal", request.mm_features),
-                                              ("cache_salt", getattr(request, "cache_salt", None)))
+            extra = [name for name, value in (("LoRA", request.lora_request), ("multimodal", request.mm_features))
                      if value]
             if extra:  # token ids alone do not name this KV: never share it
                 if extra[0] not in self._warned:
@@ -159,7 +203,7 @@ class SchedulerSide:
                                    extra[0])
                 keys = []
             else:
-                keys = self.lookup.keys(tokens)
+                keys = self.lookup.keys(tokens, getattr(request, "cache_salt", None))
         self.keys[req_id] = keys
         return keys
 
@@ -171,7 +215,8 @@ class SchedulerSide:
         self.pending[req_id] = _Match(hit, num_computed_tokens)
         if not keys:
             return 0
-        num = min(hit.num_chunks * self.chunk_size, request.num_tokens - 1)  # a full hit leaves one token to compute
+        num_prompt = len(request.prompt_token_ids or ())  # a partial last chunk ends with the prompt
+        num = min(hit.num_chunks * self.chunk_size, num_prompt, request.num_tokens - 1)  # one token left to compute
         return max(0, num - num_computed_tokens)
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -184,21 +229,32 @@ class SchedulerSide:
         req_id = request.request_id
         _, store = _request_flags(request)
         state = self.states.get(req_id)
-        match = self.pending.pop(req_id, _Match(PrefixHit(), 0))
+        match = self.pending.pop(req_id, None)
+        if state is not None and match is None:  # the second call after an async load: blocks only
+            state.block_ids = list(blocks.get_block_ids()[0])
+            return
+        match = match or _Match(PrefixHit(), 0)
         local = match.num_local_tokens
         if state is None:
             state = self.states[req_id] = _ReqState(len(request.prompt_token_ids or ()), can_store=store,
                                                     stats=RequestStats(local_hit_tokens=local))
         state.keys = self.request_keys(request)
         state.block_ids = list(blocks.get_block_ids()[0])
-        state.saved_upto = match.hit.num_chunks * self.chunk_size  # already stored: never gathered again
+        state.saved_upto = min(match.hit.num_chunks * self.chunk_size, state.num_prompt_tokens)  # stored already
         if num_external_tokens > 0:
             state.load = _TokenSpan(local, local + num_external_tokens)
+            if self.is_async:
+                self.waiting.add(req_id)
         # tokens served from the worker's process memory (the rest from shared tiers), for vLLM's hit metrics
         state.host_tokens = max(0, min(num_external_tokens, match.hit.num_in_memory * self.chunk_size - local))
 
     def build_meta(self, out: SchedulerOutput) -> KVFabricMetadata:
-        meta = KVFabricMetadata()
+        meta = KVFabricMetadata(is_idle=out.total_num_scheduled_tokens == 0)
+        for req_id in sorted(self.waiting):
+            state = self.states.get(req_id)
+            if state is not None and state.load is not None:
+                self._emit_load(meta, req_id, state, is_async=True)
+        self.waiting.clear()
         for new in out.scheduled_new_reqs:
             state = self.states.get(new.req_id)
             if state is None:  # not seen by the lookup (should not happen): nothing to load or save
@@ -224,21 +280,29 @@ class SchedulerSide:
     def _plan(self, meta: KVFabricMetadata, req_id: str, state: _ReqState, computed: int, scheduled: int,
               fresh: bool) -> None:
         cs, bs = self.chunk_size, self.block_size
-        if not fresh and computed < state.next_computed:  # rolled back (a failed load): re-save from there
-            state.saved_upto = min(state.saved_upto, computed // cs * cs)
+        if (not fresh and computed < state.next_computed) or computed < state.async_end:
+            state.saved_upto = min(state.saved_upto, computed // cs * cs)  # a failed load: re-save from there
+        state.async_end = 0
         state.next_computed = computed + scheduled
         if state.load is not None:
-            start, end = state.load.start, state.load.end
-            state.load = None
-            meta.loads.append(LoadSpec(req_id, state.keys[start // cs:-(-end // cs)], start, end,
-                                       state.block_ids[:-(-end // bs)]))
-            state.stats += RequestStats(external_hit_tokens=end - start)
+            self._emit_load(meta, req_id, state, is_async=False)
         if state.can_store and state.keys:
-            end = min(state.next_computed, state.num_prompt_tokens, len(state.keys) * cs) // cs * cs
+            stored_end = min(state.num_prompt_tokens, len(state.keys) * cs)  # a partial last key: the prompt's end
+            end = min(state.next_computed, stored_end)
+            end = end if end == stored_end else end // cs * cs
             if end > state.saved_upto:
-                meta.saves.append(SaveSpec(req_id, state.keys[state.saved_upto // cs:end // cs], state.saved_upto,
+                meta.saves.append(SaveSpec(req_id, state.keys[state.saved_upto // cs:-(-end // cs)], state.saved_upto,
                                            end, state.block_ids[:-(-end // bs)]))
                 state.saved_upto = end
+
+    def _emit_load(self, meta: KVFabricMetadata, req_id: str, state: _ReqState, is_async: bool) -> None:
+        cs, bs = self.chunk_size, self.block_size
+        start, end = state.load.start, state.load.end
+        state.load = None
+        state.async_end = end if is_async else 0
+        meta.loads.append(LoadSpec(req_id, state.keys[start // cs:-(-end // cs)], start, end,
+                                   state.block_ids[:-(-end // bs)], is_async, state.num_prompt_tokens))
+        state.stats += RequestStats(external_hit_tokens=end - start)
 
     def update(self, output: KVConnectorOutput) -> None:
         meta = getattr(output, "kv_connector_worker_meta", None)
@@ -246,6 +310,8 @@ class SchedulerSide:
             return
         self.lookup.mirror.update(meta.stored)
         self.lookup.mirror.difference_update(meta.removed)
+        if meta.failed:
+            self.lookup.forget(meta.failed)
         for req_id, stats in meta.requests.items():
             state = self.states.get(req_id)
             if state is not None:
@@ -260,3 +326,4 @@ class SchedulerSide:
         self.states.pop(req_id, None)
         self.keys.pop(req_id, None)
         self.pending.pop(req_id, None)
+        self.waiting.discard(req_id)

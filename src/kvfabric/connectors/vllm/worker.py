@@ -1,22 +1,25 @@
-"""Worker side of the connector (vLLM's model-runner process): the step's loads, per-layer copies, load errors.
+"""Worker side of the connector (vLLM's model-runner process): the step's loads and saves, load errors.
 
-Contract, per step (vLLM calls the hooks in this order; loads are synchronous, so `read_loads` runs before the
-forward):
+Contract, per step (vLLM calls the hooks in this order):
 - `bind(meta)`: the step's ``KVFabricMetadata`` (loads and saves with their chunk keys; the worker never hashes).
-- `read_loads()`: reads and verifies every chunk the step loads (``CacheEngine.read_chunk``: checksums, layout;
-  a corrupt chunk is deleted and counted) and keeps zero-copy views of the raw payloads. A missing or corrupt chunk ends
-  that load there: the blocks from it to the end of the load are reported by `take_invalid_blocks` in the same
-  step, vLLM (policy "recompute") rolls the request back to the first bad block and recomputes, and the
-  request's saves of this step are dropped (their KV was computed over bad blocks).
-- `layer_load(layer)`: scatters that layer of every loaded chunk into the allocated slots, just before the
-  layer's attention. A chunk holds all layers, so the reads themselves cannot be pipelined per layer.
+  Asynchronous loads (vLLM's WAITING_FOR_REMOTE_KVS path) start here, on the ``Loader``'s background threads:
+  the forward of other requests goes on while they read and scatter.
+- `start_loads()` (``start_load_kv``): the step's synchronous loads start, layer-wise (``Loader.start_layered``).
+- `layer_load(layer)` (``wait_for_layer_load``): waits for that layer of the synchronous loads only.
 - `layer_save(layer, kv)`: right after the layer's attention, gathers the KV of the step's finished chunks out of
   the paged cache into engine payloads (``CacheEngine.new_payload``) that the ``Saver`` stores (one copy; the
   blocks may be reused once the step ends).
-- `end_step()`: a load not scattered into every layer has its blocks reported (recompute), a save not gathered
-  from every layer is dropped; complete saves go to the ``Saver`` (dropped and counted when its queue is full).
-- `worker_meta()`: per-request ``RequestStats`` of the step, and the keys that entered or left the process-memory
-  tier (the scheduler mirrors them for its lookups).
+- `end_step()`: the synchronous loads' outcomes (a failed chunk: its blocks are reported, the request's saves of
+  this step dropped, since their KV was computed over bad blocks); a save not gathered from every layer is
+  dropped; complete saves go to the ``Saver`` (dropped and counted when its queue is full).
+- `finished_loads()` (``get_finished``): ids of the asynchronous loads that ended since the last call, each
+  reported once, success or not; a failed one's blocks are reported by `take_invalid_blocks` in the same pass, so
+  vLLM recomputes from the first bad block. On a step with nothing scheduled it first waits a few ms for a load
+  to end (vLLM would otherwise poll in a tight loop, taking the cores the load needs).
+- `worker_meta()`: per-request ``RequestStats`` of the step, the keys that entered or left the process-memory
+  tier (the scheduler mirrors them for its lookups; with ``mode: server`` the cache is the host's
+  ``kvfabric server`` and the scheduler asks it instead), and the keys of chunks that failed a load (the scheduler
+  forgets them, so a request sent back to waiting is not offered the same bad chunk again).
 Paged layout: ``kvfabric.connectors.paged``; the K/V region layouts are measured at first use
 (``detect_cpu_kv_layout``), so stored chunks are true [layers, 2, heads, tokens, head_dim] KV.
 """
@@ -27,7 +30,6 @@ import dataclasses
 import json
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,27 +37,21 @@ import torch
 from vllm.logger import init_logger
 
 from kvfabric.config import Config
-from kvfabric.counters import Counters
-from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather, scatter
+from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather
 from kvfabric.connectors.vllm.config import detect_cpu_kv_layout
-from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, RequestStats
-from kvfabric.connectors.vllm.reads import ChunkReader
+from kvfabric.connectors.vllm.loads import Loader, LoadOutcome
+from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, RequestStats
 from kvfabric.connectors.vllm.saver import ActiveSave, Saver
-from kvfabric.engine import CacheEngine, ChunkMiss
+from kvfabric.counters import Counters
 from kvfabric.layout import KVLayout
+from kvfabric.remote import open_cache
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 logger = init_logger(__name__)
 
-
-@dataclass
-class _ActiveLoad:
-    spec: LoadSpec
-    end: int  # tokens [spec.start, end) were read; end < spec.end after a failure
-    chunks: list[torch.Tensor]  # KV [L, 2, H, C, D] of the chunks read, the first one holding token spec.start
-    layers_done: set[int] = field(default_factory=set)
+IDLE_WAIT_S = 0.005  # on a step with nothing scheduled, wait this long for an async load to end
 
 
 class WorkerSide:
@@ -65,26 +61,28 @@ class WorkerSide:
         self.layout = layout
         self.chunk_size = config.chunk_size
         self.block_size = block_size
-        self.engine = CacheEngine(config, layout, model_id)  # tiers per config (a cluster node wires its own)
+        # tiers per config (a cluster node wires its own); mode: server = the host's `kvfabric server`
+        self.engine = open_cache(config, layout, model_id, name=f"vllm-worker-{os.getpid()}")
+        self.mirrored = "cpu" in config.tiers and config.mode != "server"  # a process-memory tier of ours
         self.layers: dict[str, tuple[int, CpuPagedLayer]] = {}
         self.region_layouts: tuple[str, str] | None = None  # (K, V), measured on first use
         self.counters = Counters()
         self.stats_path = options.get("stats_path")
-        self.reader = ChunkReader(self.engine, self.counters)
+        self.loader = Loader(self.engine, self.counters, block_size, int(options.get("load_threads") or 2))
         # the scheduler mirrors the keys stored in our process-memory tier (it cannot see that tier)
         self.saver = Saver(self.engine, self.counters, int(options.get("save_queue_bytes") or 2**30),
-                           track_stored="cpu" in config.tiers,
+                           track_stored=self.mirrored,
                            on_stored=self.write_stats if self.stats_path else None)
         # per step
         self.meta: KVFabricMetadata | None = None
-        self.loads_read = False
-        self.loads: list[_ActiveLoad] = []
+        self.sync_started = False
         self.saves: list[ActiveSave] = []
         self.failed_reqs: set[str] = set()
         self.step_stats: dict[str, RequestStats] = {}
         self.invalid_blocks: set[int] = set()
         self._reported: set[bytes] = set()
-        self._tier_touched = False  # a load may have promoted (and so evicted) memory-tier entries
+        self._failed_keys: list[bytes] = []  # chunks that failed a load since the last worker_meta
+        self._tier_touched = False  # a load may have read (and so touched) memory-tier entries
         self._closed = False
         atexit.register(self.close)
 
@@ -107,6 +105,7 @@ class WorkerSide:
                 some.dtype != self.layout.torch_dtype):
             shapes = [(name, tuple(kv.shape), kv.dtype) for name, kv in list(kv_caches.items())[:2]]
             raise ValueError(f"KVFabricConnector: KV caches {shapes}... do not match the layout {self.layout}")
+        self.loader.bind([layer for _, layer in sorted(self.layers.values(), key=lambda item: item[0])])
 
     def _layer(self, name: str, kv: torch.Tensor | None = None) -> tuple[int, CpuPagedLayer] | None:
         found = self.layers.get(name)
@@ -118,67 +117,53 @@ class WorkerSide:
     # -- step
     def bind(self, meta: KVConnectorMetadata) -> None:
         self.meta = meta if isinstance(meta, KVFabricMetadata) else None
-        self.loads_read = False
-        self.loads = []
-        self.reader.new_step()  # the previous step's chunk views are dropped just above
+        self.sync_started = False
         self.saves = []
         self.failed_reqs = set()
-
-    def read_loads(self) -> None:
-        """Read and verify every chunk this step loads (before the forward: the loads are synchronous)."""
-        if self.loads_read or self.meta is None:
+        if self.meta is None:
             return
-        self.loads_read = True
-        self._tier_touched = self._tier_touched or bool(self.meta.loads)
-        cs = self.chunk_size
+        # a forward that does not wait for the load threads: they take only the CPU time it leaves unused
+        self.loader.set_busy(not self.meta.is_idle and all(spec.is_async for spec in self.meta.loads))
         for spec in self.meta.loads:
-            started = time.perf_counter()
-            end, chunks, by_tier = spec.end, [], {}
-            for i, key in enumerate(spec.keys):  # chunk i holds tokens from (spec.start // cs + i) * cs
-                found = self.reader.read(key)
-                if isinstance(found, ChunkMiss):
-                    end = max(spec.start, (spec.start // cs + i) * cs)
-                    break
-                chunks.append(found.kv)
-                by_tier[found.tier] = by_tier.get(found.tier, 0) + found.num_bytes
-            if end < spec.end:
-                bad = blocks_of(spec.block_ids, self.block_size, end, spec.end)
-                self.invalid_blocks.update(bad)
-                self.failed_reqs.add(spec.req_id)
-                self.counters.add("load_failed_tokens", spec.end - end)
-                logger.warning("kvfabric: request %s: chunk at token %d missing or corrupt; %d tokens (blocks %s...) "
-                               "will be recomputed", spec.req_id, end, spec.end - end, bad[:4])
-            elapsed = time.perf_counter() - started
-            self._add_stats(spec.req_id, RequestStats(loaded_tokens=end - spec.start, failed_tokens=spec.end - end,
-                                                      load_read_s=elapsed, bytes_loaded=tuple(sorted(by_tier.items()))))
-            self.counters.add("load_read_ns", int(elapsed * 1e9))
-            self.counters.add("loaded_tokens", end - spec.start)
-            self.loads.append(_ActiveLoad(spec, end, chunks))
+            if spec.is_async:
+                self._tier_touched = True
+                self.loader.start_async(spec)
 
-    def _add_stats(self, req_id: str, stats: RequestStats) -> None:
-        self.step_stats[req_id] = self.step_stats.get(req_id, RequestStats()) + stats
+    def start_loads(self) -> None:
+        """Start this step's synchronous loads, layer-wise (before the forward: it uses them)."""
+        if self.sync_started or self.meta is None:
+            return
+        self.sync_started = True
+        specs = [spec for spec in self.meta.loads if not spec.is_async]
+        if specs:
+            self._tier_touched = True
+            self.loader.start_layered(specs)
 
     def layer_load(self, name: str) -> None:
         if self.meta is None or not self.meta.loads:
             return
-        self.read_loads()
+        self.start_loads()
         found = self._layer(name)
-        if found is None:
-            return
-        index, layer = found
-        cs = self.chunk_size
-        started = time.perf_counter_ns()
-        for load in self.loads:
-            if index in load.layers_done:
-                continue
-            spec = load.spec
-            for i, kv in enumerate(load.chunks):
-                first = (spec.start // cs + i) * cs
-                lo, hi = max(spec.start, first), min(load.end, first + cs)
-                if lo < hi:  # this chunk's part of [spec.start, load.end): [2, H, hi-lo, D] of layer `index`
-                    scatter(layer, spec.block_ids, lo, hi, kv[index, :, :, lo - first:hi - first, :])
-            load.layers_done.add(index)
-        self.counters.add("load_scatter_ns", time.perf_counter_ns() - started)
+        if found is not None:
+            self.loader.wait_layer(found[0])
+
+    def _apply(self, outcome: LoadOutcome) -> None:
+        """A finished load: its stats, and the blocks vLLM must recompute when a chunk was missing or bad."""
+        self._add_stats(outcome.req_id, outcome.stats)
+        self.counters.add("load_read_ns", int(outcome.stats.load_read_s * 1e9))
+        self.counters.add("loaded_tokens", outcome.stats.loaded_tokens)
+        if outcome.bad_key is not None:
+            self._failed_keys.append(outcome.bad_key)
+        if outcome.bad_blocks:
+            self.invalid_blocks.update(outcome.bad_blocks)
+            self.failed_reqs.add(outcome.req_id)
+            self.counters.add("load_failed_tokens", outcome.stats.failed_tokens)
+            logger.warning("kvfabric: request %s: chunk at token %d missing or corrupt; %d tokens (blocks %s...) "
+                           "will be recomputed", outcome.req_id, outcome.end, outcome.stats.failed_tokens,
+                           list(outcome.bad_blocks[:4]))
+
+    def _add_stats(self, req_id: str, stats: RequestStats) -> None:
+        self.step_stats[req_id] = self.step_stats.get(req_id, RequestStats()) + stats
 
     def layer_save(self, name: str, kv_layer: torch.Tensor) -> None:
         if self.meta is None or not self.meta.saves:
@@ -189,30 +174,25 @@ class WorkerSide:
         index, layer = found
         started = time.perf_counter_ns()
         cs = self.chunk_size
-        if not self.saves:
-            self.saves = [ActiveSave(spec, [self.engine.new_payload() for _ in range(spec.start, spec.end, cs)])
+        if not self.saves:  # a chunk of the save holds cs tokens, or fewer for the prompt's partial last chunk
+            self.saves = [ActiveSave(spec, [self.engine.new_payload(min(cs, spec.end - first))
+                                            for first in range(spec.start, spec.end, cs)])
                           for spec in self.meta.saves]
         for save in self.saves:
-            if save.spec.req_id in self.failed_reqs or index in save.layers_done:
+            if index in save.layers_done:
                 continue
             for i, chunk in enumerate(save.chunks):
                 first = save.spec.start + i * cs
-                gather(layer, save.spec.block_ids, first, first + cs, chunk.kv[index])
+                gather(layer, save.spec.block_ids, first, first + chunk.kv.shape[3], chunk.kv[index])
             save.layers_done.add(index)
         self.counters.add("save_gather_ns", time.perf_counter_ns() - started)
 
     def end_step(self) -> None:
         num_layers = self.layout.num_layers
-        for load in self.loads:  # a load not scattered into every layer before attention: let vLLM recompute
-            if len(load.layers_done) < num_layers and load.end > load.spec.start:
-                self.invalid_blocks.update(blocks_of(load.spec.block_ids, self.block_size, load.spec.start,
-                                                     load.spec.end))
-                self.failed_reqs.add(load.spec.req_id)
-                self.counters.add("load_not_applied")
-        if self.meta is not None and self.meta.loads and not self.loads_read:
-            for spec in self.meta.loads:  # start_load_kv / wait_for_layer_load never ran for them
-                self.invalid_blocks.update(blocks_of(spec.block_ids, self.block_size, spec.start, spec.end))
-                self.counters.add("load_not_applied")
+        if self.meta is not None and any(not spec.is_async for spec in self.meta.loads):
+            self.start_loads()  # never started (no attention layer ran): finish them all the same
+            for outcome in self.loader.finish_layered():
+                self._apply(outcome)
         for save in self.saves:
             spec = save.spec
             if spec.req_id in self.failed_reqs or len(save.layers_done) < num_layers:
@@ -225,12 +205,22 @@ class WorkerSide:
         if self.stats_path and self.meta is not None and self.meta.loads:
             self.write_stats()
         self.saves = []
-        self.loads = []
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose asynchronous load ended (loaded, or failed with its blocks reported)."""
+        if self.meta is not None and self.meta.is_idle:
+            self.loader.wait_finished(IDLE_WAIT_S)
+        outcomes = self.loader.take_finished()
+        for outcome in outcomes:
+            self._apply(outcome)
+        if outcomes and self.stats_path:
+            self.write_stats()
+        return {outcome.req_id for outcome in outcomes}
 
     def worker_meta(self) -> KVFabricWorkerMetadata | None:
         stored = self.saver.take_stored()
         removed: list[bytes] = []
-        if "cpu" in self.config.tiers:
+        if self.mirrored:
             self._reported.update(stored)
             if stored or self._tier_touched or self.engine.tier_usage("cpu").num_chunks < len(self._reported):
                 present = set(self.engine.tier_keys("cpu"))
@@ -238,9 +228,10 @@ class WorkerSide:
                 self._reported.difference_update(removed)
         self._tier_touched = False
         requests, self.step_stats = self.step_stats, {}
-        if not (requests or stored or removed):
+        failed, self._failed_keys = self._failed_keys, []
+        if not (requests or stored or removed or failed):
             return None
-        return KVFabricWorkerMetadata(requests, list(stored), removed)
+        return KVFabricWorkerMetadata(requests, list(stored), removed, failed)
 
     def take_invalid_blocks(self) -> set[int]:
         out, self.invalid_blocks = self.invalid_blocks, set()
@@ -271,6 +262,7 @@ class WorkerSide:
         self._closed = True
         try:
             self.flush()
+            self.loader.stop()
             self.saver.stop(timeout=30)
             if self.stats_path:
                 self.write_stats()

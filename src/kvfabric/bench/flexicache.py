@@ -1,0 +1,269 @@
+"""`kvfabric bench flexicache`: head-aware decode KV memory against dense KV and four baselines, on the real model.
+
+Prompts (held out from the head study): the demo document with a question the study did not use, and MuSiQue
+10-passage prompts (`--data`, default ../shared/data/musique_s.json) from question 100 on; 4k-6k tokens each.
+Per prompt: one prefill (explicit attention, which also records the prompt attention H2O starts from), then dense
+KV decodes `steps` greedy tokens (end-of-sequence banned): the reference tokens and distributions, and its step
+time. Every method then decodes the same tokens teacher-forced on paged KV (engines.flexicache.PagedKV), so every
+step compares against the same reference: top-1 agreement (also `top1_clear`: on the steps where the reference's
+best token leads by >= TIE_GAP, i.e. leaving out near-ties), KL(reference || method) (mean and p99 over all steps),
+resident KV (peak bytes, mean fraction of dense KV), page moves and bytes copied between the pools per step, and
+the step time as a ratio to dense KV's (dense is timed before and after the methods; the mean of both medians).
+Methods at each budget: flexicache, quest (top-K pages of every head, re-ranked every step), streaming (sink +
+recent window), h2o (heavy hitters + recent, one-token pages), shuffled (flexicache's split on random heads). At
+30 % the bench also runs flexicache with stable heads re-ranked every step (`flexicache@rerank1`: the cost of
+re-ranking, measured) and with the heads kept whole chosen by stability alone (`flexicache@stability`, the
+published criterion; the default orders them by retention, see engines/flexicache/heads.py).
+`--study` runs the head study instead (engines.flexicache.study) and prints its figures.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from kvfabric.bench.common import emit, emit_summary, threads_note
+from kvfabric.config import FlexiCacheConfig
+from kvfabric.data import demo_document, find_musique
+from kvfabric.engines.flexicache import PagedKV, load_table, make_plan
+from kvfabric.engines.flexicache.probe import AttentionProbe
+from kvfabric.engines.flexicache.study import (
+    DOC_QUESTIONS, SYSTEM_DOC, SYSTEM_QA, banned_ids, chat_ids, musique_user, report, run_study,
+)
+from kvfabric.engines.model import DEFAULT_MODEL
+from kvfabric.engines.runtime import BufferCache, layout_for, load_for_inference
+
+BUDGETS = (0.1, 0.2, 0.3, 0.5)
+TIE_GAP = 0.05  # steps where dense KV's top two tokens are closer than this are near-ties (reported apart)
+METHODS = ("flexicache", "quest", "streaming", "h2o", "shuffled")
+COLUMNS = ["method", "budget", "resident_frac", "top1", "top1_clear", "kl_mean", "kl_p99", "tpot_ratio",
+           "resident_mb_peak", "moves_per_step", "moved_kb_per_step", "manage_ms_per_step", "num_full_heads"]
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    name: str
+    ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Decode:
+    logprobs: torch.Tensor  # [steps, vocab]
+    tokens: list[int]
+    step_s: float  # median
+
+
+def bench_prompts(tok: Any, data: str | None, num_musique: int, first_musique: int = 100) -> list[Prompt]:
+    user = f"Document:\n{demo_document()}\n\nQuestion: {DOC_QUESTIONS[2]}"
+    prompts = [Prompt("doc:q2", chat_ids(tok, SYSTEM_DOC, user))]
+    examples = json.loads(find_musique(data).read_text()) if num_musique else []
+    prompts += [Prompt(f"musique:{i}", chat_ids(tok, SYSTEM_QA, musique_user(examples[i])))
+                for i in range(first_musique, first_musique + num_musique)]
+    return prompts
+
+
+@torch.inference_mode()
+def prefill_with_mass(model: Any, ids: list[int], capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 KV [L, 2, H, capacity, D] of ids, prompt attention mass [L, H, len(ids)])."""
+    buf = torch.zeros(layout_for(model.config).shape(capacity))
+    probe = AttentionProbe(buf.shape[0], page_size=1, record_prompt=True)
+    model(input_ids=torch.tensor([ids]), cache=BufferCache(buf, 0), use_cache=True, logits_to_keep=1,
+          kv_attention=probe)
+    return buf, torch.stack(probe.prompt_mass)
+
+
+@torch.inference_mode()
+def decode(model: Any, cache: Any, start: int, first: int, steps: int, feed: list[int] | None = None,
+           banned: list[int] = (), **hooks: Any) -> Decode:
+    """`steps` one-token forwards from position `start`: greedy (banned ids never picked) or fed `feed`."""
+    logprobs, tokens, times = [], [], []
+    token = first
+    for step in range(steps):
+        t0 = time.perf_counter()
+        out = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[start + step]]), cache=cache,
+                    use_cache=True, logits_to_keep=1, **hooks)
+        times.append(time.perf_counter() - t0)
+        logits = out.logits[0, -1].float()
+        logprobs.append(torch.log_softmax(logits, -1))
+        if feed is None:
+            logits[banned] = float("-inf")
+            token = int(torch.argmax(logits))
+        else:
+            token = feed[step]
+        tokens.append(token)
+    return Decode(torch.stack(logprobs), tokens, statistics.median(times))
+
+
+def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Per step: top-1 agreement (bool) and KL(ref || got)."""
+    kl = (ref.exp() * (ref - got)).sum(-1).clamp(min=0)
+    return (ref.argmax(-1) == got.argmax(-1)).numpy(), kl.numpy()
+
+
+def clear_steps(ref: torch.Tensor) -> np.ndarray:
+    """bool [steps]: the reference's best token leads the second by at least TIE_GAP in probability."""
+    top2 = ref.exp().topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1] >= TIE_GAP).numpy()
+
+
+def run_method(model: Any, buf: torch.Tensor, n: int, mass: torch.Tensor, first: int, ref: Decode, plan: Any,
+               slow_pool: str) -> tuple[Decode, Any]:
+    layout = layout_for(model.config)
+    kv = PagedKV(plan, layout.num_layers, layout.num_kv_heads, layout.head_dim, n + len(ref.tokens) + 1, slow_pool)
+    try:
+        kv.ingest(buf, n, mass)
+        got = decode(model, kv, n, first, len(ref.tokens), feed=ref.tokens, kv_attention=kv)
+        return got, kv.stats()
+    finally:
+        kv.close()
+
+
+def _aggregate(method: str, budget: float, results: list[tuple[np.ndarray, np.ndarray, float, Any, np.ndarray]]
+               ) -> dict:
+    top1 = np.concatenate([r[0] for r in results])
+    kl = np.concatenate([r[1] for r in results])
+    clear = np.concatenate([r[4] for r in results])
+    stats = [r[3] for r in results]
+    return {
+        "method": method, "budget": budget, "resident_frac": float(np.mean([s.resident_frac for s in stats])),
+        "top1": float(top1.mean()), "kl_mean": float(kl.mean()), "kl_p99": float(np.quantile(kl, 0.99)),
+        "top1_clear": float(top1[clear].mean()), "tie_steps": float(1.0 - clear.mean()),
+        "tpot_ratio": float(np.mean([r[2] for r in results])),
+        "resident_bytes_peak": max(s.resident_bytes_peak for s in stats),
+        "resident_mb_peak": max(s.resident_bytes_peak for s in stats) / 2**20,
+        "full_kv_bytes": max(s.full_kv_bytes for s in stats), "radar_bytes": max(s.radar_bytes for s in stats),
+        "moves_per_step": float(np.mean([s.moves_per_step for s in stats])),
+        "bytes_moved_per_step": float(np.mean([s.bytes_moved_per_step for s in stats])),
+        "moved_kb_per_step": float(np.mean([s.bytes_moved_per_step for s in stats])) / 1024,
+        "manage_ms_per_step": 1000 * float(np.mean([s.manage_s_per_step for s in stats])),
+        "transfer_ms_per_step": 1000 * float(np.mean([s.transfer_s_per_step for s in stats])),
+        "first_step_moves": float(np.mean([s.first_step_moves for s in stats])),
+        "num_full_heads": stats[0].num_full_heads, "prompts": len(results), "steps": int(top1.size),
+    }
+
+
+def run(as_json: bool = False, plot: str | None = None, data: str | None = None, steps: int = 256,
+        budgets: tuple[float, ...] = BUDGETS, methods: tuple[str, ...] = METHODS, num_musique: int = 2,
+        variants: bool = True, model_name: str = DEFAULT_MODEL, config: FlexiCacheConfig | None = None,
+        only: tuple[str, ...] = (), log: Any = None) -> list[dict]:
+    """`only`: run just the prompts of these names (e.g. one per process); empty = all."""
+    config = config or FlexiCacheConfig()
+    console = Console(stderr=True, emoji=False, highlight=False)
+    say = log or (lambda msg: console.print(f"[dim]{msg}[/]"))
+    model, tok = load_for_inference(model_name)
+    layout = layout_for(model.config)
+    table = load_table(model_name, layout.num_layers, layout.num_kv_heads, config.head_table)
+    banned = banned_ids(model, tok)
+    runs: dict[tuple[str, float], list] = {}
+    prompts = [p for p in bench_prompts(tok, data, num_musique) if not only or p.name in only]
+    if not prompts:
+        raise ValueError(f"no bench prompt named {', '.join(only)}")
+    for prompt in prompts:
+        n = len(prompt.ids) - 1  # the prefill stops one short: step 0 feeds the last prompt token
+        t0 = time.perf_counter()
+        buf, mass = prefill_with_mass(model, prompt.ids[:n], n + steps + 1)
+        say(f"{prompt.name}: {n + 1} tokens, prefill {time.perf_counter() - t0:.0f} s")
+        ref = decode(model, BufferCache(buf, n), n, prompt.ids[-1], steps, banned=banned)
+        cases = [(m, b, config) for b in budgets for m in methods]
+        if variants and "flexicache" in methods and 0.3 in budgets:  # re-rank cost; the published head order
+            cases += [("flexicache@rerank1", 0.3, replace(config, rerank_interval=1)),
+                      ("flexicache@stability", 0.3, replace(config, head_order="stability"))]
+        done = []
+        for name, budget, cfg in cases:
+            plan = make_plan(name.split("@")[0], budget, layout.num_layers, layout.num_kv_heads, cfg, table)
+            got, stats = run_method(model, buf, n, mass, prompt.ids[-1], ref, plan, config.slow_pool)
+            top1, kl = compare(ref.logprobs, got.logprobs)
+            done.append((name, budget, top1, kl, got.step_s, stats))
+            say(f"  {name:>18} @ {budget:.0%}: top1 {top1.mean():.3f} kl {kl.mean():.4f} "
+                f"resident {stats.resident_frac:.3f} step {got.step_s * 1000:.0f} ms")
+        again = decode(model, BufferCache(buf, n), n, prompt.ids[-1], steps, feed=ref.tokens)
+        dense_s = (ref.step_s + again.step_s) / 2
+        say(f"  dense step {ref.step_s * 1000:.0f} / {again.step_s * 1000:.0f} ms (before / after)")
+        clear = clear_steps(ref.logprobs)
+        for name, budget, top1, kl, step_s, stats in done:
+            runs.setdefault((name, budget), []).append((top1, kl, step_s / dense_s, stats, clear))
+        runs.setdefault(("full", 1.0), []).append((np.ones(steps, bool), np.zeros(steps), again.step_s / ref.step_s,
+                                                   None))
+        del buf, mass
+    rows = [_full_row(runs.pop(("full", 1.0)), layout, steps)] + [_aggregate(m, b, r) for (m, b), r in runs.items()]
+    emit(rows, as_json, f"FlexiCache vs baselines, {steps} teacher-forced steps ({threads_note()})", COLUMNS)
+    emit_summary(summary(rows, table), as_json, "FlexiCache targets")
+    if plot:
+        write_plot(rows, plot)
+    return rows
+
+
+def _full_row(results: list, layout: Any, steps: int) -> dict:
+    return {"method": "full", "budget": 1.0, "resident_frac": 1.0, "top1": 1.0, "top1_clear": 1.0, "kl_mean": 0.0,
+            "kl_p99": 0.0,
+            "tpot_ratio": 1.0, "dense_drift": float(np.mean([r[2] for r in results])),  # after / before
+            "moves_per_step": 0.0, "bytes_moved_per_step": 0.0, "prompts": len(results), "steps": steps * len(results)}
+
+
+def summary(rows: list[dict], table: Any) -> dict:
+    by = {(r["method"], r["budget"]): r for r in rows}
+    out: dict[str, Any] = {"summary": "flexicache", "unstable_heads": int(table.unstable().sum())}
+    flexi = by.get(("flexicache", 0.3))
+    if flexi is None:
+        return out
+    rivals = [r for (m, b), r in by.items() if b == 0.3 and not m.startswith("flexicache")]
+    out.update({"top1_at_30": flexi["top1"], "kl_mean_at_30": flexi["kl_mean"],
+                "target_quality_met": flexi["top1"] >= 0.99 and flexi["kl_mean"] <= 0.01,
+                "beats_every_baseline_at_30": all(flexi["kl_mean"] < r["kl_mean"] and flexi["top1"] >= r["top1"]
+                                                  for r in rivals),
+                "tpot_ratio_at_30": flexi["tpot_ratio"], "target_tpot_met": flexi["tpot_ratio"] <= 1.2,
+                "bytes_moved_per_step_at_30": flexi["bytes_moved_per_step"]})
+    shuffled = by.get(("shuffled", 0.3))
+    if shuffled is not None:
+        out["shuffled_kl_over_flexicache"] = shuffled["kl_mean"] / max(flexi["kl_mean"], 1e-12)
+    published = by.get(("flexicache@stability", 0.3))
+    if published is not None:
+        out.update({"stability_order_top1_at_30": published["top1"],
+                    "stability_order_kl_mean_at_30": published["kl_mean"]})
+    every = by.get(("flexicache@rerank1", 0.3))
+    if every is not None:
+        out.update({"rerank16_manage_ms": flexi["manage_ms_per_step"], "rerank1_manage_ms": every["manage_ms_per_step"],
+                    "rerank16_over_rerank1": flexi["manage_ms_per_step"] / max(every["manage_ms_per_step"], 1e-9),
+                    "rerank16_moved_kb": flexi["moved_kb_per_step"], "rerank1_moved_kb": every["moved_kb_per_step"],
+                    "rerank1_top1": every["top1"], "rerank1_kl_mean": every["kl_mean"]})
+        out["target_rerank_cost_met"] = out["rerank16_over_rerank1"] < 0.5
+    return out
+
+
+def write_plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        pts = sorted((r["resident_frac"], r["top1"], r["kl_mean"]) for r in rows if r["method"] == method)
+        style = "*" if method == "full" else "o-"
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], style, label=method)
+        if method != "full":
+            ax2.plot([p[0] for p in pts], [max(p[2], 1e-6) for p in pts], style, label=method)
+    ax1.set(xlabel="resident KV / dense KV", ylabel="top-1 agreement with dense KV", title="agreement")
+    ax2.set(xlabel="resident KV / dense KV", ylabel="mean KL(dense || method)", yscale="log", title="KL")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def study(as_json: bool = False, data: str | None = None, steps: int = 256, threshold: float | None = None,
+          model_name: str = DEFAULT_MODEL) -> dict:
+    """Run the head study on the profiler's prompts and print its figures (the shipped table is not touched)."""
+    from kvfabric.engines.flexicache.study import DEFAULT_THRESHOLD
+    console = Console(stderr=True, emoji=False, highlight=False)
+    result = run_study(model_name, data, steps=steps, progress=lambda m: console.print(f"[dim]{m}[/]"))
+    figures = report(result.table(DEFAULT_THRESHOLD if threshold is None else threshold))
+    emit_summary(figures, as_json, "FlexiCache head study")
+    return figures
+

@@ -1,0 +1,99 @@
+"""`kvfabric bench interference --vllm`: the miss-path overhead of `mode: server` in the vLLM connector, in paired
+runs (issue target: <= 3 % of cold TTFT).
+
+One real vLLM engine (CPU, fp32, the reference SmolLM2) with KVFabricConnector in `mode: server`, talking to a
+`kvfabric server` this process starts. Per pair, two cold prompts of the same size that share no prefix: one
+with kvfabric switched off for that request (`kv_transfer_params`), one with it on (the scheduler's LOOKUP, the
+worker's leased-slot gathers and commits); the order alternates between pairs so that drift cancels. Reported:
+the median TTFT of each side and the median of the per-pair overheads. TTFT = wall time of
+`generate(max_tokens=1)`. The engine runs in the Python that has vLLM (`--vllm-python`, default .venv-vllm).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CHUNK = 256
+MODEL_ID = "kvfabric-bench-interference"
+
+
+def run(python: str | None = None, num_tokens: int = 4096, num_pairs: int = 3, timeout: float = 1800) -> dict:
+    from kvfabric.bench.interference import _start_server
+    from kvfabric.bench.vllm import find_python, make_prompts
+    from kvfabric.engines.model import ensure_model
+    python = find_python(python)
+    model = str(ensure_model())
+    sizes = [num_tokens - i for i in range(num_pairs)]  # distinct names, disjoint texts
+    with tempfile.TemporaryDirectory(prefix="kvfabric-interference-vllm-") as tmp:
+        prompts = Path(tmp) / "prompts.json"
+        prompts.write_text(json.dumps(make_prompts(model, sizes)))
+        server = {"tiers": ["cpu"], "chunk_size": CHUNK, "server": {
+            "socket": f"{tmp}/server.sock", "pool_capacity": "256MiB", "slot_bytes": "12MiB"}}
+        proc = _start_server(server, Path(tmp) / "server.yaml", None)
+        spec = {"model": model, "prompts": str(prompts), "sizes": sizes, "out": f"{tmp}/result.json",
+                "config": {"chunk_size": CHUNK, "model_id": MODEL_ID, "mode": "server",
+                           "server": {"socket": server["server"]["socket"], "timeout_s": 2.0}}}
+        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+        log = Path(tempfile.gettempdir()) / f"kvfabric-interference-vllm-{os.getpid()}.log"  # kept: vLLM's are long
+        try:
+            with open(log, "w") as out:
+                done = subprocess.run([python, "-m", "kvfabric.bench.interference_vllm", f"{tmp}/spec.json"],
+                                      stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+            if done.returncode or not Path(spec["out"]).exists():
+                raise RuntimeError(f"vLLM engine failed (rc={done.returncode}); its log: {log}")
+            pairs = json.loads(Path(spec["out"]).read_text())["pairs"]
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    overheads = [p["on_s"] / p["off_s"] - 1 for p in pairs]
+    median = statistics.median(overheads)
+    return {"setup": "vllm_miss", "link_mbps": None, "ttft_s": statistics.median(p["on_s"] for p in pairs),
+            "tokens": num_tokens, "num_pairs": len(pairs), "off_s": statistics.median(p["off_s"] for p in pairs),
+            "miss_overhead_paired": median, "overheads": overheads, "on_cached_tokens": sum(p["hit"] for p in pairs),
+            "target_met": median <= 0.03}
+
+
+def _engine(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvfabric.connectors.vllm import kv_transfer_config
+    prompts = json.loads(Path(spec["prompts"]).read_text())
+    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=8192, seed=0,
+              kv_cache_memory_bytes=512 << 20, max_num_seqs=2, kv_transfer_config=kv_transfer_config(spec["config"]))
+    on = SamplingParams(temperature=0.0, max_tokens=1)
+    off = SamplingParams(temperature=0.0, max_tokens=1,
+                         extra_args={"kv_transfer_params": {"kvfabric": {"load": False, "store": False}}})
+
+    def ttft(tokens: list[int], params: SamplingParams) -> tuple[float, int]:
+        started = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+        return time.perf_counter() - started, int(out[0].num_cached_tokens or 0)
+
+    ttft(prompts["warmup"], on)
+    ttft(prompts["warmup"][::-1], off)
+    pairs = []
+    for i, size in enumerate(spec["sizes"]):
+        order = (("off", f"{size}/off"), ("on", str(size)))
+        got = {name: ttft(prompts[key], on if name == "on" else off) for name, key in (order if i % 2 == 0
+                                                                                         else order[::-1])}
+        pairs.append({"off_s": got["off"][0], "on_s": got["on"][0], "hit": got["on"][1]})
+        print(f"pair {i}: {pairs[-1]}", flush=True)
+    return {"pairs": pairs}
+
+
+if __name__ == "__main__":
+    params = json.loads(Path(sys.argv[1]).read_text())
+    result = _engine(params)
+    Path(params["out"]).write_text(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)  # vLLM's engine-core process would keep a plain exit waiting

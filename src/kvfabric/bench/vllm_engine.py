@@ -1,0 +1,175 @@
+"""The engine side of `kvfabric bench vllm`: one vLLM engine per process, run by the parent as
+`python -m kvfabric.bench.vllm_engine SPEC.json` (modes plain, kvfabric-cold, kvfabric-hit, lmcache-cold,
+lmcache-hit; see kvfabric.bench.vllm), results written as JSON to the spec's `out`.
+
+Also `pagecache_copy_bps` (the physical floor of a load from the disk tier) and `itl_under_load` (a decoding
+request's inter-token latency alone and while a cached prompt joins and loads asynchronously).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvfabric.bench.vllm import CHUNK, MAX_MODEL_LEN, MODEL_ID
+
+
+def run_engine(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    mode, cache = spec["mode"], spec["cache"]
+    prompts = json.loads(Path(spec["prompts"]).read_text())
+    stats_path = Path(cache).parent / f"stats-{mode}.json"
+    kwargs: dict[str, Any] = dict(model=spec["model"], dtype="float32", enforce_eager=True,
+                                  max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=1 << 30, max_num_seqs=4, seed=0)
+    if mode.startswith("kvfabric"):
+        from kvfabric.connectors.vllm import kv_transfer_config
+        kwargs["kv_transfer_config"] = kv_transfer_config({
+            "chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": cache}, "model_id": MODEL_ID,
+            "save_partial_chunk": True,  # an exact repeat then reuses all but one token (vLLM: all but the last block)
+            "stats_path": str(stats_path)})
+    elif mode.startswith("lmcache"):
+        kwargs["kv_transfer_config"] = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                                        "kv_connector_extra_config": spec["lmcache"]}
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    params_off = SamplingParams(temperature=0.0, max_tokens=1,
+                                extra_args={"kv_transfer_params": {"kvfabric": {"load": False, "store": False}}})
+
+    def ttft(tokens: list[int], off: bool = False) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params_off if off else params, use_tqdm=False)
+        return time.perf_counter() - t0, int(out[0].num_cached_tokens or 0)
+
+    def worker_counters() -> dict[str, Any]:
+        try:
+            return json.loads(stats_path.read_text())["connector"]
+        except (OSError, ValueError, KeyError):
+            return {}
+
+    def chunk_files() -> set[str]:
+        return {str(p) for p in Path(cache).glob("??/*.kvc")} if Path(cache).exists() else set()
+
+    def wait_stored(expected: int) -> None:  # let the background save finish before the next measurement
+        deadline = time.time() + 120
+        while len(chunk_files()) < expected and time.time() < deadline:
+            time.sleep(0.1)
+
+    ttft(prompts["warmup"])
+    out: dict[str, Any] = {}
+    files: dict[str, list[str]] = {}
+    for size in spec["sizes"]:
+        key = str(size)
+        row: dict[str, Any] = {}
+        if mode.endswith("-hit"):
+            before = worker_counters()
+            row["cold"], row["cold_cached"] = ttft(prompts[key])
+            after = worker_counters()
+            row["loaded_tokens"] = after.get("loaded_tokens", 0) - before.get("loaded_tokens", 0)
+            row["load_s"] = (after.get("load_read_ns", 0) - before.get("load_read_ns", 0)) / 1e9
+            row["bytes_loaded"] = {k.split(".", 1)[1]: after[k] - before.get(k, 0) for k in after
+                                   if k.startswith("bytes_loaded.") and after[k] != before.get(k, 0)}
+            if spec.get("files"):
+                row["pagecache_copy_bps"] = pagecache_copy_bps(spec["files"][key])
+        elif mode == "kvfabric-cold":  # paired: kvfabric off, then on, for distinct same-size prompts
+            row["off"], row["on"] = [], []
+            for r in range(spec["repeats"]):
+                row["off"].append(ttft(prompts[f"{key}/off{r}"], off=True)[0])
+                known = chunk_files()
+                row["on"].append(ttft(prompts[key if r == 0 else f"{key}/on{r}"])[0])
+                wait_stored(len(known) + -(-size // CHUNK))  # whole chunks and the partial last one
+                if r == 0:
+                    files[key] = sorted(chunk_files() - known)
+            row["cold"] = row["on"][0]
+        else:
+            row["cold"], row["cold_cached"] = ttft(prompts[key])
+            if mode == "plain":
+                row["hit"], row["hit_cached"] = ttft(prompts[key])
+        out[key] = row
+        print(f"[{mode}] {key}: {json.dumps(row)}", flush=True)
+    result: dict[str, Any] = {"mode": mode, "startup_s": round(startup, 1), "ttft": out, "files": files}
+    if mode == "kvfabric-cold":  # the prompt the hit engine loads while another request decodes
+        known = chunk_files()
+        ttft(prompts["itl"])
+        wait_stored(len(known) + -(-len(prompts["itl"]) // CHUNK))
+    if mode == "kvfabric-hit":
+        result["itl"] = itl_under_load(llm, prompts)
+        print(f"[{mode}] itl: {json.dumps(result['itl'])}", flush=True)
+    Path(spec["out"]).write_text(json.dumps(result))
+    try:
+        llm.llm_engine.engine_core.shutdown(timeout=30)
+    except Exception as exc:  # noqa: BLE001
+        print(f"engine shutdown: {exc!r}", flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def pagecache_copy_bps(paths: Sequence[str], repeats: int = 3) -> float:
+    """Bytes/s of reading these files (in the page cache: just written and read) into one buffer and copying each
+    into a tensor: the physical floor of a load from the disk tier. Best of `repeats`."""
+    import torch
+
+    sizes = [os.path.getsize(p) for p in paths]
+    buf = bytearray(max(sizes))
+    dst = torch.empty(max(sizes), dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for path, size in zip(paths, sizes):
+            with open(path, "rb") as f:
+                f.readinto(memoryview(buf)[:size])
+            dst[:size].copy_(torch.frombuffer(buf, dtype=torch.uint8, count=size))
+        best = min(best, time.perf_counter() - started)
+    return sum(sizes) / best
+
+
+def itl_under_load(llm: Any, prompts: dict[str, list[int]], num_tokens: int = 48) -> dict[str, Any]:
+    """Inter-token latency of a decoding request alone, and while a cached long prompt (`itl`) joins and waits for
+    its asynchronous load: the median ITL of the tokens produced during the load over the median alone."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    decode = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+
+    def one(tag: str, join: bool) -> tuple[list[float], float | None, float | None]:
+        engine.add_request(f"d-{tag}", TokensPrompt(prompt_token_ids=prompts["warmup"]), decode)
+        times: list[float] = []
+        joined = first_hit = None
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for o in outputs:
+                if o.request_id == f"d-{tag}" and len(o.outputs[0].token_ids) > len(times):
+                    times.append(now)
+                elif o.request_id == f"h-{tag}" and first_hit is None and o.outputs[0].token_ids:
+                    first_hit = now
+            if join and joined is None and len(times) >= 8:
+                engine.add_request(f"h-{tag}", TokensPrompt(prompt_token_ids=prompts["itl"]),
+                                   SamplingParams(temperature=0.0, max_tokens=1))
+                joined = time.perf_counter()
+        return times, joined, first_hit
+
+    alone, _, _ = one("alone", False)
+    times, joined, first_hit = one("join", True)
+    base = [b - a for a, b in zip(alone[1:], alone[2:])]  # the first gap includes the prefill
+    end = first_hit if first_hit is not None else float("inf")
+    during = [b - a for a, b in zip(times, times[1:]) if a >= joined and b < end]
+    ratio = statistics.median(during) / statistics.median(base) if during and base else None
+    return {"itl_alone_s": statistics.median(base), "itl_during_load_s": statistics.median(during) if during else None,
+            "ratio": ratio, "num_during": len(during), "load_window_s": end - joined}
+
+
+
+if __name__ == "__main__":
+    run_engine(sys.argv[1])

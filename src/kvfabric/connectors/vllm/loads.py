@@ -1,0 +1,272 @@
+"""Worker-side loads: chunk reads and their scatter into vLLM's paged cache, on background threads.
+
+Contract:
+- `Loader(engine, counters, block_size, num_threads)` owns `num_threads` threads and one staging buffer per
+  thread, allocated and touched at start-up: a load never pays page faults for fresh buffers (they cost ~1 GB/s
+  on small machines, as much as the read itself). `bind(layers)` gives it the paged layers, ordered by layer index.
+- `set_busy(True)` while a forward runs that does not wait for these threads (the worker calls it per step): the
+  threads then run under SCHED_IDLE, on CPU time the forward leaves unused, so an asynchronous load does not
+  slow the requests that keep decoding; `set_busy(False)` gives them normal priority again (nothing to compete
+  with: the engine is only waiting for loads).
+- `start_async(spec)` (vLLM's WAITING_FOR_REMOTE_KVS path): the load's chunks are spread over the threads; a
+  thread reads a chunk into its staging buffer (``CacheEngine.read_chunk(promote=False)``: checksums and layout
+  verified, no copy into process memory: vLLM's own prefix cache will hold the KV) and scatters it into every
+  layer at once, so reading chunk i+1 overlaps scattering chunk i. `take_finished()` returns each finished load
+  once, as a ``LoadOutcome``; `wait_finished(timeout)` blocks until one is there (the worker calls it on steps
+  that have nothing else to do, instead of letting vLLM poll in a tight loop).
+- `start_layered(specs)` (synchronous, layer-wise): a step's loads. All their chunks are read and verified
+  first (raw chunks from process memory are zero-copy views; others land in a pool of buffers held until the
+  step's loads are done), then scattered one layer at a time, so scattering layer l+1 overlaps the forward's
+  layer l. `wait_layer(index)` returns once layer `index` of every load is in place; `finish_layered()` returns
+  the step's outcomes. Trade-off (chunks hold all layers): a load is verified before any of its KV is used,
+  and a failed chunk never costs a step, but the reads themselves are not overlapped with compute (layer 0
+  needs every chunk); ranged per-layer reads would hide them at the price of verifying after the forward.
+- A missing or corrupt chunk ends that load there: its outcome's `end` is the first token not loaded and
+  `bad_blocks` the blocks from there to the load's end (vLLM recomputes them). Nothing here raises for a bad
+  cache entry; a bug in a job is logged and fails that load whole, never the process.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from vllm.logger import init_logger
+
+from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, scatter
+from kvfabric.connectors.vllm.metadata import LoadSpec, RequestStats
+from kvfabric.counters import Counters
+from kvfabric.engine import CacheEngine, ChunkHit, ChunkMiss
+from kvfabric.tiers.base import Scratch
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOutcome:
+    req_id: str
+    end: int  # tokens [spec.start, end) are in place
+    bad_blocks: tuple[int, ...]  # blocks holding tokens [end, spec.end): to recompute
+    bad_key: bytes | None  # the chunk that was missing or corrupt
+    stats: RequestStats
+
+
+@dataclass
+class _Job:
+    spec: LoadSpec
+    chunk_size: int
+    started: float = field(default_factory=time.perf_counter)
+    num_left: int = 0
+    first_bad: int | None = None  # index of the first chunk that failed
+    by_tier: dict[str, int] = field(default_factory=dict)
+
+    def chunk_span(self, i: int) -> tuple[int, int, int]:
+        """(first token of chunk i, lo, hi): chunk i's part [lo, hi) of the load's tokens."""
+        first = (self.spec.start // self.chunk_size + i) * self.chunk_size
+        return first, max(self.spec.start, first), min(self.spec.end, first + self.chunk_size)
+
+    def chunk_tokens(self, i: int) -> int:
+        """Tokens chunk i holds: chunk_size, or fewer for a partial last chunk (it ends with the prompt)."""
+        first = (self.spec.start // self.chunk_size + i) * self.chunk_size
+        prompt = self.spec.num_prompt_tokens or first + self.chunk_size
+        return max(1, min(self.chunk_size, prompt - first))
+
+    def outcome(self, block_size: int) -> LoadOutcome:
+        spec = self.spec
+        end = spec.end if self.first_bad is None else self.chunk_span(self.first_bad)[1]
+        bad = blocks_of(spec.block_ids, block_size, end, spec.end)
+        stats = RequestStats(loaded_tokens=end - spec.start, failed_tokens=spec.end - end,
+                             load_read_s=time.perf_counter() - self.started,
+                             bytes_loaded=tuple(sorted(self.by_tier.items())))
+        bad_key = None if self.first_bad is None else spec.keys[self.first_bad]
+        return LoadOutcome(spec.req_id, end, tuple(bad), bad_key, stats)
+
+
+class _Layered:
+    """One step's synchronous loads, scattered layer by layer."""
+
+    def __init__(self, jobs: list[_Job], num_layers: int) -> None:
+        self.jobs = jobs
+        self.chunks: list[list[torch.Tensor]] = [[] for _ in jobs]  # per job: KV [L, 2, H, C, D] of good chunks
+        self.layer_done = [threading.Event() for _ in range(num_layers)]
+        self.done = threading.Event()
+
+
+class Loader:
+    def __init__(self, engine: CacheEngine, counters: Counters, block_size: int, num_threads: int = 2) -> None:
+        self.engine = engine
+        self.counters = counters
+        self.block_size = block_size
+        self.chunk_size = engine.chunk_size
+        self._tids: list[int] = []  # native ids of the threads, for their scheduling policy
+        self._is_busy = False
+        self.layers: list[CpuPagedLayer] = []
+        self._tasks: queue.Queue[tuple[_Job, int] | _Layered | None] = queue.Queue()
+        self._finished: list[LoadOutcome] = []
+        self._cond = threading.Condition()
+        self._num_async = 0  # async loads started and not yet taken
+        self._pool: list[Scratch] = []  # the layered loads' buffers, reused step after step
+        self._layered: _Layered | None = None
+        blob_bytes = engine.chunk_blob_bytes()
+        self._threads = [threading.Thread(target=self._run, args=(blob_bytes,), name=f"kvfabric-load-{i}",
+                                          daemon=True) for i in range(num_threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def bind(self, layers: Sequence[CpuPagedLayer]) -> None:
+        self.layers = list(layers)
+
+    def set_busy(self, is_busy: bool) -> None:
+        if is_busy == self._is_busy or not hasattr(os, "SCHED_IDLE"):
+            return
+        self._is_busy = is_busy
+        policy = os.SCHED_IDLE if is_busy else os.SCHED_OTHER
+        for tid in self._tids:
+            try:
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
+            except OSError:  # not permitted here: loads then share the cores with the forward
+                pass
+
+    # ---- async ----------------------------------------------------------------------------------------------
+    def start_async(self, spec: LoadSpec) -> None:
+        job = _Job(spec, self.chunk_size, num_left=len(spec.keys))
+        self.counters.add("loads_async")
+        with self._cond:
+            self._num_async += 1
+        if not spec.keys:
+            self._finish(job)
+            return
+        for i in range(len(spec.keys)):
+            self._tasks.put((job, i))
+
+    @property
+    def num_async(self) -> int:
+        return self._num_async
+
+    def take_finished(self) -> list[LoadOutcome]:
+        with self._cond:
+            out, self._finished = self._finished, []
+            self._num_async -= len(out)
+        return out
+
+    def wait_finished(self, timeout: float) -> None:
+        with self._cond:
+            if not self._finished and self._num_async:
+                self._cond.wait(timeout)
+
+    def _finish(self, job: _Job) -> None:
+        outcome = job.outcome(self.block_size)
+        with self._cond:
+            self._finished.append(outcome)
+            self._cond.notify_all()
+
+    # ---- layered --------------------------------------------------------------------------------------------
+    def start_layered(self, specs: Sequence[LoadSpec]) -> None:
+        self._layered = _Layered([_Job(spec, self.chunk_size) for spec in specs], len(self.layers))
+        self.counters.add("loads_layered", len(specs))
+        self._tasks.put(self._layered)
+
+    def wait_layer(self, index: int) -> None:
+        if self._layered is not None:
+            self._layered.layer_done[index].wait()
+
+    def finish_layered(self) -> list[LoadOutcome]:
+        layered, self._layered = self._layered, None
+        if layered is None:
+            return []
+        layered.done.wait()
+        return [job.outcome(self.block_size) for job in layered.jobs]
+
+    # ---- threads --------------------------------------------------------------------------------------------
+    def _run(self, blob_bytes: int) -> None:
+        with self._cond:
+            self._tids.append(threading.get_native_id())
+            if self._is_busy:  # set_busy ran before this thread was there
+                self._is_busy = False
+                self.set_busy(True)
+        staging = Scratch()
+        staging.view(blob_bytes)  # allocated and touched now, not during a request's load
+        while (task := self._tasks.get()) is not None:
+            try:
+                if isinstance(task, _Layered):
+                    self._run_layered(task)
+                else:
+                    self._run_chunk(*task, staging)
+            except Exception:  # a bug must fail the load, not kill the thread
+                logger.exception("kvfabric: load job failed")
+                if isinstance(task, _Layered):
+                    for job in task.jobs:
+                        job.first_bad = 0
+                    task.chunks = [[] for _ in task.jobs]
+                    for event in task.layer_done:
+                        event.set()
+                    task.done.set()
+                else:
+                    self._chunk_done(task[0], task[1], None)
+
+    def _read(self, job: _Job, i: int, scratch: Scratch) -> torch.Tensor | None:
+        found = self.engine.read_chunk(job.spec.keys[i], num_tokens=job.chunk_tokens(i), scratch=scratch,
+                                       promote=False)
+        if isinstance(found, ChunkMiss):
+            self.counters.add(f"load_{found.reason}_chunks")
+            return None
+        assert isinstance(found, ChunkHit)
+        self.counters.add(f"bytes_loaded.{found.tier}", found.num_bytes)
+        with self._cond:
+            job.by_tier[found.tier] = job.by_tier.get(found.tier, 0) + found.num_bytes
+        return found.kv
+
+    def _run_chunk(self, job: _Job, i: int, staging: Scratch) -> None:
+        if job.first_bad is not None and job.first_bad < i:  # a chunk before it failed: no use loading it
+            self._chunk_done(job, i, None)
+            return
+        kv = self._read(job, i, staging)
+        if kv is not None:
+            started = time.perf_counter_ns()
+            first, lo, hi = job.chunk_span(i)
+            for index, layer in enumerate(self.layers):  # this chunk's part, [2, H, hi-lo, D] per layer
+                scatter(layer, job.spec.block_ids, lo, hi, kv[index, :, :, lo - first:hi - first, :])
+            self.counters.add("load_scatter_ns", time.perf_counter_ns() - started)
+        self._chunk_done(job, i, kv)
+
+    def _chunk_done(self, job: _Job, i: int, kv: torch.Tensor | None) -> None:
+        with self._cond:
+            if kv is None and (job.first_bad is None or i < job.first_bad):
+                job.first_bad = i
+            job.num_left -= 1
+            last = job.num_left == 0
+        if last:
+            self._finish(job)
+
+    def _run_layered(self, task: _Layered) -> None:
+        held = 0
+        for job, chunks in zip(task.jobs, task.chunks):
+            for i in range(len(job.spec.keys)):
+                if held == len(self._pool):
+                    self._pool.append(Scratch())
+                kv = self._read(job, i, self._pool[held])
+                if kv is None:
+                    job.first_bad = len(chunks)
+                    break
+                held += 1  # the view may live in this buffer until the step's loads are done
+                chunks.append(kv)
+        started = time.perf_counter_ns()
+        for index, layer in enumerate(self.layers):
+            for job, chunks in zip(task.jobs, task.chunks):
+                for i, kv in enumerate(chunks):
+                    first, lo, hi = job.chunk_span(i)
+                    scatter(layer, job.spec.block_ids, lo, hi, kv[index, :, :, lo - first:hi - first, :])
+            task.layer_done[index].set()
+        self.counters.add("load_scatter_ns", time.perf_counter_ns() - started)
+        task.chunks = [[] for _ in task.jobs]
+        task.done.set()
+
+    def stop(self) -> None:
+        for _ in self._threads:
+            self._tasks.put(None)
+        for thread in self._threads:
+            thread.join(timeout=10)

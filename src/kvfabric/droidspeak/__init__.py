@@ -1,0 +1,7 @@
+"""DroidSpeak: a model reuses a sibling's KV cache (same family, tokenizer and layout), recomputing only a profiled
+contiguous block of layers from the sibling's hidden state.
+
+* :mod:`kvfabric.droidspeak.family` - family members, the shared key namespace, the KV + hidden-state chunk store.
+* :mod:`kvfabric.droidspeak.runtime` - sender prefill with hidden states, the receiver's block recompute.
+* :mod:`kvfabric.droidspeak.profile` - per-pair profiling of every contiguous block, the saved table.
+"""

@@ -1,0 +1,112 @@
+"""KVLayout and its layer groups: validation, the fingerprint (what keeps layouts apart), the window rule."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfabric import CacheEngine, Config
+from kvfabric.codec.raw import RawCodec
+from kvfabric.engine import ChunkMiss
+from kvfabric.hashing import root_key
+from kvfabric.layout import KVLayout, LayerGroup
+
+GEMMA_TYPES = ["sliding_attention"] * 5 + ["full_attention"]  # Gemma 3's pattern, 6 layers here
+
+
+def gemma_like(window: int = 8, dtype: str = "float32") -> KVLayout:
+    return KVLayout.from_layer_types(GEMMA_TYPES, 1, 4, window, dtype)
+
+
+def test_groups_from_layer_types():
+    layout = gemma_like()
+    assert [(g.layers, g.window) for g in layout.groups] == [((5,), 0), ((0, 1, 2, 3, 4), 8)]
+    assert layout.window_groups == (layout.groups[1],)
+    assert layout.shape(3) == (6, 2, 1, 3, 4)  # one tensor per chunk, as for plain layouts
+
+
+def test_all_full_attention_is_the_plain_layout():
+    """Qwen2 / Llama configs list only full_attention layers: same value and fingerprint as before groups."""
+    grouped = KVLayout.from_layer_types(["full_attention"] * 4, 2, 8, None, "float16")
+    assert grouped == KVLayout(4, 2, 8, "float16") and grouped.groups == ()
+    assert grouped.fingerprint == KVLayout(4, 2, 8, "float16").fingerprint
+
+
+def test_fingerprint_names_the_group_map_and_window():
+    base = gemma_like()
+    others = [gemma_like(window=16), KVLayout(6, 1, 4, "float32"),
+              KVLayout.from_layer_types(GEMMA_TYPES[::-1], 1, 4, 8, "float32"),  # same counts, other layers
+              gemma_like(dtype="float16")]
+    prints = {base.fingerprint, *(o.fingerprint for o in others)}
+    assert len(prints) == 5
+    assert gemma_like().fingerprint == base.fingerprint  # stable for equal values
+
+
+@pytest.mark.parametrize("groups, message", [
+    ((LayerGroup((0, 1), 1, 4),), "cover layers 0..2"),  # layer 2 missing
+    ((LayerGroup((0, 1, 2), 1, 4), LayerGroup((2,), 1, 4, 8)), "cover layers"),  # layer 2 twice
+    ((LayerGroup((0, 1), 1, 4), LayerGroup((2,), 2, 4, 8)), "per-group KV shapes"),
+])
+def test_bad_groups_are_refused_at_construction(groups, message):
+    with pytest.raises(ValueError, match=message):
+        KVLayout(3, 1, 4, "float32", groups)
+
+
+@pytest.mark.parametrize("kwargs", [dict(layers=()), dict(layers=(2, 1)), dict(window=-1), dict(num_kv_heads=0)])
+def test_bad_group_values(kwargs):
+    args = dict(layers=(0,), num_kv_heads=1, head_dim=4, window=0) | kwargs
+    with pytest.raises(ValueError):
+        LayerGroup(**args)
+
+
+def test_unknown_attention_kinds_are_refused():
+    with pytest.raises(ValueError, match="linear_attention"):
+        KVLayout.from_layer_types(["full_attention", "linear_attention"], 1, 4, None)
+    with pytest.raises(ValueError, match="sliding window"):
+        KVLayout.from_layer_types(["sliding_attention"], 1, 4, None)
+
+
+def test_window_rule_keeps_w_minus_1_rows():
+    """A query at q reads q-W < p <= q; continuing after N tokens reads positions [N-W+1, N): W-1 rows."""
+    layout = gemma_like(window=8)
+    window = layout.window_groups[0]
+    assert window.window_start(5) == 0 and window.window_start(8) == 1 and window.window_start(20) == 13
+    assert 20 - window.window_start(20) == window.window - 1
+    assert layout.groups[0].window_start(20) == 0  # full attention reads everything
+    assert layout.stale_rows(7) == ()
+    assert layout.stale_rows(20) == (((0, 1, 2, 3, 4), 13),)
+
+
+def test_chunks_of_other_layouts_are_never_read(tmp_path):
+    """Same model id, same shape, another group map: another key namespace, and a blob planted under the other
+    layout's key is rejected by the header check (a wrong_layout miss), never decoded as ours."""
+    ours, theirs = gemma_like(), KVLayout(6, 1, 4, "float32")
+    assert root_key("m", ours, 4) != root_key("m", theirs, 4)
+    tokens = list(range(16))
+    kv = torch.randn(ours.shape(16), generator=torch.Generator().manual_seed(0))
+    config = Config(chunk_size=4, tiers=("cpu",))
+    with CacheEngine(config, theirs, "m") as plain, CacheEngine(config, ours, "m") as grouped:
+        assert plain.store(tokens, kv) == 4
+        assert grouped.lookup(tokens) == 0  # other keys
+        key = grouped.keys(tokens)[0]
+        grouped.stack.tiers[0].put(key, RawCodec().encode(kv[:, :, :, :4], key, theirs))  # planted under our key
+        assert grouped.read_chunk(key) == ChunkMiss("wrong_layout")
+        assert grouped.store(tokens, kv) == 4
+        assert torch.equal(grouped.retrieve(tokens), kv)
+
+
+def test_layout_for_reads_transformers_configs():
+    """Gemma 3's default config (window every layer but each 6th) and Qwen2 with and without its sliding window."""
+    from transformers import Gemma3TextConfig, Qwen2Config
+
+    from kvfabric.engines.runtime import layout_for
+    gemma = layout_for(Gemma3TextConfig(num_hidden_layers=12, sliding_window=512, num_key_value_heads=1,
+                                        head_dim=256), "float32")
+    assert [(g.layers, g.window) for g in gemma.groups] == [((5, 11), 0), ((0, 1, 2, 3, 4, 6, 7, 8, 9, 10), 512)]
+    assert (gemma.num_kv_heads, gemma.head_dim) == (1, 256)
+    plain = layout_for(Qwen2Config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                   hidden_size=256))
+    assert plain == KVLayout(4, 2, 64, "float16")
+    windowed = layout_for(Qwen2Config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                      hidden_size=256, use_sliding_window=True, sliding_window=128,
+                                      max_window_layers=2))
+    assert windowed.fingerprint != plain.fingerprint and windowed.window_groups[0].window == 128

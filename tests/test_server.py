@@ -1,0 +1,194 @@
+"""RemoteCache against the server's parts running in a thread of the test process (fast): exact round trips between
+clients, leases, refusals, a malformed connection, a server that goes away and comes back. The same server in its
+own process, with kill -9 of either side and fuzzed frames: test_server_processes.py."""
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import stat
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from kvfabric.remote import RemoteCache
+from kvfabric.remote import protocol as P
+from kvfabric.tiers.base import Scratch
+from tests.server_fixtures import CHUNK, LAYOUT, client_config, random_kv, server_config, server_in_thread, tokens_of
+
+
+def _client(data: dict, name: str = "t") -> RemoteCache:
+    return RemoteCache(client_config(data), LAYOUT, "model-a", name=name)
+
+
+def test_two_clients_share_exact_kv(tmp_path) -> None:
+    data = server_config(tmp_path)
+    tokens, kv = tokens_of(1000, 1), random_kv(1000, 1)
+    with server_in_thread(tmp_path, data) as service, _client(data, "a") as a, _client(data, "b") as b:
+        assert b.lookup(tokens) == 0
+        assert a.store(tokens, kv) == 3  # whole chunks only
+        assert b.lookup(tokens) == 3 * CHUNK
+        out = torch.zeros(LAYOUT.shape(1024), dtype=torch.float32)  # another dtype: cast on the one copy
+        got = b.retrieve(tokens, out=out)
+        assert got.shape[3] == 3 * CHUNK and torch.equal(got.half(), kv[:, :, :, :3 * CHUNK])
+        assert torch.equal(b.retrieve(tokens[:600]), kv[:, :, :, :512])  # a shorter prompt: its whole chunks
+        assert b.store(tokens, kv) == 0  # already held
+        b.flush()
+        assert service.counters.get("chunks_persisted") == 3
+        assert [t.num_chunks for t in b.stats().tiers] == [3, 3]  # cpu and disk, written in the background
+        assert service.slots.usage()["referenced"] == 0
+
+
+def test_read_chunk_view_is_leased_until_the_scratch_is_reused(tmp_path) -> None:
+    data = server_config(tmp_path)
+    tokens, kv = tokens_of(512, 2), random_kv(512, 2)
+    with server_in_thread(tmp_path, data) as service, _client(data) as c:
+        c.store(tokens, kv)
+        c.flush()  # the background encodes hold their slots until persisted
+        keys = c.keys(tokens)
+        scratch = Scratch()
+        hit = c.read_chunk(keys[0], scratch=scratch)
+        assert torch.equal(hit.kv, kv[:, :, :, :CHUNK]) and hit.tier == "pool"
+        assert service.slots.usage()["referenced"] == 1  # the view's lease
+        hit = c.read_chunk(keys[1], scratch=scratch)  # the first view is given up: released with this request
+        assert torch.equal(hit.kv, kv[:, :, :, CHUNK:])
+        assert service.slots.usage()["referenced"] == 1
+        out = torch.empty(LAYOUT.shape(CHUNK), dtype=torch.float32)
+        assert torch.equal(c.read_chunk(keys[0], out).kv, kv[:, :, :, :CHUNK].float())
+        assert c.read_chunk(b"x" * 32).reason == "missing"
+    assert service.slots.usage()["referenced"] == 0  # closing the client reclaimed the view
+
+
+def test_payloads_lease_slots_and_a_dropped_payload_is_released(tmp_path) -> None:
+    data = server_config(tmp_path)
+    tokens, kv = tokens_of(512, 3), random_kv(512, 3)
+    with server_in_thread(tmp_path, data) as service, _client(data) as c:
+        keys = c.keys(tokens)
+        payload = c.new_payload()
+        payload.kv.copy_(kv[:, :, :, :CHUNK])
+        assert service.slots.usage()["referenced"] == 1
+        assert c.store_chunk(keys[0], payload)
+        assert not c.store_chunk(keys[0], c.new_payload())  # held already
+        dropped = c.new_payload()
+        del dropped, payload
+        gc.collect()
+        c.flush()  # the next request carries the release
+        assert service.slots.usage()["referenced"] == 0
+        assert torch.equal(c.retrieve(tokens[:CHUNK]), kv[:, :, :, :CHUNK])
+
+
+def test_a_client_holds_at_most_its_slot_cap(tmp_path) -> None:
+    data = server_config(tmp_path, max_slots_per_client=3)
+    tokens, kv = tokens_of(6 * CHUNK, 4), random_kv(6 * CHUNK, 4)
+    with server_in_thread(tmp_path, data) as service, _client(data) as c:
+        assert c.store(tokens, kv) == 6  # in batches of at most 3 leases
+        c.flush()
+        scratches = [Scratch() for _ in range(6)]
+        hits = [c.read_chunk(key, scratch=s) for key, s in zip(c.keys(tokens), scratches)]
+        assert all(torch.equal(h.kv, kv[:, :, :, i * CHUNK:(i + 1) * CHUNK]) for i, h in enumerate(hits))
+        assert service.slots.usage()["referenced"] <= 3  # past the cap, chunks are copied out instead
+        assert torch.equal(c.retrieve(tokens), kv)
+
+
+def test_a_stalled_client_cannot_block_another(tmp_path) -> None:
+    data = server_config(tmp_path, pool_capacity="256KiB", max_slots_per_client=3)  # 4 slots in all
+    tokens, kv = tokens_of(6 * CHUNK, 9), random_kv(6 * CHUNK, 9)
+    with server_in_thread(tmp_path, data) as service, _client(data, "a") as a, _client(data, "b") as b:
+        num_stored = a.store(tokens[:3 * CHUNK], kv[:, :, :, :3 * CHUNK])
+        a.flush()  # committed slots stay held until persisted: store in pool-sized steps
+        num_stored += a.store(tokens, kv)
+        a.flush()
+        assert num_stored == 6
+        keys = a.keys(tokens)
+        held = [Scratch(), Scratch()]
+        views = [a.read_chunk(key, scratch=s) for key, s in zip(keys, held)]  # a keeps its leases and stalls
+        assert service.slots.usage()["referenced"] == 2
+        assert torch.equal(b.retrieve(tokens), kv)  # b gets all six chunks through the two slots left
+        assert b.stats().counters.get("server.retrieve_stop.pool_full", 0) >= 1
+        assert all(torch.equal(v.kv, kv[:, :, :, i * CHUNK:(i + 1) * CHUNK]) for i, v in enumerate(views))
+
+
+def test_token_and_socket_mode_refuse_others(tmp_path) -> None:
+    data = server_config(tmp_path, token="s3cret")
+    tokens, kv = tokens_of(512, 5), random_kv(512, 5)
+    with server_in_thread(tmp_path, data) as service:
+        assert stat.S_IMODE(os.stat(data["server"]["socket"]).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(service.pool.path).st_mode) == 0o600
+        wrong = {**data, "server": {**data["server"], "token": "guess"}}
+        with _client(wrong) as intruder:
+            assert intruder.store(tokens, kv) == 0 and intruder.lookup(tokens) == 0
+            assert intruder.retrieve(tokens).shape[3] == 0
+            assert not intruder.is_connected()
+        assert service.counters.get("refused") >= 1
+        with _client(data) as c:
+            assert c.store(tokens, kv) == 2 and c.lookup(tokens) == 512
+
+
+def test_a_malformed_frame_closes_that_connection_only(tmp_path) -> None:
+    data = server_config(tmp_path)
+    tokens, kv = tokens_of(512, 6), random_kv(512, 6)
+    with server_in_thread(tmp_path, data) as service, _client(data) as good:
+        good.store(tokens, kv)
+        bad = socket.socket(socket.AF_UNIX)
+        bad.connect(data["server"]["socket"])
+        P.send(bad, P.HELLO, 1, {"model_id": "model-a", "chunk_size": CHUNK, "layout": [2, 2, 16, "float16"]})
+        assert P.read_frame(bad, P.ANSWERS, timeout_s=5).op == P.REPLY
+        bad.sendall(P.HEADER.pack(P.MAGIC, P.VERSION, P.RETRIEVE, 0, 2, 1000, 5) + b"\xc1junk")
+        assert bad.recv(1) == b""  # closed by the server
+        bad.close()
+        assert torch.equal(good.retrieve(tokens), kv)
+        assert service.counters.get("connections_dropped") == 1
+
+
+def test_server_down_is_a_miss_and_a_restart_is_found(tmp_path) -> None:
+    data = server_config(tmp_path)
+    tokens, kv = tokens_of(512, 7), random_kv(512, 7)
+    with _client(data) as c:
+        started = time.monotonic()
+        assert c.lookup(tokens) == 0 and c.store(tokens, kv) == 0 and c.retrieve(tokens).shape[3] == 0
+        assert time.monotonic() - started < 1.0  # no server: misses at once, no hang
+        with server_in_thread(tmp_path, data):
+            deadline = time.monotonic() + 10
+            while not c.is_connected() and time.monotonic() < deadline:
+                time.sleep(0.05)  # misses for retry_s after the failure, then reconnects
+            assert c.store(tokens, kv) == 2
+            first_pool = c._pool.pool_id
+            assert torch.equal(c.retrieve(tokens), kv)
+        assert c.lookup(tokens) == 0  # gone again
+        with server_in_thread(tmp_path, data):  # a new server, a new pool; the disk tier kept the chunks
+            deadline = time.monotonic() + 10
+            while not c.is_connected() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert torch.equal(c.retrieve(tokens), kv)
+            assert c._pool.pool_id != first_pool
+
+
+def test_prometheus_metrics_per_client(tmp_path) -> None:
+    data = server_config(tmp_path)
+    tokens, kv = tokens_of(512, 8), random_kv(512, 8)
+    with server_in_thread(tmp_path, data) as service, _client(data, "engine-x") as c:
+        port = service.metrics.serve(0)
+        c.store(tokens, kv)
+        c.retrieve(tokens)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'kvfabric_server_hit_tokens_total{client="engine-x"} 512.0' in text
+    assert 'kvfabric_server_requests_total{client="engine-x",op="retrieve"} 1.0' in text
+    assert 'kvfabric_server_bytes_total{client="engine-x",direction="in"} ' + f"{LAYOUT.num_bytes(512)}.0" in text
+
+
+@pytest.mark.parametrize("with_prefetch", [False, True])
+def test_chunks_decode_from_the_tiers_into_slots(tmp_path, with_prefetch: bool) -> None:
+    """After the pool forgot a chunk (another server), it is read from disk and decoded into a slot, once."""
+    data = server_config(tmp_path, timeout_s=60.0)  # the codec's first use compiles it (numba): slow on a busy host
+    data["codec"] = "cachegen:0"  # lossless: exact values through a real decode
+    tokens, kv = tokens_of(768, 9), random_kv(768, 9)
+    with server_in_thread(tmp_path, data), _client(data) as c:
+        c.store(tokens, kv)
+        c.flush()
+    with server_in_thread(tmp_path, data) as service, _client(data) as c:
+        if with_prefetch:
+            assert c.prefetch(tokens) == 3
+        assert torch.equal(c.retrieve(tokens), kv)
+        assert service.counters.get("hit.disk") == 3 and service.counters.get("hit.pool") == 3 * with_prefetch

@@ -1,0 +1,131 @@
+"""The connector's background loads (kvfabric.connectors.vllm.loads) on a real CacheEngine and real paged-cache
+tensors laid out as vLLM's CPU cache: async loads spread over threads, layer-wise loads, missing and corrupt
+chunks. Needs vllm importable (the .venv-vllm venv); skips otherwise."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from kvfabric import CacheEngine, Config, KVLayout  # noqa: E402
+from kvfabric.connectors.paged import CpuPagedLayer, gather  # noqa: E402
+from kvfabric.connectors.vllm.loads import Loader  # noqa: E402
+from kvfabric.connectors.vllm.metadata import LoadSpec  # noqa: E402
+from kvfabric.counters import Counters  # noqa: E402
+
+CHUNK, BLOCK = 32, 16
+LAYOUT = KVLayout(3, 2, 8, "float32")
+
+
+@pytest.fixture()
+def setup(tmp_path):
+    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
+    writer = CacheEngine(config, LAYOUT, "m")
+    tokens = list(range(1, 4 * CHUNK + 1))
+    kv = torch.randn(LAYOUT.shape(len(tokens)), generator=torch.Generator().manual_seed(0))
+    writer.store(tokens, kv)
+    writer.flush()
+    writer.close()
+    engine = CacheEngine(config, LAYOUT, "m")  # fresh: its process-memory tier is empty, chunks come from disk
+    layers = [CpuPagedLayer(torch.zeros(20, 2, BLOCK, 16), BLOCK) for _ in range(LAYOUT.num_layers)]
+    loader = Loader(engine, Counters(), BLOCK, num_threads=2)
+    loader.bind(layers)
+    yield engine, loader, layers, tokens, kv, tmp_path
+    loader.stop()
+    engine.close()
+
+
+def _paged_kv(layers, block_ids, start, end):
+    out = torch.empty(LAYOUT.shape(end - start))
+    for index, layer in enumerate(layers):
+        gather(layer, block_ids, start, end, out[index])
+    return out
+
+
+def _wait_async(loader):
+    outcomes = []
+    while loader.num_async:
+        loader.wait_finished(1.0)
+        outcomes += loader.take_finished()
+    return outcomes
+
+
+def test_async_load_places_every_layer(setup):
+    engine, loader, layers, tokens, kv, _ = setup
+    keys = engine.keys(tokens)
+    block_ids = [7, 3, 12, 0, 5, 9, 1, 18]  # 8 blocks of 16 = 128 tokens
+    spec = LoadSpec("r", keys[1:], CHUNK + 16, 4 * CHUNK - 1, block_ids, is_async=True)  # a local prefix of 48
+    loader.start_async(spec)
+    (outcome,) = _wait_async(loader)
+    assert outcome.req_id == "r" and outcome.end == spec.end and not outcome.bad_blocks
+    assert outcome.stats.loaded_tokens == spec.end - spec.start
+    assert dict(outcome.stats.bytes_loaded)["disk"] > 0
+    assert torch.equal(_paged_kv(layers, block_ids, spec.start, spec.end), kv[:, :, :, spec.start:spec.end])
+    assert not engine.tier_keys("cpu")  # read for vLLM's cache only: not promoted into process memory
+
+
+def test_async_load_stops_at_a_corrupt_chunk(setup):
+    engine, loader, layers, tokens, kv, tmp_path = setup
+    keys = engine.keys(tokens)
+    path = next(tmp_path.glob(f"??/{keys[2].hex()}.kvc"))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    block_ids = list(range(8))
+    loader.start_async(LoadSpec("r", keys, 0, 4 * CHUNK, block_ids, is_async=True))
+    (outcome,) = _wait_async(loader)
+    assert outcome.end == 2 * CHUNK  # chunks 0-1 in place, 2 corrupt, 3 not used
+    assert outcome.bad_blocks == (4, 5, 6, 7)
+    assert outcome.stats.failed_tokens == 2 * CHUNK
+    assert torch.equal(_paged_kv(layers, block_ids, 0, 2 * CHUNK), kv[:, :, :, :2 * CHUNK])
+    assert engine.stats().counters.get("corrupt.disk") == 1
+
+
+def test_layered_load_waits_per_layer_and_reports_a_missing_chunk(setup):
+    engine, loader, layers, tokens, kv, _ = setup
+    keys = engine.keys(tokens)
+    good = LoadSpec("a", keys[:2], 0, 2 * CHUNK, [4, 5, 6, 7])
+    missing = LoadSpec("b", keys[:1] + [b"\0" * 32], 0, 2 * CHUNK, [8, 9, 10, 11])
+    loader.start_layered([good, missing])
+    for index in range(LAYOUT.num_layers):
+        loader.wait_layer(index)
+        got = torch.empty(2, 2, 2 * CHUNK, 8)
+        gather(layers[index], good.block_ids, 0, 2 * CHUNK, got)
+        assert torch.equal(got, kv[index, :, :, :2 * CHUNK])  # layer `index` is in place once its wait returns
+    outcomes = {o.req_id: o for o in loader.finish_layered()}
+    assert outcomes["a"].end == 2 * CHUNK and not outcomes["a"].bad_blocks
+    assert outcomes["b"].end == CHUNK and outcomes["b"].bad_blocks == (10, 11)
+    assert loader.finish_layered() == []
+
+
+def test_load_threads_yield_to_a_running_forward(setup):
+    import os
+
+    _, loader, *_ = setup
+    assert len(loader._tids) == 2
+    loader.set_busy(True)
+    assert {os.sched_getscheduler(tid) for tid in loader._tids} == {os.SCHED_IDLE}
+    loader.set_busy(False)
+    assert {os.sched_getscheduler(tid) for tid in loader._tids} == {os.SCHED_OTHER}
+
+
+def test_async_load_of_a_partial_last_chunk(tmp_path):
+    """With save_partial_chunk, a prompt's trailing partial chunk is stored and loaded: all but one token reused."""
+    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["disk"], "disk": {"path": str(tmp_path)},
+                               "save_partial_chunk": True})
+    tokens = list(range(1, 2 * CHUNK + 11))  # 2 whole chunks + 10 tokens
+    kv = torch.randn(LAYOUT.shape(len(tokens)), generator=torch.Generator().manual_seed(1))
+    with CacheEngine(config, LAYOUT, "m") as engine:
+        assert engine.store(tokens, kv) == 3
+        engine.flush()
+        layers = [CpuPagedLayer(torch.zeros(8, 2, BLOCK, 16), BLOCK) for _ in range(LAYOUT.num_layers)]
+        loader = Loader(engine, Counters(), BLOCK, num_threads=1)
+        loader.bind(layers)
+        block_ids = [3, 1, 4, 0, 6]
+        end = len(tokens) - 1  # vLLM computes the last token
+        loader.start_async(LoadSpec("r", engine.keys(tokens), 0, end, block_ids, True, len(tokens)))
+        (outcome,) = _wait_async(loader)
+        loader.stop()
+    assert outcome.end == end and not outcome.bad_blocks
+    assert torch.equal(_paged_kv(layers, block_ids, 0, end), kv[:, :, :, :end])
