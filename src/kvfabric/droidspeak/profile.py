@@ -71,13 +71,13 @@ def profile_prompt(sender: LlamaRunner, receiver: LlamaRunner, context: Sequence
     del ref_kv
     kv_a, hidden_a = sender_prefill(sender, context, capture=range(1, num_layers))
     ws = receiver.workspace(n + m)
-    ctx_pos, suf_pos = torch.arange(n), torch.arange(n, n + m)
-    ctx_rope, suf_rope = receiver.rope(ctx_pos), receiver.rope(suf_pos)
+    ctx = receiver.tokens(torch.arange(n), n)  # built once: positions, rope, attention plan
+    suf = receiver.tokens(torch.arange(n, n + m), n + m)
     kl = torch.full((num_layers + 1, num_layers + 1), float("nan"))
     kl_ans = kl.clone()
 
     def suffix_layer(l: int, g: torch.Tensor) -> torch.Tensor:
-        return receiver.layer(l, g, ws, suf_pos, n + m, suf_rope)
+        return receiver.layer(l, g, ws, suf)
 
     def score(s: int, e: int, g: torch.Tensor) -> None:  # g: the suffix's hidden at the input of layer e
         for l in range(e, num_layers):
@@ -97,7 +97,7 @@ def profile_prompt(sender: LlamaRunner, receiver: LlamaRunner, context: Sequence
         h = receiver.embed(ids[:n]) if s == 0 else hidden_a[s].view(1, n, -1)
         g = reuse_in[s]
         for e in range(s + 1, num_layers + 1):
-            h = receiver.layer(e - 1, h, ws, ctx_pos, n, ctx_rope)  # the block grows by layer e - 1
+            h = receiver.layer(e - 1, h, ws, ctx)  # the block grows by layer e - 1
             g = suffix_layer(e - 1, g)
             if e % stride == 0 or e == num_layers:
                 score(s, e, g)

@@ -53,14 +53,13 @@ def sender_prefill(runner: LlamaRunner, ids: Sequence[int], capture: Iterable[in
     wanted = set(capture)
     n = len(ids)
     kv = runner.workspace(n)
-    positions = torch.arange(n)
-    rope = runner.rope(positions)
+    tokens = runner.tokens(torch.arange(n), n)
     hidden = runner.embed(torch.tensor(ids))
     captured: dict[int, torch.Tensor] = {}
     for l in range(runner.num_layers):
         if l in wanted:
             captured[l] = hidden[0].clone()
-        hidden = runner.layer(l, hidden, kv, positions, n, rope)
+        hidden = runner.layer(l, hidden, kv, tokens)
     return kv, captured
 
 
@@ -73,8 +72,7 @@ def recompute_block(runner: LlamaRunner, ids: Sequence[int], kv: torch.Tensor, b
     if block.stop > runner.num_layers:
         raise ValueError(f"block [{block.start}, {block.stop}) beyond the model's {runner.num_layers} layers")
     n = len(ids)
-    positions = torch.arange(n)
-    rope = runner.rope(positions)
+    tokens = runner.tokens(torch.arange(n), n)
     if block.start == 0:
         h = runner.embed(torch.tensor(ids))
     elif hidden is None:
@@ -82,7 +80,7 @@ def recompute_block(runner: LlamaRunner, ids: Sequence[int], kv: torch.Tensor, b
     else:
         h = hidden.to(runner.dtype).view(1, n, -1)
     for l in range(block.start, block.stop):
-        h = runner.layer(l, h, kv, positions, n, rope)
+        h = runner.layer(l, h, kv, tokens)
 
 
 def _load_kv(store: DroidStore, ids: Sequence[int], kv: torch.Tensor) -> bool:
