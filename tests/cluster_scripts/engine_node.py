@@ -86,14 +86,14 @@ def main() -> None:
             budget = [int(msg["after"])]
             lock, never = threading.Lock(), threading.Event()
             for tier in node.served.values():
-                def stalled_get(key, _get=tier.inner.get, _marker=msg["marker"]):
+                def stalled_get(key, _get=tier.inner.get, _marker=msg["marker"], **kwargs):  # kwargs: meta
                     with lock:
                         budget[0] -= 1
                         stall = budget[0] < 0
                     if stall:
                         Path(_marker).touch()
                         never.wait()  # until the test kills this process
-                    return _get(key)
+                    return _get(key, **kwargs)
 
                 tier.inner.get = stalled_get  # the peer server reads through the observed tiers
             reply({"ok": True})
