@@ -43,7 +43,7 @@ import time
 import urllib.request
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -134,6 +134,7 @@ class MooncakeTier(TierBase):
         self._setup: Future | None = None
         self._registered: OrderedDict[int, bytearray] = OrderedDict()  # address -> the scratch buffer there
         self._size_hint = 0  # the largest object read so far: chunks of one tier are nearly all the same size
+        self._inflight: set[Future] = set()  # calls that may still be inside the client: close waits for them
         self._closed = False
 
     @classmethod
@@ -144,6 +145,12 @@ class MooncakeTier(TierBase):
                    breaker_failures=c.breaker_failures, backoff_max_s=c.backoff_max_s)
 
     # ---- the client, and calls to it under a deadline and the breaker -------------------------------------
+    def _submit(self, fn: Callable[..., T], *args: Any) -> Future:
+        future = self._pool.submit(fn, *args)
+        self._inflight.add(future)  # no lock: callers may hold self._lock; set.add and discard are atomic
+        future.add_done_callback(self._inflight.discard)
+        return future
+
     def _connect(self) -> Any:
         """Runs on a worker: make and set up the client (talks to the master; ~4 s to fail when it is down)."""
         store = self._make_store()
@@ -167,7 +174,7 @@ class MooncakeTier(TierBase):
             return store
         with self._lock:
             if self._setup is None or self._setup.done():  # the first try, or the last one failed
-                self._setup = self._pool.submit(self._connect)
+                self._setup = self._submit(self._connect)
             setup = self._setup
         return setup.result(timeout=max(0.0, deadline - time.monotonic()))
 
@@ -179,7 +186,7 @@ class MooncakeTier(TierBase):
         deadline = time.monotonic() + self.timeout_s
         future: Future | None = None
         try:
-            future = self._pool.submit(fn, self._client(deadline))
+            future = self._submit(fn, self._client(deadline))
             result = future.result(timeout=max(0.0, deadline - time.monotonic()))
         except (FutureTimeout, _Fault) as exc:
             if future is not None:
@@ -394,11 +401,18 @@ class MooncakeTier(TierBase):
             pass
 
     def close(self) -> None:
-        """Unmount this client's segment (its objects leave the store) and stop the workers."""
+        """Unmount this client's segment (its objects leave the store) and stop the workers. Calls that gave up
+        waiting may still be inside the client: closing it under them crashes the process (seen in CI), so close
+        first waits for them; if they are still stuck after the close timeout, the client is left open."""
         with self._lock:
             self._closed = True
             store, self._store = self._store, None
             registered, self._registered = list(self._registered), OrderedDict()
+            inflight = list(self._inflight)
+        timeout = max(self.timeout_s, CLOSE_TIMEOUT_S)
+        if store is not None and wait(inflight, timeout=timeout).not_done:
+            log.warning("mooncake calls still running after %.1f s; the client is left open", timeout)
+            store = None
 
         def run() -> None:
             for address in registered:
@@ -407,7 +421,7 @@ class MooncakeTier(TierBase):
 
         if store is not None:
             try:
-                self._pool.submit(run).result(timeout=max(self.timeout_s, CLOSE_TIMEOUT_S))
+                self._pool.submit(run).result(timeout=timeout)
             except FutureTimeout:
-                log.warning("mooncake client did not close within %.1f s", max(self.timeout_s, CLOSE_TIMEOUT_S))
+                log.warning("mooncake client did not close within %.1f s", timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
