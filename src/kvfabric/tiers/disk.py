@@ -138,24 +138,25 @@ class DiskTier(PolicyTier):
         return self._read(key, scratch, meta)
 
     def _read(self, key: bytes, scratch: Scratch | None, meta: AccessMeta) -> Blob | None:
-        path = self.path(key)
         try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                blob = bytearray(size) if scratch is None else scratch.view(size)
-                num_read = f.readinto(blob)
+            # plain calls on an fd (no file object: fewer system calls per read, each one a GIL release). The read
+            # asks for exactly the file's size: one read to EOF into the whole scratch buffer measured 2x slower.
+            fd = os.open(self.path(key), os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                blob: Blob | None = bytearray(size) if scratch is None else scratch.view(size)
+                if os.preadv(fd, [blob], 0) != size:  # changed while read
+                    blob = None
+                with contextlib.suppress(OSError):
+                    os.utime(fd)  # keeps LRU order across restarts
+            finally:
+                os.close(fd)
         except OSError:
             if key not in self._writing:  # gone (another process evicted or cleared it), not yet written
                 self._index.remove(key)
             return None
-        if num_read != size:
-            return None
-        if not self._index.touch(key, meta):
+        if blob is not None and not self._index.touch(key, meta):
             self._adopt(key)
-        try:
-            os.utime(path)  # keeps LRU order across restarts
-        except OSError:
-            pass
         return blob
 
     def put(self, key: bytes, blob: Blob, meta: AccessMeta = NO_META) -> bool:
