@@ -126,6 +126,8 @@ def run(as_json: bool = False, steps: int = 256, b_tokens: int = 4096, a_tokens:
             server.terminate()
             server.wait(60)
     for row in rows:
+        if row["setup"] != "none" and not row.get("num_fetches"):  # the engine raises first; never print such a row
+            raise RuntimeError(f"set-up {row['setup']} at {row['link_mbps']} Mbit/s fetched nothing")
         base = next(r for r in rows if r["setup"] == "none" and r["link_mbps"] == row["link_mbps"])
         row["tpot_vs_none"] = row["tpot_mean_s"] / base["tpot_mean_s"]
         row["p99_vs_none"] = row["tpot_p99_s"] / base["tpot_p99_s"]
