@@ -30,14 +30,14 @@ def run(python: str | None = None, num_tokens: int = 4096, num_pairs: int = 5, t
     from kvfabric.engines.model import ensure_model
     python = find_python(python)
     model = str(ensure_model())
-    sizes = [num_tokens - i for i in range(num_pairs)]  # distinct names, disjoint texts
     with tempfile.TemporaryDirectory(prefix="kvfabric-interference-vllm-") as tmp:
         prompts = Path(tmp) / "prompts.json"
-        prompts.write_text(json.dumps(make_prompts(model, sizes)))
+        prompts.write_text(json.dumps(make_prompts(model, [num_tokens], repeats=num_pairs)))  # disjoint texts
         server = {"tiers": ["cpu"], "chunk_size": CHUNK, "server": {
             "socket": f"{tmp}/server.sock", "pool_capacity": "256MiB", "slot_bytes": "12MiB"}}
         proc = _start_server(server, Path(tmp) / "server.yaml", None)
-        spec = {"model": model, "prompts": str(prompts), "sizes": sizes, "out": f"{tmp}/result.json",
+        spec = {"model": model, "prompts": str(prompts), "tokens": num_tokens, "num_pairs": num_pairs,
+                "out": f"{tmp}/result.json",
                 "config": {"chunk_size": CHUNK, "model_id": MODEL_ID, "mode": "server",
                            "server": {"socket": server["server"]["socket"], "timeout_s": 2.0}}}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
@@ -83,8 +83,9 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
     ttft(prompts["warmup"], on)
     ttft(prompts["warmup"][::-1], off)
     pairs = []
-    for i, size in enumerate(spec["sizes"]):
-        order = (("off", f"{size}/off"), ("on", str(size)))
+    size = spec["tokens"]
+    for i in range(spec["num_pairs"]):  # make_prompts' names: N/off0, N/off1, ...; N, N/on1, N/on2, ...
+        order = (("off", f"{size}/off{i}"), ("on", f"{size}/on{i}" if i else str(size)))
         got = {name: ttft(prompts[key], on if name == "on" else off) for name, key in (order if i % 2 == 0
                                                                                          else order[::-1])}
         pairs.append({"off_s": got["off"][0], "on_s": got["on"][0], "hit": got["on"][1]})
