@@ -12,8 +12,9 @@ B's TTFT runs from the fetch's start to B's first token (run by the engine betwe
 TPOT samples). Reported per (setup, link): TPOT mean and p99 and their ratios to `none` of the same link, B's
 TTFT (median over the fetches), kvfabric's CPU time in the engine process per step, the load average. Then: two
 engine processes sharing the server (the second's hit tokens), and retrieve through the server (pool slot to the
-engine's buffer) vs a plain copy of the same bytes. The sender lives in this process; each engine is a fresh
-process (kvfabric.bench.interference_engine). Absolute times on a busy machine are noise: compare within a run.
+engine's buffer) vs a plain copy of the same bytes. The sender lives in this process, on the server's core (it
+stands in for a remote host); each engine is a fresh process (kvfabric.bench.interference_engine). Absolute
+times on a busy machine are noise: compare within a run.
 """
 from __future__ import annotations
 
@@ -103,7 +104,9 @@ def run(as_json: bool = False, steps: int = 256, b_tokens: int = 4096, a_tokens:
                      levels=(level,))
     wire_mb = sum(len(b) for b in prompt.blobs[f"L{level}"]) / 1e6
     del model
-    sender = Sender(prompt, f"L{level}")
+    affinity = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {server_cpu})  # the sender stands in for a remote host: never on the engine's core
+    sender = Sender(prompt, f"L{level}")  # (its threads inherit this thread's affinity)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kvfabric-interference-") as tmp:
         server_config = {"tiers": ["cpu"], "chunk_size": 256, "server": {
@@ -125,6 +128,7 @@ def run(as_json: bool = False, steps: int = 256, b_tokens: int = 4096, a_tokens:
             sender.close()
             server.terminate()
             server.wait(60)
+            os.sched_setaffinity(0, affinity)
     for row in rows:
         if row["setup"] != "none" and not row.get("num_fetches"):  # the engine raises first; never print such a row
             raise RuntimeError(f"set-up {row['setup']} at {row['link_mbps']} Mbit/s fetched nothing")
