@@ -12,9 +12,9 @@ B's TTFT runs from the fetch's start to B's first token (run by the engine betwe
 TPOT samples). Reported per (setup, link): TPOT mean and p99 and their ratios to `none` of the same link, B's
 TTFT (median over the fetches), kvfabric's CPU time per step in the engine process and in the server, the load
 average. Then: two engine processes sharing the server (the second's hit tokens), and retrieve through the
-server (pool slot to the engine's buffer) vs a plain copy of the same bytes. The sender lives in this process, on the server's core (it
-stands in for a remote host); each engine is a fresh process (kvfabric.bench.interference_engine). Absolute
-times on a busy machine are noise: compare within a run.
+server (pool slot to the engine's buffer) vs a plain copy of the same bytes. The sender lives in this process,
+on the server's core (it stands in for a remote host); each engine is a fresh process
+(kvfabric.bench.interference_engine). Absolute times on a busy machine are noise: compare within a run.
 """
 from __future__ import annotations
 
