@@ -59,7 +59,8 @@ def run(python: str | None = None, num_tokens: int = 4096, num_pairs: int = 5, t
     return {"setup": "vllm_miss", "link_mbps": None, "ttft_s": statistics.median(p["on_s"] for p in pairs),
             "tokens": num_tokens, "num_pairs": len(pairs), "off_s": statistics.median(p["off_s"] for p in pairs),
             "miss_overhead_paired": median, "miss_overhead_paired_min": min(overheads),
-            "miss_overhead_paired_max": max(overheads), "overheads": overheads, "on_cached_tokens": sum(p["hit"] for p in pairs),
+            "miss_overhead_paired_max": max(overheads), "overheads": overheads,
+            "on_cached_tokens": sum(p["hit"] for p in pairs),
             "target_met": median <= 0.03}
 
 
