@@ -73,3 +73,21 @@ def test_every_set_up_fetches_through_real_processes():
     assert by_setup["none"]["ttft_s"] is None
     assert by_setup["share"]["hit_tokens"] > 0
     assert by_setup["copy"]["exact"]
+
+
+def test_vllm_pairs_name_prompts_that_make_prompts_makes(monkeypatch):
+    import transformers
+
+    from kvfabric.bench import vllm as bench_vllm
+    from kvfabric.bench.interference_vllm import pair_names
+
+    class Tokenizer:  # make_prompts only slices token ids; the text and its tokenizer do not matter here
+        def __call__(self, text):
+            return type("Encoded", (), {"input_ids": list(range(100_000))})()
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *_: Tokenizer())
+    prompts = bench_vllm.make_prompts("unused", [64], repeats=5)
+    names = [name for pair in pair_names(64, 5) for name in pair]
+    assert len(set(names)) == 10 and all(len(prompts[name]) == 64 for name in names)
+    starts = {prompts[name][0] for name in names}
+    assert len(starts) == 10  # disjoint slices: no pair shares a prefix

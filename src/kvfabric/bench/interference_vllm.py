@@ -64,6 +64,11 @@ def run(python: str | None = None, num_tokens: int = 4096, num_pairs: int = 5, t
             "target_met": median <= 0.03}
 
 
+def pair_names(num_tokens: int, num_pairs: int) -> list[tuple[str, str]]:
+    """The (off, on) prompt of each pair, as make_prompts([num_tokens], repeats=num_pairs) names them."""
+    return [(f"{num_tokens}/off{i}", f"{num_tokens}/on{i}" if i else str(num_tokens)) for i in range(num_pairs)]
+
+
 def _engine(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -84,9 +89,8 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
     ttft(prompts["warmup"], on)
     ttft(prompts["warmup"][::-1], off)
     pairs = []
-    size = spec["tokens"]
-    for i in range(spec["num_pairs"]):  # make_prompts' names: N/off0, N/off1, ...; N, N/on1, N/on2, ...
-        order = (("off", f"{size}/off{i}"), ("on", f"{size}/on{i}" if i else str(size)))
+    for i, (off_name, on_name) in enumerate(pair_names(spec["tokens"], spec["num_pairs"])):
+        order = (("off", off_name), ("on", on_name))
         got = {name: ttft(prompts[key], on if name == "on" else off) for name, key in (order if i % 2 == 0
                                                                                          else order[::-1])}
         pairs.append({"off_s": got["off"][0], "on_s": got["on"][0], "hit": got["on"][1]})
