@@ -80,6 +80,7 @@ class RemoteCache:
         self._down_until = 0.0
         self._counters = Counters()
         self.histograms = Histograms()  # this client's lookup / retrieve / store latencies, as CacheEngine's
+        self.events = None  # chunk events come from the server's tiers, not from here (CacheEngine.events: none)
         self._views: dict[int, tuple[Connection, int, weakref.finalize]] = {}  # id(scratch) -> its leased slot
         self._orphans: list[tuple[Connection, int]] = []  # leases whose holder was garbage-collected
 
