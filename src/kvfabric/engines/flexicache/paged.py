@@ -146,15 +146,14 @@ class PagedKV(Cache):
             return self._done(layer, sdpa_attention_forward(module, query, k[None], v[None], None,
                                                             scaling=scaling)[0])
         out = torch.empty(q.shape)  # [Hq, D]
+        q_full, q_paged = pages.query_rows(group)
         if full.numel():
             k, v = pages.full_kv()
-            q_full = (full[:, None] * group + torch.arange(group)).flatten()
             out[q_full] = sdpa_attention_forward(module, query[:, q_full], k[None], v[None], None,
                                                  scaling=scaling)[0][0, 0]
         res = gather(pages.block[paged, :pages.num_pages], self.fast.k, self.fast.v, pages.num_tokens)
-        q_paged = (paged[:, None] * group + torch.arange(group)).flatten()
-        heavy = pages.heavy_row[paged]
-        if bool((heavy >= 0).any()):  # H2O: every resident token's attention accumulates
+        if pages.rows[Role.HEAVY].numel():  # H2O: every resident token's attention accumulates
+            heavy = pages.heavy_row[paged]
             out[q_paged], mass = attend_with_mass(q[q_paged], res, scaling)
             on = (heavy >= 0)[:, None] & (res.pages < pages.num_pages)  # [R, width]
             rows = heavy[:, None].expand_as(res.pages)

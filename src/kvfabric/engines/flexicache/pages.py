@@ -64,6 +64,7 @@ class LayerPages:
         self.score = torch.zeros(topk.numel(), max_pages)  # last bound of every page
         self.mass = torch.zeros(self.rows[Role.HEAVY].numel(), max_pages)  # HEAVY heads' accumulated attention
         self._pinned_mask = torch.zeros(0, dtype=torch.bool)
+        self._query_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_pages(self) -> int:
@@ -138,8 +139,18 @@ class LayerPages:
         k = self.fast.k[start:start + count].view(shape)[:, :self.num_tokens]
         return k, self.fast.v[start:start + count].view(shape)[:, :self.num_tokens]
 
+    def query_rows(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query heads (G per KV head) of the FULL heads and of the others, in head order (cached)."""
+        if self._query_rows is None:
+            self._query_rows = tuple((heads[:, None] * group + torch.arange(group)).flatten()
+                                     for heads in (self.rows[Role.FULL], self.paged))
+        return self._query_rows
+
     def all_resident(self) -> bool:
-        return bool((self.block[:, :self.num_pages] >= 0).all())
+        num_pages = self.num_pages
+        if self.plan.num_paged and self.plan.cap(num_pages) < num_pages:  # the budget alone says no (no scan)
+            return False
+        return bool((self.block[:, :num_pages] >= 0).all())
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every head's K and V gathered in position order: [H, num_tokens, D] (all pages must be resident)."""
