@@ -290,6 +290,17 @@ def test_stable_heads_re_rank_and_move_only_at_their_interval():
     assert counts[16].stable_promotions < 0.5 * counts[1].stable_promotions
 
 
+def test_a_layer_of_whole_heads_next_to_paged_ones_attends_densely():
+    """Layer 0's heads are all kept whole while layer 1's are paged: layer 0 stays dense KV's result exactly."""
+    kv = random_kv(num_layers=2, heads=3, tokens=200, seed=7)
+    dec = Decoder("flexicache", 0.6, kv, 160, 4, page_size=8, max_full_share=1.0,
+                  heads_table=table(2, 3, unstable=[(0, 0), (0, 1), (0, 2)]))
+    assert (dec.paged.plan.roles[0] == Role.FULL).all() and (dec.paged.plan.roles[1] == Role.TOPK).all()
+    queries = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(8))
+    out = dec.step(queries)
+    assert torch.equal(out[0], dec.dense(queries)[0])
+
+
 def test_budget_too_small_is_a_clear_error():
     with pytest.raises(BudgetError, match="pages per paged head"):
         Decoder("quest", 0.02, random_kv(tokens=100), 80, 4, page_size=8)

@@ -148,7 +148,7 @@ class LayerPages:
 
     def all_resident(self) -> bool:
         num_pages = self.num_pages
-        if self.plan.num_paged and self.plan.cap(num_pages) < num_pages:  # the budget alone says no (no scan)
+        if self.paged.numel() and self.plan.cap(num_pages) < num_pages:  # the budget alone says no (no scan)
             return False
         return bool((self.block[:, :num_pages] >= 0).all())
 

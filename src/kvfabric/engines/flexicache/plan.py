@@ -5,7 +5,8 @@ role and re-rank interval:
 - `full`: every head FULL (dense KV: the reference);
 - `flexicache`: as many heads as the table calls unstable are FULL while they fit in `max_full_share` of the
   budget, taken in the table's `full_order(config.head_order)`; unstable heads not kept whole are TOPK re-ranked
-  every step; the stable ones are TOPK re-ranked every `rerank_interval` steps, the radar checking them between;
+  every step; the stable ones (`stable`, whatever the interval) are TOPK re-ranked every `rerank_interval` steps,
+  the radar checking them between;
 - `shuffled`: flexicache's counts (FULL heads, every-step heads) on randomly chosen heads (seeded): the control;
 - `quest`: every head TOPK, re-ranked every step;
 - `streaming`: every head WINDOW: the sink page and the newest pages; the rest is dropped;
