@@ -14,7 +14,8 @@ step time after all methods with before).
 Methods at each budget: flexicache, quest (top-K pages of every head, re-ranked every step), streaming (sink +
 recent window), h2o (heavy hitters + recent, one-token pages), shuffled (flexicache's split on random heads). At
 30 % the bench also runs flexicache with stable heads re-ranked every step (`flexicache@rerank1`: the cost of
-re-ranking, measured) and with the heads kept whole chosen by stability alone (`flexicache@stability`, the
+re-ranking, measured: `rerank16_over_rerank1` compares the time spent ranking, radar-checking and moving per step,
+all heads together; `rerank16_over_rerank1_stable_moves` the pages promoted into the stable heads per step) and with the heads kept whole chosen by stability alone (`flexicache@stability`, the
 published criterion; the default orders them by retention, see engines/flexicache/heads.py).
 `--study` runs the head study instead (engines.flexicache.study) and prints its figures.
 """
