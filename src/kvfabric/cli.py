@@ -161,6 +161,16 @@ def server_cmd(config_path: str | None, socket_path: str | None, cpus: str | Non
         raise click.ClickException(str(exc)) from None
 
 
+@main.command("pd-proxy")
+@click.option("--prefill", "prefill_url", required=True, metavar="URL", help="The prefill vLLM (kv_role kv_producer).")
+@click.option("--decode", "decode_url", required=True, metavar="URL", help="The decode vLLM (kv_role kv_consumer).")
+@click.option("--port", default=8000, show_default=True, help="Listen on 127.0.0.1:PORT.")
+def pd_proxy(prefill_url: str, decode_url: str, port: int) -> None:
+    """OpenAI-compatible proxy for prefill/decode disaggregation: prefill with max_tokens=1, then decode."""
+    from kvfabric.pd.proxy import serve
+    serve(prefill_url, decode_url, port)
+
+
 @main.command()
 @config_option
 @click.option("--load", "load_ops", default=0.0, show_default=True,
