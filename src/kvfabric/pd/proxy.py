@@ -8,10 +8,12 @@ Contract:
 - A prefill instance that fails or cannot be reached within `prefill_timeout_s` is counted and skipped: the
   decode instance then computes the prompt itself (a miss in the pool), so the request is still answered.
 - GET /v1/models and /health are the decode instance's; GET /pd/stats: the proxy's counters.
-- Listens on 127.0.0.1 only. No state but the two HTTP clients and the counters.
+- Listens on 127.0.0.1 only. No state but the two HTTP clients and the counters. `serve` runs it in the
+  foreground (the CLI); `ProxyThread` in a thread of this process (benchmarks, tests).
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -114,3 +116,32 @@ def serve(prefill_url: str, decode_url: str, port: int) -> None:
     import uvicorn
 
     uvicorn.run(make_app(prefill_url, decode_url), host="127.0.0.1", port=port, log_level="warning")
+
+
+class ProxyThread:
+    """The proxy on 127.0.0.1:`port` in a daemon thread of this process; a context manager."""
+
+    def __init__(self, prefill_url: str, decode_url: str, port: int, start_timeout_s: float = 30.0) -> None:
+        import uvicorn
+
+        self.url = f"http://127.0.0.1:{port}"
+        self._server = uvicorn.Server(uvicorn.Config(make_app(prefill_url, decode_url), host="127.0.0.1", port=port,
+                                                     log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, name="kvfabric-pd-proxy", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while not self._server.started:  # uvicorn sets the flag and offers no event to wait on
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                self.close()
+                raise RuntimeError(f"pd-proxy did not start on {self.url}")
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> ProxyThread:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -76,7 +76,7 @@ class KVFabricConnector(KVConnectorBase_V1):
         self.config, self.options = resolve_config(transfer.kv_connector_extra_config)
         self.layout = layout_from_vllm(vllm_config)
         self.model_id = model_id_from_vllm(vllm_config, self.options)
-        self.role = role_of(transfer.kv_role)
+        self.kv_role = role_of(transfer.kv_role)
         block_size = vllm_config.cache_config.block_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -94,10 +94,10 @@ class KVFabricConnector(KVConnectorBase_V1):
                     logger.warning("kvfabric: cannot set kv_load_failure_policy=%s; a bad chunk fails its request",
                                    policy)
             self._scheduler = SchedulerSide(self.config, self.layout, self.model_id, block_size,
-                                             self.options["key_mode"], self.options["load_mode"], self.role)
+                                             self.options["key_mode"], self.options["load_mode"], self.kv_role)
         else:
             self._worker = WorkerSide(self.config, self.layout, self.model_id, block_size, self.options,
-                                      is_sync_store=self.role.is_sync_store)
+                                      is_sync_store=self.kv_role.is_sync_store)
             self._engine_stats = EngineStatsSource(self._worker.engine)
             if has_events:
                 self._worker.engine.events = worker_events(self.config.chunk_size)
