@@ -391,6 +391,17 @@ def bench_vllm(ctx: click.Context) -> None:
     sys.exit(vllm_main(ctx.args))
 
 
+@bench.command("pd")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--sizes", default="1024,4096", show_default=True, help="Prompt sizes in tokens, comma-separated.")
+@click.option("--concurrency", default="1,4", show_default=True, help="Concurrent requests, comma-separated.")
+@click.option("--python", default=None, help="A Python with vllm (default: this one, else .venv-vllm).")
+def bench_pd(as_json: bool, sizes: str, concurrency: str, python: str | None) -> None:
+    """P/D disaggregation: TTFT of a prefill+decode vLLM pair over the shm pool vs one colocated instance."""
+    from kvfabric.bench.pd import run
+    run([int(s) for s in sizes.split(",")], [int(c) for c in concurrency.split(",")], as_json=as_json, python=python)
+
+
 @bench.command("interference")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per (setup, link), then the sharing and copy rows.")
 @click.option("--steps", default=256, show_default=True, help="Decode steps of request A.")
