@@ -1,12 +1,15 @@
 """Prefill/decode disaggregation with two real `vllm serve` processes sharing KV through a shared-memory pool,
 behind `kvfabric pd-proxy`: the decode instance loads the prompt's KV the prefill instance stored, and its
-greedy answer equals a single colocated instance's.
+greedy answer equals a single colocated instance's; with the prefill instance SIGKILLed, the decode instance
+computes the prompt itself and still answers the same.
 
 Needs vllm (the .venv-vllm venv; skips otherwise) and the SmolLM2 model (ensure_model).
 """
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 
 import httpx
@@ -21,7 +24,9 @@ pytest.importorskip("vllm")
 PROMPTS = ["The lighthouse keeper logged the weather, the ships and the lamp oil every night. " * 20
            + "\nQuestion: what did the keeper log?\nAnswer:",
            "Rivers carry sediment from the mountains to the sea, building deltas over thousands of years. " * 16
-           + "\nQuestion: what builds a delta?\nAnswer:"]
+           + "\nQuestion: what builds a delta?\nAnswer:",
+           "A baker rises before dawn to knead the dough, shape the loaves and fire the oven. " * 18
+           + "\nQuestion: when does the baker rise?\nAnswer:"]
 
 
 def _ask(url: str, prompt: str, stream: bool = False) -> tuple[str, int]:
@@ -50,10 +55,10 @@ def test_pd_pair_answers_like_one_colocated_instance(tmp_path):
         colocated.wait_ready()
         expected = [_ask(f"http://127.0.0.1:{colocated.port}", prompt)[0] for prompt in PROMPTS]
     pool = pool_name()
-    prefill_stats, decode_stats = tmp_path / "prefill.json", tmp_path / "decode.json"
+    decode_stats = tmp_path / "decode.json"
     try:
         with start_instance(sys.executable, model, tmp_path, "prefill", "0", "kv_producer",
-                            pd_extra(pool, prefill_stats, "256MiB")) as prefill, \
+                            pd_extra(pool, tmp_path / "prefill.json", "256MiB")) as prefill, \
                 start_instance(sys.executable, model, tmp_path, "decode", "1", "kv_consumer",
                                pd_extra(pool, decode_stats, "256MiB")) as decode:
             prefill.wait_ready()
@@ -62,12 +67,19 @@ def test_pd_pair_answers_like_one_colocated_instance(tmp_path):
                 text, cached = _ask(proxy.url, PROMPTS[0])
                 streamed, _ = _ask(proxy.url, PROMPTS[1], stream=True)
                 stats = httpx.get(f"{proxy.url}/pd/stats").json()
-        assert [text, streamed] == expected
+                probe = ShmTier(pool, 256 << 20)
+                pool_keys = probe.keys()
+                probe.close()
+                os.killpg(prefill.proc.pid, signal.SIGKILL)  # the prefill instance dies: decode recomputes
+                prefill.proc.wait(30)
+                after_kill, cached_after_kill = _ask(proxy.url, PROMPTS[2])
+                failures = httpx.get(f"{proxy.url}/pd/stats").json().get("prefill_failures", 0)
+        assert [text, streamed, after_kill] == expected
         assert cached >= 256  # the decode instance loaded the prompt's whole chunks from the pool
         assert stats["prefills"] == 2 and stats.get("prefill_failures", 0) == 0
-        producer = json.loads(prefill_stats.read_text())["connector"]
+        assert len(pool_keys) >= 2  # the producer stored both prompts' whole chunks (the consumer stores none)
+        assert cached_after_kill == 0 and failures == 1
         consumer = json.loads(decode_stats.read_text())["connector"]
-        assert producer.get("chunks_stored", 0) >= 2 and producer.get("loaded_tokens", 0) == 0
         assert consumer.get("bytes_loaded.shm", 0) > 0 and consumer.get("chunks_stored", 0) == 0
     finally:
         ShmTier.destroy(pool)

@@ -396,10 +396,13 @@ def bench_vllm(ctx: click.Context) -> None:
 @click.option("--sizes", default="1024,4096", show_default=True, help="Prompt sizes in tokens, comma-separated.")
 @click.option("--concurrency", default="1,4", show_default=True, help="Concurrent requests, comma-separated.")
 @click.option("--python", default=None, help="A Python with vllm (default: this one, else .venv-vllm).")
-def bench_pd(as_json: bool, sizes: str, concurrency: str, python: str | None) -> None:
-    """P/D disaggregation: TTFT of a prefill+decode vLLM pair over the shm pool vs one colocated instance."""
+@click.option("--redis-url", default=None, help="Also the P/D pair over this Redis server (chunks are stored there).")
+def bench_pd(as_json: bool, sizes: str, concurrency: str, python: str | None, redis_url: str | None) -> None:
+    """P/D disaggregation: TTFT of a prefill+decode vLLM pair over the shm pool (and Redis) vs one colocated
+    instance."""
     from kvfabric.bench.pd import run
-    run([int(s) for s in sizes.split(",")], [int(c) for c in concurrency.split(",")], as_json=as_json, python=python)
+    run([int(s) for s in sizes.split(",")], [int(c) for c in concurrency.split(",")], as_json=as_json, python=python,
+        redis_url=redis_url)
 
 
 @bench.command("interference")

@@ -5,6 +5,8 @@ Paths (each started here, one after the other, never two pairs at once):
     colocated  one vLLM instance, no connector, both cores
     shm        a prefill instance (kv_role kv_producer) and a decode instance (kv_consumer), each on its own core,
                sharing KV through one shared-memory pool, behind `kvfabric pd-proxy` (ProxyThread)
+    redis      the same pair sharing KV through a Redis server (`--redis-url`; skipped without)
+    (p2p, the cluster's peer-to-peer TCP path, is not in this bench yet)
 
 Per (path, prompt size, concurrency): TTFT mean and P99 measured on the client through the proxy (prefill + decode
 first token), `transfer_s`: the decode instance's mean KV load time per request (its connector's counters),
@@ -37,13 +39,14 @@ from kvfabric.tiers.shm import ShmTier
 
 CHUNK = 256
 CHUNK_BYTES = 1 << 20  # the raw socket baseline sends the bytes in pieces of this size
-PATHS = ("colocated", "shm")  # p2p and redis: not yet
+PATHS = ("colocated", "shm", "redis")  # redis only with a server's URL; p2p: not yet
 
 
-def pd_extra(pool: str, stats: Path, capacity: str = "2GiB") -> dict[str, Any]:
-    """kv_connector_extra_config of both instances of a pair: one shm pool, nothing else."""
-    return {"chunk_size": CHUNK, "tiers": ["shm"], "shm": {"name": pool, "capacity": capacity},
-            "model_id": "kvfabric-bench-pd", "stats_path": str(stats)}
+def pd_extra(pool: str, stats: Path, capacity: str = "2GiB", redis_url: str | None = None) -> dict[str, Any]:
+    """kv_connector_extra_config of both instances of a pair: one shm pool (or, with redis_url, one Redis)."""
+    tiers = {"tiers": ["redis"], "redis": {"url": redis_url, "timeout_s": 10.0}} if redis_url else \
+        {"tiers": ["shm"], "shm": {"name": pool, "capacity": capacity}}
+    return {"chunk_size": CHUNK, **tiers, "model_id": "kvfabric-bench-pd", "stats_path": str(stats)}
 
 
 def start_instance(python: str, model: str, work: Path, name: str, cores: str, kv_role: str | None = None,
@@ -121,7 +124,7 @@ def _loaded(stats: Path) -> tuple[int, int]:
 
 
 def run_path(path: str, python: str, model: str, work: Path, groups: list[tuple[int, int]], max_tokens: int,
-             max_len: int, log) -> dict[tuple[int, int], list[Any]]:  # noqa: ANN001
+             max_len: int, log, redis_url: str | None = None) -> dict[tuple[int, int], list[Any]]:  # noqa: ANN001
     """Start the path's instances, run every (prompt_tokens, concurrency) group, stop. Per group:
     (ttfts, texts, transfer_s per request, bytes per request)."""
     out: dict[tuple[int, int], list[Any]] = {}
@@ -135,11 +138,12 @@ def run_path(path: str, python: str, model: str, work: Path, groups: list[tuple[
             url = f"http://127.0.0.1:{server.port}"
         else:
             stack.callback(ShmTier.destroy, pool)
-            prefill = stack.enter_context(start_instance(python, model, work, "prefill", "0", "kv_producer",
-                                                         pd_extra(pool, work / "prefill.json", "4GiB"), max_len,
-                                                         kv_bytes))
-            decode = stack.enter_context(start_instance(python, model, work, "decode", "1", "kv_consumer",
-                                                        pd_extra(pool, stats, "4GiB"), max_len, kv_bytes))
+            url_or_none = redis_url if path == "redis" else None
+            prefill = stack.enter_context(start_instance(
+                python, model, work, f"prefill-{path}", "0", "kv_producer",
+                pd_extra(pool, work / f"prefill-{path}.json", "4GiB", url_or_none), max_len, kv_bytes))
+            decode = stack.enter_context(start_instance(python, model, work, f"decode-{path}", "1", "kv_consumer",
+                                                        pd_extra(pool, stats, "4GiB", url_or_none), max_len, kv_bytes))
             prefill.wait_ready(900)
             decode.wait_ready(900)
             url = stack.enter_context(ProxyThread(prefill.base_url, decode.base_url, free_port())).url
@@ -158,7 +162,8 @@ def run_path(path: str, python: str, model: str, work: Path, groups: list[tuple[
 
 
 def run(sizes: list[int], concurrencies: list[int], as_json: bool = False, max_tokens: int = 16,
-        python: str | None = None, model: str | None = None, workdir: str | None = None) -> list[dict[str, Any]]:
+        python: str | None = None, model: str | None = None, workdir: str | None = None,
+        redis_url: str | None = None) -> list[dict[str, Any]]:
     from kvfabric.bench.vllm import find_python
     from kvfabric.engines.model import ensure_model
 
@@ -170,11 +175,12 @@ def run(sizes: list[int], concurrencies: list[int], as_json: bool = False, max_t
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    paths = [path for path in PATHS if path != "redis" or redis_url]
     with tempfile.TemporaryDirectory(prefix="kvfabric-bench-pd-", dir=workdir) as tmp:
-        results = {path: run_path(path, python, model, Path(tmp), groups, max_tokens, max_len, log)
-                   for path in PATHS}
+        results = {path: run_path(path, python, model, Path(tmp), groups, max_tokens, max_len, log, redis_url)
+                   for path in paths}
     rows = []
-    for path in PATHS:
+    for path in paths:
         for group in groups:
             ttfts, texts, transfer_s, num_bytes = results[path][group]
             memcpy_s, socket_s = copy_baselines(num_bytes) if num_bytes else (None, None)
