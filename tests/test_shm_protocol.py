@@ -9,6 +9,7 @@ import struct
 
 import pytest
 
+from kvfabric.config import ShmTierConfig
 from kvfabric.tiers.shm import ShmTier
 from kvfabric.tiers.shm.coherence import CacheOps, MsyncCacheOps
 from kvfabric.tiers.shm.layout import ENTRY_BYTES, READY, SEQ, STATS_AT
@@ -90,8 +91,9 @@ def test_read_invalidates_entry_then_payload_then_rechecks_the_seq(pool_name):
 
 
 def test_non_coherent_mode_round_trips_with_real_msync(pool_name, tmp_path):
-    tier = ShmTier(pool_name, CAPACITY, root=tmp_path, coherent=False)  # a file-backed pool: msync writes it back
-    assert isinstance(tier.arena.ops, MsyncCacheOps) and ShmTier.from_config is not None
+    config = ShmTierConfig(name=pool_name, capacity=CAPACITY, root=str(tmp_path), coherent=False)
+    tier = ShmTier.from_config(config)  # a pool in a file outside /dev/shm: msync writes it back
+    assert isinstance(tier.arena.ops, MsyncCacheOps) and (tmp_path / f"kvfabric-{pool_name}").exists()
     key, blob = key_of(3), make_blob(key_of(3), 10_000)
     assert tier.put(key, blob) and bytes(tier.get(key)) == bytes(blob)
     assert tier.delete(key) and tier.get(key) is None

@@ -55,7 +55,8 @@ class ShmTier(TierBase):
 
     @classmethod
     def from_config(cls, config: ShmTierConfig) -> ShmTier:
-        return cls(config.name, config.capacity, lock_timeout_s=config.lock_timeout_s, coherent=config.coherent)
+        return cls(config.name, config.capacity, root=config.root, lock_timeout_s=config.lock_timeout_s,
+                   coherent=config.coherent)
 
     @staticmethod
     def destroy(name: str, root: str | os.PathLike = DEFAULT_ROOT) -> None:
