@@ -183,16 +183,20 @@ def run(sizes: list[int], concurrencies: list[int], as_json: bool = False, max_t
     for path in paths:
         for group in groups:
             ttfts, texts, transfer_s, num_bytes = results[path][group]
+            base_ttfts, base_texts = results["colocated"][group][:2]
+            is_pd = path != "colocated"
+            ttft = statistics.fmean(ttfts)
             memcpy_s, socket_s = copy_baselines(num_bytes) if num_bytes else (None, None)
             rows.append({"path": path, "prompt_tokens": group[0], "concurrency": group[1], "requests": len(ttfts),
-                         "ttft_mean_s": statistics.fmean(ttfts), "ttft_p99_s": percentile(ttfts, 99),
-                         "transfer_s": transfer_s if path != "colocated" else None,
-                         "transfer_share": transfer_s / statistics.fmean(ttfts) if path != "colocated" else None,
+                         "ttft_mean_s": ttft, "ttft_p99_s": percentile(ttfts, 99),
+                         "ttft_vs_colocated": ttft / statistics.fmean(base_ttfts),
+                         "transfer_s": transfer_s if is_pd else None,
+                         "transfer_share": transfer_s / ttft if is_pd else None,
                          "bytes_per_request": num_bytes, "memcpy_s": memcpy_s, "socket_s": socket_s,
                          "transfer_vs_memcpy": transfer_s / memcpy_s if memcpy_s else None,
                          "socket_gbps": num_bytes / socket_s / 1e9 if socket_s else None,
-                         "same_output": None if path == "colocated" else texts == results["colocated"][group][1]})
+                         "same_output": texts == base_texts if is_pd else None})
     emit(rows, as_json, "bench pd: prefill/decode disaggregation (TTFT on the client, through pd-proxy)",
-         ["path", "prompt_tokens", "concurrency", "ttft_mean_s", "ttft_p99_s", "transfer_s", "memcpy_s", "socket_s",
-          "transfer_vs_memcpy", "same_output"])
+         ["path", "prompt_tokens", "concurrency", "ttft_mean_s", "ttft_p99_s", "ttft_vs_colocated", "transfer_s",
+          "memcpy_s", "socket_s", "transfer_vs_memcpy", "same_output"])
     return rows
