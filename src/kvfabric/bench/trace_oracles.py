@@ -9,91 +9,29 @@ trace's future through `BeladyFuture`.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import OrderedDict
-from collections.abc import Container
-
-from kvfabric.tiers.policies import AccessMeta, BeladyFuture, Key
+from kvfabric.tiers.policies import LRU, AccessMeta, Belady, BeladyFuture, Key
 from kvfabric.tiers.policies.belady import NEVER
 
 
-class OracleAlive:
+class OracleAlive(LRU):
     name = "oracle-alive"
     may_bypass = True
 
     def __init__(self, capacity_bytes: int, future: BeladyFuture) -> None:
+        super().__init__(capacity_bytes)
         self.future = future
-        self._order: OrderedDict[Key, None] = OrderedDict()  # next victim first
-        self.num_steps = 0
-
-    def __len__(self) -> int:
-        return len(self._order)
 
     def admit(self, key: Key, size: int, meta: AccessMeta) -> None:
         self.touch(key, meta)
 
     def touch(self, key: Key, meta: AccessMeta) -> None:
-        self._order[key] = None
+        self._order[key] = None  # a block that is never used again goes to the eviction end
         self._order.move_to_end(key, last=self.future.next_use(key) != NEVER)
 
-    def victim(self, pinned: Container[Key]) -> Key | None:
-        for key in self._order:
-            self.num_steps += 1
-            if key not in pinned:
-                del self._order[key]
-                return key
-        return None
 
-    def remove(self, key: Key) -> None:
-        self._order.pop(key, None)
-
-    def clear(self) -> None:
-        self._order.clear()
-
-
-class OraclePopularity:
+class OraclePopularity(Belady):
+    """Belady's lazy heap ordered by total uses instead of next use: fewest uses first, then the oldest stamp."""
     name = "oracle-popularity"
-    may_bypass = True
 
-    def __init__(self, capacity_bytes: int, future: BeladyFuture) -> None:
-        self.future = future
-        self._heap: list[tuple[int, int, Key]] = []  # (total uses, stamp, key): fewest uses, then oldest
-        self._stamp: dict[Key, int] = {}
-        self._counter = itertools.count()
-        self.num_steps = 0
-
-    def __len__(self) -> int:
-        return len(self._stamp)
-
-    def admit(self, key: Key, size: int, meta: AccessMeta) -> None:
-        self.touch(key, meta)
-
-    def touch(self, key: Key, meta: AccessMeta) -> None:
-        stamp = next(self._counter)
-        self._stamp[key] = stamp
-        heapq.heappush(self._heap, (self.future.num_uses(key), stamp, key))
-
-    def victim(self, pinned: Container[Key]) -> Key | None:
-        held, chosen = [], None
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            self.num_steps += 1
-            if self._stamp.get(entry[2]) != entry[1]:
-                continue
-            if entry[2] in pinned:
-                held.append(entry)
-                continue
-            chosen = entry[2]
-            del self._stamp[chosen]
-            break
-        for entry in held:
-            heapq.heappush(self._heap, entry)
-        return chosen
-
-    def remove(self, key: Key) -> None:
-        self._stamp.pop(key, None)
-
-    def clear(self) -> None:
-        self._heap.clear()
-        self._stamp.clear()
+    def _rank(self, key: Key, meta: AccessMeta) -> tuple[int, int]:
+        return self.future.num_uses(key), 0

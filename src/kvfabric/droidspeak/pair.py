@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfabric.blend.runner import LlamaRunner
+from kvfabric.data import find_musique
 from kvfabric.droidspeak.family import FamilyMember, tokenizer_fingerprint
 from kvfabric.droidspeak.profile import ProfileTable, greedy_answer, profile_prompt, save_table
 
@@ -63,8 +64,7 @@ def musique_prompt(tokenizer: Any, example: dict, passages: int) -> tuple[list[i
 
 
 def load_examples(data: str | Path | None, first: int, count: int) -> list[dict]:
-    from kvfabric.engines.finetune import find_shared_data
-    path = Path(data) if data else find_shared_data("musique_s.json")
+    path = find_musique(data)
     return json.loads(path.read_text())[first:first + count]
 
 

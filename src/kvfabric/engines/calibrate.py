@@ -16,47 +16,31 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from kvfabric.codec.cachegen import profile as P
 from kvfabric.engines.model import DEFAULT_MODEL
-from kvfabric.engines.runtime import layout_for, load_for_inference, prefill
+from kvfabric.engines.runtime import BufferLayer, layout_for, load_for_inference, prefill
 
 ALPHA1 = 2.5e-5  # level-1 step scale: step = sqrt(ALPHA1^2 / Fisher), see profile.build
 CHUNK = 256
 
 
-class _GrowingLayer(CacheLayerMixin):
-    """One layer over a KV tensor that requires grad: new tokens are concatenated (autograd follows them)."""
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        super().__init__()
-        self.keys, self.values, self.is_initialized, self.device = k, v, True, k.device
-
-    def lazy_initialization(self, *args: object) -> None:
-        return None
+class _GrowingLayer(BufferLayer):
+    """A BufferLayer over K/V that require grad: new tokens are concatenated (autograd follows them), never
+    written in place (in-place writes into views of one buffer would invalidate the saved ones)."""
 
     def update(self, k: torch.Tensor, v: torch.Tensor, *args: object, **kwargs: object
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys = torch.cat([self.keys, k], 2)
-        self.values = torch.cat([self.values, v], 2)
+        self.keys, self.values = torch.cat([self.keys, k], 2), torch.cat([self.values, v], 2)
+        self.length = self.keys.shape[2]
         return self.keys, self.values
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.keys.shape[2] + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.keys.shape[2]
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class _GrowingCache(Cache):
     def __init__(self, kv: torch.Tensor) -> None:  # kv [L, 2, H, T, D]
-        super().__init__(layers=[_GrowingLayer(kv[i, 0][None], kv[i, 1][None]) for i in range(kv.shape[0])])
+        t = kv.shape[3]
+        super().__init__(layers=[_GrowingLayer(kv[i, 0][None], kv[i, 1][None], t) for i in range(kv.shape[0])])
 
 
 def fisher_diagonal(model: Any, contexts: list[list[int]], num_next: int = 64, draws: int = 2, seed: int = 0

@@ -11,12 +11,10 @@ Contract
 * ``build_finetuned(name, dest_dir) -> None`` runs the recipe and saves a plain fp32 HF folder into ``dest_dir``
   (the caller renames it into place: see ``engines.model``). The same recipe, data and torch version give the same
   weights: one thread, seeded sampling, no dropout.
-* ``find_shared_data(name)``: a file of ``../shared/data`` (``$KVFABRIC_DATA_DIR`` overrides the folder).
 """
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +23,8 @@ from typing import Mapping
 
 import torch
 from rich.console import Console
+
+from kvfabric.data import find_shared_data
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,17 +48,6 @@ FINETUNED_MODELS: Mapping[str, FineTuneRecipe] = MappingProxyType({
         base="smollm2-135m-instruct", family="smollm2-135m", data="musique_s.json", first_question=0,
         num_questions=100, steps=24, batch=1, seq_len=256, lr=5e-4, warmup=2),
 })
-
-
-def find_shared_data(name: str) -> Path:
-    """``$KVFABRIC_DATA_DIR/name``, else ``../shared/data/name`` next to the working directory or the checkout."""
-    env = os.environ.get("KVFABRIC_DATA_DIR")
-    folders = [Path(env)] if env else []
-    folders += [Path.cwd() / ".." / "shared" / "data", Path(__file__).resolve().parents[3] / ".." / "shared" / "data"]
-    for folder in folders:
-        if (folder / name).is_file():
-            return (folder / name).resolve()
-    raise FileNotFoundError(f"{name} not found in {', '.join(map(str, folders))}; set KVFABRIC_DATA_DIR")
 
 
 def training_text(recipe: FineTuneRecipe) -> str:

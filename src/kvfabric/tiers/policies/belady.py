@@ -54,7 +54,7 @@ class Belady:
 
     def __init__(self, capacity_bytes: int, future: BeladyFuture) -> None:
         self.future = future
-        self._heap: list[tuple[float, int, int, Key]] = []  # (-next use, -position, stamp, key)
+        self._heap: list[tuple[float, int, int, Key]] = []  # (*_rank, stamp, key)
         self._stamp: dict[Key, int] = {}  # key -> stamp of its valid heap entry
         self._counter = itertools.count()
         self.num_steps = 0
@@ -62,10 +62,14 @@ class Belady:
     def __len__(self) -> int:
         return len(self._stamp)
 
+    def _rank(self, key: Key, meta: AccessMeta) -> tuple[float, int]:
+        """Heap order, smallest evicted first: the furthest next use, then the deepest chunk."""
+        return -self.future.next_use(key), -meta.position
+
     def _push(self, key: Key, meta: AccessMeta) -> None:
         stamp = next(self._counter)
         self._stamp[key] = stamp
-        heapq.heappush(self._heap, (-self.future.next_use(key), -meta.position, stamp, key))
+        heapq.heappush(self._heap, (*self._rank(key, meta), stamp, key))
         if len(self._heap) > 4 * len(self._stamp) + 64:  # drop stale entries now and then (amortized O(1))
             self._heap = [e for e in self._heap if self._stamp.get(e[3]) == e[2]]
             heapq.heapify(self._heap)
