@@ -78,7 +78,9 @@ def _run_python(code: str, python: Path | str, env: dict[str, str], cwd: Path, t
     script.write_text(code)
     proc = subprocess.run([str(python), str(script)], capture_output=True, text=True, env=env, cwd=cwd,
                           timeout=timeout)
-    assert proc.returncode == 0, f"README block failed:\n{code}\n---\n{(proc.stdout + proc.stderr)[-5000:]}"
+    output = proc.stdout + proc.stderr
+    causes = "\n".join(line for line in output.splitlines() if re.search(r"\w(Error|Exception): ", line))
+    assert proc.returncode == 0, f"README block failed:\n{code}\n--- errors:\n{causes[-3000:]}\n---\n{output[-4000:]}"
     return proc.stdout
 
 
@@ -135,14 +137,7 @@ def test_model_python_blocks(home, tmp_path):
         _run_python(code, sys.executable, home, tmp_path)
 
 
-VLLM_README_BROKEN = ("README vLLM blocks started from pytest: vLLM 0.32's CPU worker dies at start-up in "
-                      "register_triton_kernel_overrides ('_lib_fn_wrapper' object has no attribute 'get': an "
-                      "llvmlite object in sys.modules); the same block run by hand starts. The connector, loads and "
-                      "vllm serve are covered by the vLLM-venv tests; open in the closing note of 2026-12-01")
-
-
 @pytest.mark.slow
-@pytest.mark.skip(reason=VLLM_README_BROKEN)
 def test_vllm_offline_block(home, tmp_path):
     python = _vllm_python()
     if python is None:
@@ -154,7 +149,6 @@ def test_vllm_offline_block(home, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason=VLLM_README_BROKEN)
 def test_vllm_serve_and_client_blocks(home, tmp_path):
     python = _vllm_python()
     if python is None:

@@ -60,11 +60,11 @@ def _fake_kernel_write(cache: torch.Tensor, slot: int, k: torch.Tensor, v: torch
                 regions[block, h, which, off::block_size] = values[h]
 
 
+@pytest.mark.parametrize("block_ids", [[4, 1, 5], [1, 2, 3]])  # scattered, consecutive (one segment per run)
 @pytest.mark.parametrize("layouts", [("dt", "td"), ("td", "td"), ("dt", "dt")])
-def test_gather_reads_what_the_kernel_wrote(layouts):
+def test_gather_reads_what_the_kernel_wrote(layouts, block_ids):
     block_size, heads, dim = 8, 2, 4
     cache = torch.zeros(6, heads, block_size, 2 * dim)
-    block_ids = [4, 1, 5]
     kv = torch.randn(2, heads, 20, dim)
     for p in range(20):
         _fake_kernel_write(cache, block_ids[p // block_size] * block_size + p % block_size,
@@ -76,13 +76,14 @@ def test_gather_reads_what_the_kernel_wrote(layouts):
         assert torch.equal(out, kv[:, :, start:end])
 
 
-def test_scatter_round_trip_touches_only_its_slots():
-    block_size, heads, dim = 8, 3, 4
-    cache = torch.randn(5, heads, block_size, 2 * dim)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size, block_ids", [(8, [3, 0, 2]), (4, [3, 2, 5, 6, 0])])  # [5, 6]: one run
+def test_scatter_round_trip_touches_only_its_slots(block_size, block_ids, dtype):
+    heads, dim = 3, 4
+    cache = torch.randn(7, heads, block_size, 2 * dim).to(dtype)
     before = cache.clone()
     layer = CpuPagedLayer(cache, block_size)
-    block_ids = [3, 0, 2]
-    src = torch.randn(2, heads, 13, dim)
+    src = torch.randn(2, heads, 13, dim).to(dtype)
     scatter(layer, block_ids, 5, 18, src)  # partial first and last blocks
     out = torch.empty_like(src)
     gather(layer, block_ids, 5, 18, out)
@@ -97,7 +98,10 @@ def test_scatter_round_trip_touches_only_its_slots():
 
 
 def test_segments_and_blocks_of():
-    assert list(segments([7, 9], 4, 2, 7)) == [(7, 2, 4, 0), (9, 0, 3, 2)]
+    assert list(segments([7, 9], 4, 2, 7)) == [(7, 1, 2, 4, 0), (9, 1, 0, 3, 2)]
+    # whole blocks with consecutive ids are one segment; a gap in the ids or a partial block starts another
+    assert list(segments([3, 4, 5, 9, 10], 4, 0, 19)) == [(3, 3, 0, 4, 0), (9, 1, 0, 4, 12), (10, 1, 0, 3, 16)]
+    assert list(segments([3, 4, 5], 4, 1, 12)) == [(3, 1, 1, 4, 0), (4, 2, 0, 4, 3)]
     assert blocks_of([7, 9, 11], 4, 4, 9) == [9, 11]
     assert blocks_of([7, 9], 4, 3, 3) == []
     with pytest.raises(ValueError):

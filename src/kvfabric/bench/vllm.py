@@ -199,7 +199,8 @@ def _row(results: dict[str, Any], size: int, repeats: int, lmcache_note: str) ->
         "floor_s": plain["hit"], "floor_reused": plain["hit_cached"],
         "kvf_hit_s": hit["cold"], "hit_vs_floor": hit["cold"] / plain["hit"], "kvf_reused": hit["cold_cached"],
         "loaded_tokens": hit.get("loaded_tokens", 0), "bytes_loaded": hit.get("bytes_loaded", {}),
-        "load_s": load_s, "pagecache_copy_MBps": copy_bps / 1e6, "load_vs_copy": load_s / floor_s if floor_s else None,
+        "load_s": load_s, "load_chunk_read_s": hit.get("load_chunk_read_s"), "load_scatter_s":
+        hit.get("load_scatter_s"), "pagecache_copy_MBps": copy_bps / 1e6, "load_vs_copy": load_s / floor_s if floor_s else None,
     }
     if "lmcache-hit" in results:
         lm_hit = results["lmcache-hit"]["ttft"][key]

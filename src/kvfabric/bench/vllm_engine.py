@@ -76,7 +76,9 @@ def run_engine(spec_path: str) -> None:
             row["cold"], row["cold_cached"] = ttft(prompts[key])
             after = worker_counters()
             row["loaded_tokens"] = after.get("loaded_tokens", 0) - before.get("loaded_tokens", 0)
-            row["load_s"] = (after.get("load_read_ns", 0) - before.get("load_read_ns", 0)) / 1e9
+            for name in ("load_read_ns", "load_chunk_read_ns", "load_scatter_ns"):  # wall; per-thread sums
+                row[name.replace("_ns", "_s")] = (after.get(name, 0) - before.get(name, 0)) / 1e9
+            row["load_s"] = row.pop("load_read_s")
             row["bytes_loaded"] = {k.split(".", 1)[1]: after[k] - before.get(k, 0) for k in after
                                    if k.startswith("bytes_loaded.") and after[k] != before.get(k, 0)}
             if spec.get("files"):

@@ -209,8 +209,10 @@ class Loader:
                     self._chunk_done(task[0], task[1], None)
 
     def _read(self, job: _Job, i: int, scratch: Scratch) -> torch.Tensor | None:
+        started = time.perf_counter_ns()
         found = self.engine.read_chunk(job.spec.keys[i], num_tokens=job.chunk_tokens(i), scratch=scratch,
                                        promote=False)
+        self.counters.add("load_chunk_read_ns", time.perf_counter_ns() - started)  # file read + checks
         if isinstance(found, ChunkMiss):
             self.counters.add(f"load_{found.reason}_chunks")
             return None
