@@ -56,3 +56,24 @@ def shared_mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield master
     finally:
         master.stop()
+
+
+def stopped(pid: int) -> bool:
+    """Every thread of the process is stopped (state T): after SIGSTOP, a thread already running on another
+    core may still answer one request until the kernel stops it."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
+def hang(master: MooncakeMaster) -> None:
+    """SIGSTOP the master and wait until it is really silent."""
+    import signal
+
+    from tests.cluster_scripts.helpers import wait_for
+    os.kill(master.proc.pid, signal.SIGSTOP)
+    wait_for(lambda: stopped(master.proc.pid), 10, interval_s=0.01)

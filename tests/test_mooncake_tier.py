@@ -21,6 +21,7 @@ from kvfabric.tiers.stack import TierStack
 from tests.cluster_scripts.helpers import FakeClock, finishes, wait_for
 from tests.mooncake_fixtures import (  # noqa: F401 - fixtures are used by name
     MooncakeMaster,
+    hang,
     mooncake_master,
     needs_mooncake,
     shared_mooncake_master,
@@ -200,7 +201,7 @@ def test_hung_master_never_hangs_the_caller(tier, mooncake_master: MooncakeMaste
     clock = FakeClock()
     tier.breaker = CircuitBreaker(failures=2, backoff_max_s=0.3, clock=clock)
     assert tier.put(key_of(1), b"v")
-    os.kill(mooncake_master.proc.pid, signal.SIGSTOP)  # alive but silent: only the deadline can help
+    hang(mooncake_master)  # alive but silent: only the deadline can help
     scratch = Scratch()
     try:
         def calls() -> None:

@@ -23,7 +23,7 @@ hicache = pytest.importorskip("sglang.srt.mem_cache.hicache_storage",
 from kvfabric.config import ConfigError  # noqa: E402
 from kvfabric.connectors.sglang import KVFabricStorage, backend_config  # noqa: E402
 from kvfabric.tiers.base import Scratch  # noqa: E402
-from tests.mooncake_fixtures import MooncakeMaster, mooncake_master, needs_mooncake  # noqa: E402, F401
+from tests.mooncake_fixtures import MooncakeMaster, hang, mooncake_master, needs_mooncake  # noqa: E402, F401
 from tests.sglang_host_pool import MHATokenToKVPoolHost  # noqa: E402
 
 pytestmark = needs_mooncake
@@ -233,7 +233,7 @@ def test_dead_master_is_misses_within_the_deadline(mooncake_master, pool) -> Non
     storage = backend(mooncake_master, pool)
     try:
         assert storage.batch_set_v1(PAGE_KEYS[:2], pool.indices([0, 1])) == [True, True]
-        os.kill(mooncake_master.proc.pid, signal.SIGSTOP)  # hung: only the tier's deadline helps
+        hang(mooncake_master)  # alive but silent: only the deadline can help
         try:
             started = time.monotonic()
             assert storage.batch_exists(PAGE_KEYS[:2]) == 0
