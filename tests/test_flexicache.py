@@ -125,6 +125,8 @@ def test_plans_split_the_budget_as_documented():
     assert plan.budget_blocks(10) == 60 and plan.cap(10) == (60 - 30) // 9
     small = make_plan("flexicache", 0.1, 4, 3, cfg, heads)  # 0.9 * 0.1 * 12 = 1 head fits whole
     assert small.num_full == 1 and int((small.intervals == 1).sum()) == 2  # the other unstable: every step
+    assert (small.stable == ((small.roles == Role.TOPK) & (small.intervals == 16))).all()
+    assert not make_plan("quest", 0.3, 4, 3, cfg).stable.any()
     shuffled = make_plan("shuffled", 0.5, 4, 3, cfg, heads, seed=3)
     assert shuffled.num_full == 3 and not np.array_equal(shuffled.roles, plan.roles)
     assert make_plan("quest", 0.3, 4, 3, cfg).intervals.max() == 1
@@ -267,6 +269,36 @@ def test_radar_promotes_the_page_whose_bound_beats_the_resident_kth():
     assert target in after and after - resident_before == {target}  # exactly the right page came in
     block = pages.block[0, target]
     assert torch.equal(dec.paged.fast.k[block], kv[0, 0, 0, target * size:(target + 1) * size])
+
+
+def test_stable_heads_re_rank_and_move_only_at_their_interval():
+    """The same decode with stable heads re-ranked every 16 steps and every step: the stable heads' re-ranks
+    (and so their promotions) drop to about 1 in 16; the unstable head re-ranks every step in both."""
+    kv = random_kv(num_layers=1, heads=3, tokens=260, dim=16, seed=5)
+    queries = torch.randn(64, 1, 6, 16, generator=torch.Generator().manual_seed(6))
+    counts = {}
+    for interval in (1, 16):
+        dec = Decoder("flexicache", 0.4, kv, 196, 64, heads_table=table(1, 3, unstable=[(0, 0)]), page_size=8,
+                      max_full_share=0.01, rerank_interval=interval, radar_promotions=1)
+        for q in queries:
+            dec.step(q)
+        assert dec.paged.plan.stable[0].tolist() == [False, True, True]
+        counts[interval] = dec.paged.counts
+    assert counts[1].stable_reranks == 2 * 64
+    assert counts[16].stable_reranks == 2 * (1 + 4)  # step 0, then every 16th step per head (staggered)
+    assert counts[16].reranks - counts[16].stable_reranks == counts[1].reranks - counts[1].stable_reranks == 64
+    assert counts[16].stable_promotions < 0.5 * counts[1].stable_promotions
+
+
+def test_a_layer_of_whole_heads_next_to_paged_ones_attends_densely():
+    """Layer 0's heads are all kept whole while layer 1's are paged: layer 0 stays dense KV's result exactly."""
+    kv = random_kv(num_layers=2, heads=3, tokens=200, seed=7)
+    dec = Decoder("flexicache", 0.6, kv, 160, 4, page_size=8, max_full_share=1.0,
+                  heads_table=table(2, 3, unstable=[(0, 0), (0, 1), (0, 2)]))
+    assert (dec.paged.plan.roles[0] == Role.FULL).all() and (dec.paged.plan.roles[1] == Role.TOPK).all()
+    queries = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(8))
+    out = dec.step(queries)
+    assert torch.equal(out[0], dec.dense(queries)[0])
 
 
 def test_budget_too_small_is_a_clear_error():

@@ -38,6 +38,8 @@ def test_two_clients_share_exact_kv(tmp_path) -> None:
         b.flush()
         assert service.counters.get("chunks_persisted") == 3
         assert [t.num_chunks for t in b.stats().tiers] == [3, 3]  # cpu and disk, written in the background
+        timed = {name for name, _ in b.histograms.snapshot()} | {name for name, _ in a.histograms.snapshot()}
+        assert timed == {"kvfabric_lookup_seconds", "kvfabric_retrieve_seconds", "kvfabric_store_seconds"}
         assert service.slots.usage()["referenced"] == 0
 
 

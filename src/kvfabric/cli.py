@@ -161,6 +161,16 @@ def server_cmd(config_path: str | None, socket_path: str | None, cpus: str | Non
         raise click.ClickException(str(exc)) from None
 
 
+@main.command("pd-proxy")
+@click.option("--prefill", "prefill_url", required=True, metavar="URL", help="The prefill vLLM (kv_role kv_producer).")
+@click.option("--decode", "decode_url", required=True, metavar="URL", help="The decode vLLM (kv_role kv_consumer).")
+@click.option("--port", default=8000, show_default=True, help="Listen on 127.0.0.1:PORT.")
+def pd_proxy(prefill_url: str, decode_url: str, port: int) -> None:
+    """OpenAI-compatible proxy for prefill/decode disaggregation: prefill with max_tokens=1, then decode."""
+    from kvfabric.pd.proxy import serve
+    serve(prefill_url, decode_url, port)
+
+
 @main.command()
 @config_option
 @click.option("--load", "load_ops", default=0.0, show_default=True,
@@ -379,6 +389,20 @@ def bench_vllm(ctx: click.Context) -> None:
     """TTFT through a real vLLM: no connector, kvfabric cold, vLLM's own hit, kvfabric hit in a fresh engine."""
     from kvfabric.bench.vllm import main as vllm_main
     sys.exit(vllm_main(ctx.args))
+
+
+@bench.command("pd")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--sizes", default="1024,4096", show_default=True, help="Prompt sizes in tokens, comma-separated.")
+@click.option("--concurrency", default="1,4", show_default=True, help="Concurrent requests, comma-separated.")
+@click.option("--python", default=None, help="A Python with vllm (default: this one, else .venv-vllm).")
+@click.option("--redis-url", default=None, help="Also the P/D pair over this Redis server (chunks are stored there).")
+def bench_pd(as_json: bool, sizes: str, concurrency: str, python: str | None, redis_url: str | None) -> None:
+    """P/D disaggregation: TTFT of a prefill+decode vLLM pair over the shm pool (and Redis) vs one colocated
+    instance."""
+    from kvfabric.bench.pd import run
+    run([int(s) for s in sizes.split(",")], [int(c) for c in concurrency.split(",")], as_json=as_json, python=python,
+        redis_url=redis_url)
 
 
 @bench.command("interference")

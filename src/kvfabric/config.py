@@ -112,6 +112,8 @@ class ShmTierConfig:
     capacity: ByteSize = 2**30  # reserved in /dev/shm at creation (containers often give /dev/shm only 64 MB)
     lock_timeout_s: float = 2.0  # a writer waits at most this long for the pool lock, then drops the put
     codec: str = ""  # "" = the top-level codec
+    coherent: bool = True  # False: memory not coherent across hosts (CXL): flush before publish, invalidate before read
+    root: str = "/dev/shm"  # the pool's folder: any mmap-able file system (a DAX mount, a CXL-backed tmpfs)
 
     def __post_init__(self) -> None:
         _check_tier_codec(self.codec, "shm.codec")

@@ -10,10 +10,11 @@ timed per step. Meanwhile request B's 4k-token prompt is fetched back to back ov
             engine then copies B's KV out of the pool (`retrieve`).
 B's TTFT runs from the fetch's start to B's first token (run by the engine between two steps of A; not in A's
 TPOT samples). Reported per (setup, link): TPOT mean and p99 and their ratios to `none` of the same link, B's
-TTFT (median over the fetches), kvfabric's CPU time in the engine process per step, the load average. Then: two
-engine processes sharing the server (the second's hit tokens), and retrieve through the server (pool slot to the
-engine's buffer) vs a plain copy of the same bytes. The sender lives in this process; each engine is a fresh
-process (kvfabric.bench.interference_engine). Absolute times on a busy machine are noise: compare within a run.
+TTFT (median over the fetches), kvfabric's CPU time per step in the engine process and in the server, the load
+average. Then: two engine processes sharing the server (the second's hit tokens), and retrieve through the
+server (pool slot to the engine's buffer) vs a plain copy of the same bytes. The sender lives in this process,
+on the server's core (it stands in for a remote host); each engine is a fresh process
+(kvfabric.bench.interference_engine). Absolute times on a busy machine are noise: compare within a run.
 """
 from __future__ import annotations
 
@@ -77,6 +78,12 @@ def _engine(mode: str, params: dict[str, Any]) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc; its engine run includes the warm fetch)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _start_server(config: dict[str, Any], path: Path, cpu: int | None) -> subprocess.Popen:
     path.write_text(yaml.safe_dump(config))
     pinned = ["--cpus", str(cpu)] if cpu is not None else []
@@ -103,7 +110,9 @@ def run(as_json: bool = False, steps: int = 256, b_tokens: int = 4096, a_tokens:
                      levels=(level,))
     wire_mb = sum(len(b) for b in prompt.blobs[f"L{level}"]) / 1e6
     del model
-    sender = Sender(prompt, f"L{level}")
+    affinity = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {server_cpu})  # the sender stands in for a remote host: never on the engine's core
+    sender = Sender(prompt, f"L{level}")  # (its threads inherit this thread's affinity)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kvfabric-interference-") as tmp:
         server_config = {"tiers": ["cpu"], "chunk_size": 256, "server": {
@@ -115,9 +124,11 @@ def run(as_json: bool = False, steps: int = 256, b_tokens: int = 4096, a_tokens:
             for link in links:
                 sender.rate_mbps = link
                 for setup in SETUPS:
+                    cpu0 = _cpu_seconds(server.pid)
                     rows.append(_engine("decode", {"setup": setup, "link_mbps": link, "steps": steps,
                                                    "a_ids": a_ids, "b_ids": b_ids, "cpu": engine_cpu,
                                                    "sender_port": sender.port, "config": client}))
+                    rows[-1]["server_cpu_ms_per_step"] = 1000 * (_cpu_seconds(server.pid) - cpu0) / steps
             first = _engine("share", {"config": client, "ids": c_ids, "cpu": engine_cpu})
             second = _engine("share", {"config": client, "ids": c_ids, "cpu": engine_cpu})
             copied = _engine("copy", {"config": client, "tokens": b_tokens, "repeats": 7, "cpu": engine_cpu})
@@ -125,7 +136,10 @@ def run(as_json: bool = False, steps: int = 256, b_tokens: int = 4096, a_tokens:
             sender.close()
             server.terminate()
             server.wait(60)
+            os.sched_setaffinity(0, affinity)
     for row in rows:
+        if row["setup"] != "none" and not row.get("num_fetches"):  # the engine raises first; never print such a row
+            raise RuntimeError(f"set-up {row['setup']} at {row['link_mbps']} Mbit/s fetched nothing")
         base = next(r for r in rows if r["setup"] == "none" and r["link_mbps"] == row["link_mbps"])
         row["tpot_vs_none"] = row["tpot_mean_s"] / base["tpot_mean_s"]
         row["p99_vs_none"] = row["tpot_p99_s"] / base["tpot_p99_s"]
@@ -140,7 +154,7 @@ def run(as_json: bool = False, steps: int = 256, b_tokens: int = 4096, a_tokens:
          f"(cachegen:{level}, {wire_mb:.1f} MB a fetch; engine on core {engine_cpu}, server on core {server_cpu}; "
          f"load average {os.getloadavg()[0]:.1f})",
          ["setup", "link_mbps", "tpot_mean_s", "tpot_p99_s", "tpot_vs_none", "p99_vs_none", "ttft_s", "num_fetches",
-          "kvfabric_cpu_ms_per_step", "load_avg"])
+          "kvfabric_cpu_ms_per_step", "server_cpu_ms_per_step", "load_avg"])
     shared = {"setup": "share", "link_mbps": None, "ttft_s": second["ttft_s"], "first_hit_tokens":
               first["hit_tokens"], "hit_tokens": second["hit_tokens"], "prompt_tokens": second["prompt_tokens"],
               "first_ttft_s": first["ttft_s"]}

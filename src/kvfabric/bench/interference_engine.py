@@ -13,7 +13,6 @@ Modes (each prints one JSON object on its last line):
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue
@@ -22,6 +21,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,6 +65,72 @@ class Fetcher:
         (self.rx if self.setup == "inproc" else self.cache).close()
 
 
+class FetchError(RuntimeError):
+    """A set-up's fetch never happened (or brought less than B's whole prompt): its row would be invalid."""
+
+
+class FetchLoop:
+    """Runs `fetch` (-> tokens loaded into B's buffer) back to back on a thread of its own, under inference mode
+    (it is per thread, and B's buffer is an inference tensor). The main thread `poll`s between A's steps: when a
+    fetch is in, it runs B's first token and takes the TTFT (fetch start to that token); B's buffer is busy until
+    then, so the next fetch waits for it. Any fetch that fails or loads less than `num_tokens` raises FetchError
+    in the main thread: a row whose fetch never happened is never reported."""
+
+    def __init__(self, fetch: Callable[[], int], num_tokens: int) -> None:
+        self.fetch, self.num_tokens = fetch, num_tokens
+        self.ready: queue.Queue[tuple[float, int] | BaseException] = queue.Queue()
+        self.consumed, self.stop = threading.Event(), threading.Event()
+        self.ttfts: list[float] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _fetch(self) -> int:
+        with torch.inference_mode():
+            num = self.fetch()
+        if num < self.num_tokens:
+            raise FetchError(f"a fetch loaded {num} of B's {self.num_tokens} tokens")
+        return num
+
+    def warm(self) -> int:
+        return self._fetch()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            started = time.perf_counter()
+            try:
+                self.ready.put((started, self._fetch()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
+                self.ready.put(exc)
+                return
+            self.consumed.wait()
+            self.consumed.clear()
+
+    def poll(self, first_token: Callable[[], None], timeout: float | None = None) -> None:
+        try:
+            got = self.ready.get(timeout=timeout) if timeout else self.ready.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(got, BaseException):
+            self.stop.set()
+            raise FetchError(f"the fetch failed: {got!r}") from got
+        first_token()
+        self.ttfts.append(time.perf_counter() - got[0])
+        self.consumed.set()
+
+    def finish(self, first_token: Callable[[], None], timeout: float = 600.0) -> list[float]:
+        """Stops the loop (a fetch slower than A's whole decode still counts) and returns the TTFTs."""
+        if not self.ttfts:
+            self.poll(first_token, timeout)
+        self.stop.set()
+        self.consumed.set()
+        self.thread.join(timeout)
+        if not self.ttfts:
+            raise FetchError(f"no fetch finished within {timeout:.0f} s after A's decode")
+        return self.ttfts
+
+
 @torch.inference_mode()
 def decode(args: dict[str, Any]) -> dict[str, Any]:
     _pin(args.get("cpu"))
@@ -85,52 +151,31 @@ def decode(args: dict[str, Any]) -> dict[str, Any]:
     for _ in range(warm):  # kernels and allocator warm
         token, pos = step(token, pos, cache_a), pos + 1
     fetcher = Fetcher(args["setup"], args, layout, b_ids, buf_b) if args["setup"] != "none" else None
-    ready: queue.Queue[tuple[float, int]] = queue.Queue()
-    done = threading.Event()
-    stop = threading.Event()
-    if fetcher is not None:
-        warm_tokens = fetcher.fetch()  # untimed: the codec's first use compiles it (both sides)
-
-        def loop() -> None:
-            while not stop.is_set():
-                started = time.perf_counter()
-                ready.put((started, fetcher.fetch()))
-                done.wait()  # B's buffer is busy until the main thread ran B's first token
-                done.clear()
-        thread = threading.Thread(target=loop, daemon=True)
-    samples, ttfts, loaded = [], [], []
+    loop = FetchLoop(fetcher.fetch, len(b_ids)) if fetcher is not None else None
+    warm_tokens = loop.warm() if loop is not None else None  # untimed: the codec's first use compiles it (both sides)
+    samples = []
     cpu0, main0, load0 = time.process_time(), time.thread_time(), os.getloadavg()[0]
-    if fetcher is not None:
-        thread.start()
 
-    def first_token_of_b(timeout: float | None) -> None:
-        started, num_loaded = ready.get(timeout=timeout) if timeout else ready.get_nowait()
+    def first_token_of_b() -> None:  # B's first token, between two steps of A (not in A's TPOT samples)
         step(b_ids[-1], len(b_ids) - 1, BufferCache(buf_b, len(b_ids) - 1))
-        ttfts.append(time.perf_counter() - started)
-        loaded.append(num_loaded)
-        done.set()
 
+    if loop is not None:
+        loop.start()
     for _ in range(steps):
-        with contextlib.suppress(queue.Empty):
-            first_token_of_b(None)  # B's first token, between two steps of A (not in A's TPOT samples)
+        if loop is not None:
+            loop.poll(first_token_of_b)
         t = time.perf_counter()
         token, pos = step(token, pos, cache_a), pos + 1
         samples.append(time.perf_counter() - t)
     kvfabric_cpu = (time.process_time() - cpu0) - (time.thread_time() - main0)
-    if fetcher is not None and not ttfts:  # a fetch slower than A's whole decode: its TTFT still counts
-        with contextlib.suppress(queue.Empty):
-            first_token_of_b(600.0)
-    stop.set()
-    done.set()
+    ttfts = loop.finish(first_token_of_b) if loop is not None else []
     if fetcher is not None:
-        thread.join(600)
         fetcher.close()
     samples.sort()
     return {"setup": args["setup"], "link_mbps": args["link_mbps"], "tpot_mean_s": statistics.fmean(samples),
             "tpot_p99_s": samples[min(len(samples) - 1, int(0.99 * len(samples)))],
             "ttft_s": statistics.median(ttfts) if ttfts else None, "num_fetches": len(ttfts),
-            "b_tokens_loaded": min(loaded) if loaded else None, "b_tokens": len(b_ids),
-            "warm_fetch_tokens": warm_tokens if fetcher is not None else None,
+            "b_tokens": len(b_ids), "warm_fetch_tokens": warm_tokens,
             "kvfabric_cpu_ms_per_step": 1000 * kvfabric_cpu / steps, "steps": steps,
             "load_avg": round((load0 + os.getloadavg()[0]) / 2, 2)}
 

@@ -5,7 +5,7 @@ One real vLLM engine (CPU, fp32, the reference SmolLM2) with KVFabricConnector i
 `kvfabric server` this process starts. Per pair, two cold prompts of the same size that share no prefix: one
 with kvfabric switched off for that request (`kv_transfer_params`), one with it on (the scheduler's LOOKUP, the
 worker's leased-slot gathers and commits); the order alternates between pairs so that drift cancels. Reported:
-the median TTFT of each side and the median of the per-pair overheads. TTFT = wall time of
+the median TTFT of each side and the median, min and max of the per-pair overheads. TTFT = wall time of
 `generate(max_tokens=1)`. The engine runs in the Python that has vLLM (`--vllm-python`, default .venv-vllm).
 """
 from __future__ import annotations
@@ -24,20 +24,20 @@ CHUNK = 256
 MODEL_ID = "kvfabric-bench-interference"
 
 
-def run(python: str | None = None, num_tokens: int = 4096, num_pairs: int = 3, timeout: float = 1800) -> dict:
+def run(python: str | None = None, num_tokens: int = 4096, num_pairs: int = 5, timeout: float = 1800) -> dict:
     from kvfabric.bench.interference import _start_server
     from kvfabric.bench.vllm import find_python, make_prompts
     from kvfabric.engines.model import ensure_model
     python = find_python(python)
     model = str(ensure_model())
-    sizes = [num_tokens - i for i in range(num_pairs)]  # distinct names, disjoint texts
     with tempfile.TemporaryDirectory(prefix="kvfabric-interference-vllm-") as tmp:
         prompts = Path(tmp) / "prompts.json"
-        prompts.write_text(json.dumps(make_prompts(model, sizes)))
+        prompts.write_text(json.dumps(make_prompts(model, [num_tokens], repeats=num_pairs)))  # disjoint texts
         server = {"tiers": ["cpu"], "chunk_size": CHUNK, "server": {
             "socket": f"{tmp}/server.sock", "pool_capacity": "256MiB", "slot_bytes": "12MiB"}}
         proc = _start_server(server, Path(tmp) / "server.yaml", None)
-        spec = {"model": model, "prompts": str(prompts), "sizes": sizes, "out": f"{tmp}/result.json",
+        spec = {"model": model, "prompts": str(prompts), "tokens": num_tokens, "num_pairs": num_pairs,
+                "out": f"{tmp}/result.json",
                 "config": {"chunk_size": CHUNK, "model_id": MODEL_ID, "mode": "server",
                            "server": {"socket": server["server"]["socket"], "timeout_s": 2.0}}}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
@@ -58,8 +58,15 @@ def run(python: str | None = None, num_tokens: int = 4096, num_pairs: int = 3, t
     median = statistics.median(overheads)
     return {"setup": "vllm_miss", "link_mbps": None, "ttft_s": statistics.median(p["on_s"] for p in pairs),
             "tokens": num_tokens, "num_pairs": len(pairs), "off_s": statistics.median(p["off_s"] for p in pairs),
-            "miss_overhead_paired": median, "overheads": overheads, "on_cached_tokens": sum(p["hit"] for p in pairs),
+            "miss_overhead_paired": median, "miss_overhead_paired_min": min(overheads),
+            "miss_overhead_paired_max": max(overheads), "overheads": overheads,
+            "on_cached_tokens": sum(p["hit"] for p in pairs),
             "target_met": median <= 0.03}
+
+
+def pair_names(num_tokens: int, num_pairs: int) -> list[tuple[str, str]]:
+    """The (off, on) prompt of each pair, as make_prompts([num_tokens], repeats=num_pairs) names them."""
+    return [(f"{num_tokens}/off{i}", f"{num_tokens}/on{i}" if i else str(num_tokens)) for i in range(num_pairs)]
 
 
 def _engine(spec: dict[str, Any]) -> dict[str, Any]:
@@ -82,8 +89,8 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
     ttft(prompts["warmup"], on)
     ttft(prompts["warmup"][::-1], off)
     pairs = []
-    for i, size in enumerate(spec["sizes"]):
-        order = (("off", f"{size}/off"), ("on", str(size)))
+    for i, (off_name, on_name) in enumerate(pair_names(spec["tokens"], spec["num_pairs"])):
+        order = (("off", off_name), ("on", on_name))
         got = {name: ttft(prompts[key], on if name == "on" else off) for name, key in (order if i % 2 == 0
                                                                                          else order[::-1])}
         pairs.append({"off_s": got["off"][0], "on_s": got["on"][0], "hit": got["on"][1]})

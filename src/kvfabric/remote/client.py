@@ -39,6 +39,7 @@ from kvfabric.engine import (ChunkHit, ChunkMiss, ChunkPayload, EngineStats, Tok
 from kvfabric.framing import ProtocolError
 from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
+from kvfabric.metrics import Histograms
 from kvfabric.remote import protocol as P
 from kvfabric.remote.connection import Connection, RemoteError
 from kvfabric.remote.pool import PoolError, SlotPool
@@ -78,6 +79,8 @@ class RemoteCache:
         self._pool: SlotPool | None = None
         self._down_until = 0.0
         self._counters = Counters()
+        self.histograms = Histograms()  # this client's lookup / retrieve / store latencies, as CacheEngine's
+        self.events = None  # chunk events come from the server's tiers, not from here (CacheEngine.events: none)
         self._views: dict[int, tuple[Connection, int, weakref.finalize]] = {}  # id(scratch) -> its leased slot
         self._orphans: list[tuple[Connection, int]] = []  # leases whose holder was garbage-collected
 
@@ -174,7 +177,9 @@ class RemoteCache:
 
     # ---- API ---------------------------------------------------------------------------------------------
     def lookup(self, tokens: Tokens) -> int:
+        started = time.perf_counter()
         num_hit = self.lookup_keys(self.keys(tokens))
+        self.histograms.observe("kvfabric_lookup_seconds", time.perf_counter() - started)
         return self._span(num_hit - 1, len(tokens))[1] if num_hit else 0
 
     def lookup_keys(self, keys: Sequence[bytes]) -> int:
@@ -188,6 +193,7 @@ class RemoteCache:
             return 0
 
     def retrieve(self, tokens: Tokens, out: torch.Tensor | None = None) -> torch.Tensor:
+        started = time.perf_counter()
         num_tokens = len(tokens)
         keys = self.keys(tokens)
         out = retrieve_buffer(self.layout, num_tokens, out)
@@ -205,6 +211,7 @@ class RemoteCache:
         end = self._span(num_done - 1, num_tokens)[1] if num_done else 0
         self._counters.add("retrieves")
         self._counters.add("tokens_retrieved", end)
+        self.histograms.observe("kvfabric_retrieve_seconds", time.perf_counter() - started, "retrieve")
         return out[:, :, :, :end, :]
 
     def _read_into(self, conn: Connection, keys: Sequence[bytes], first: int, num_tokens: int,
@@ -279,6 +286,7 @@ class RemoteCache:
             self._orphan(conn, slot)
 
     def store(self, tokens: Tokens, kv: torch.Tensor, start: int = 0) -> int:
+        started = time.perf_counter()
         num_tokens = len(tokens)
         keys = self.keys(tokens)
         wanted = chunks_to_store(self.layout, self.chunk_size, num_tokens, len(keys), kv, start)
@@ -293,6 +301,7 @@ class RemoteCache:
         except _Down:
             pass
         self._counters.add("chunks_stored", num_stored)
+        self.histograms.observe("kvfabric_store_seconds", time.perf_counter() - started, "store")
         return num_stored
 
     def _write(self, conn: Connection, keys: list[bytes], chunks: list[torch.Tensor]) -> int:

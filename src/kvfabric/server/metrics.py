@@ -3,11 +3,13 @@
 Per client (the name it gave in its HELLO): requests by op, bytes moved through the pool (`out` to engines on
 retrieve, `in` from engines on store), hit tokens served. Server-wide: decode seconds (into pool slots), fetch
 seconds (a tier read, or a stream's whole receive), connected clients, slots referenced. Names start with
-`kvfabric_server_`; a shared metrics module can absorb this one as a block of collectors.
+`kvfabric_server_`; served by kvfabric.metrics.MetricsEndpoint like every other registry.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvfabric.metrics import MetricsEndpoint
 
 TIME_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -28,15 +30,14 @@ class ServerMetrics:
                                        "stream", ["source"], buckets=TIME_BUCKETS, registry=r)
         self.clients = Gauge("kvfabric_server_clients", "Connected client connections", registry=r)
         self.slots_referenced = Gauge("kvfabric_server_slots_referenced", "Pool slots leased or held", registry=r)
-        self._http = None
+        self._endpoint: MetricsEndpoint | None = None
 
     def serve(self, port: int) -> int:
         """Expose /metrics on 127.0.0.1:port (0: any free port); returns the port."""
-        self._http, _ = start_http_server(port, addr="127.0.0.1", registry=self.registry)
-        return self._http.server_port
+        self._endpoint = MetricsEndpoint(self.registry, "127.0.0.1", port)
+        return self._endpoint.port
 
     def close(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = None

@@ -1,8 +1,12 @@
 """Connector configuration, and what the connector derives from vLLM's own config.
 
 Contract:
-- `kv_transfer_config(extra)` is the ``kv_transfer_config`` argument of ``vllm.LLM`` for this connector; vLLM loads
-  the class by module path + name, so the path is this package (``kvfabric.connectors.vllm``), never a submodule.
+- `kv_transfer_config(extra, kv_role)` is the ``kv_transfer_config`` argument of ``vllm.LLM`` for this connector; vLLM
+  loads the class by module path + name, so the path is this package (``kvfabric.connectors.vllm``), never a submodule.
+- `role_of(kv_role)`: what vLLM's ``kv_role`` lets the connector do (``Role``). ``kv_both`` (default): load hits and
+  store every request's KV; ``kv_producer`` (a prefill instance of a P/D pair): store, never load, and end each
+  step only once its KV is stored, so a request's answer means its KV is in the shared tiers; ``kv_consumer`` (a
+  decode instance): load, never store.
 - `resolve_config(extra)` splits ``kv_connector_extra_config`` into (kvfabric ``Config``, connector options).
   The config keys (chunk_size, tiers, disk.path, ...) take precedence: extra config > ``KVFABRIC_*`` environment >
   YAML (``config_file`` or ``$KVFABRIC_CONFIG``) > defaults. ``KVFABRIC_*`` variables that are not config keys
@@ -58,17 +62,35 @@ CONNECTOR_KEYS = ("model_id", "config_file", "load_failure_policy", "stats_path"
 KEY_MODES = ("tokens", "vllm")
 LOAD_MODES = ("async", "layerwise")
 PARAMS_KEY = "kvfabric"  # our entry in a request's kv_transfer_params
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
-def kv_transfer_config(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class Role:
+    """What vLLM's kv_role lets the connector do."""
+    can_load: bool
+    can_store: bool
+    is_sync_store: bool  # a step ends only once its saves are stored (a producer hands KV to another instance)
+
+
+def role_of(kv_role: str | None) -> Role:
+    kv_role = kv_role or "kv_both"
+    if kv_role not in KV_ROLES:
+        raise ConfigError(f"kv_role: {kv_role!r} is not one of {', '.join(KV_ROLES)}")
+    return Role(can_load=kv_role != "kv_producer", can_store=kv_role != "kv_consumer",
+                is_sync_store=kv_role == "kv_producer")
+
+
+def kv_transfer_config(extra: dict[str, Any] | None = None, kv_role: str = "kv_both") -> dict[str, Any]:
     """The ``kv_transfer_config`` argument of ``vllm.LLM`` for this connector."""
+    role_of(kv_role)
     extra = dict(extra or {})
     return {
         "kv_connector": "KVFabricConnector",
         # the package, not this module: vLLM imports the path and looks the class up there
         "kv_connector_module_path": __package__,
-        "kv_role": "kv_both",
+        "kv_role": kv_role,
         "kv_load_failure_policy": extra.get("load_failure_policy", "recompute"),
         "kv_connector_extra_config": extra,
     }

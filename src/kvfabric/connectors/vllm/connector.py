@@ -13,6 +13,8 @@ Contract:
   ``wait_for_layer_load`` waits for one layer). The connector never delays a request's blocks
   (``request_finished`` answers False): it is a cache, so a dropped save is a future miss
   (``requires_kv_delivery`` is False).
+- vLLM's ``kv_role`` (``role_of``): a ``kv_producer`` (P/D prefill) stores and never loads, and ends each step only
+  once its KV is stored; a ``kv_consumer`` (P/D decode) loads and never stores; ``kv_both`` does both.
 - The scheduler instance writes the configured load_failure_policy into vLLM's ``kv_load_failure_policy``
   (vLLM reads it right after creating the connector).
 - Metrics and KV events go through vLLM's own channels (``metrics``): per-step ``KVFabricStats`` from both sides,
@@ -33,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvfabric.connectors.vllm.config import layout_from_vllm, model_id_from_vllm, resolve_config
+from kvfabric.connectors.vllm.config import layout_from_vllm, model_id_from_vllm, resolve_config, role_of
 from kvfabric.connectors.vllm.metrics import (
     EngineStatsSource,
     KVFabricKVEvents,
@@ -74,6 +76,7 @@ class KVFabricConnector(KVConnectorBase_V1):
         self.config, self.options = resolve_config(transfer.kv_connector_extra_config)
         self.layout = layout_from_vllm(vllm_config)
         self.model_id = model_id_from_vllm(vllm_config, self.options)
+        self.kv_role = role_of(transfer.kv_role)
         block_size = vllm_config.cache_config.block_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -91,9 +94,10 @@ class KVFabricConnector(KVConnectorBase_V1):
                     logger.warning("kvfabric: cannot set kv_load_failure_policy=%s; a bad chunk fails its request",
                                    policy)
             self._scheduler = SchedulerSide(self.config, self.layout, self.model_id, block_size,
-                                             self.options["key_mode"], self.options["load_mode"])
+                                             self.options["key_mode"], self.options["load_mode"], self.kv_role)
         else:
-            self._worker = WorkerSide(self.config, self.layout, self.model_id, block_size, self.options)
+            self._worker = WorkerSide(self.config, self.layout, self.model_id, block_size, self.options,
+                                      is_sync_store=self.kv_role.is_sync_store)
             self._engine_stats = EngineStatsSource(self._worker.engine)
             if has_events:
                 self._worker.engine.events = worker_events(self.config.chunk_size)

@@ -21,6 +21,8 @@ Contract:
   chunk that becomes complete this step and is not known to be stored, including chunks vLLM had cached locally).
   A rollback (vLLM recomputing after a failed load) moves the save mark back, so the recomputed chunks are saved.
 - Per request, ``kv_transfer_params["kvfabric"] = {"load": False, "store": False}`` turns loading or storing off;
+  the instance's kv_role (``Role``, config.py) can turn either off for every request (a P/D producer never loads,
+  a consumer never stores);
   each finished request's ``kv_transfer_params["kvfabric"]`` carries its stats (`finished`).
 """
 from __future__ import annotations
@@ -34,7 +36,7 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvfabric.config import Config, ConfigError
-from kvfabric.connectors.vllm.config import PARAMS_KEY
+from kvfabric.connectors.vllm.config import PARAMS_KEY, Role, role_of
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, RequestStats, SaveSpec
 from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
@@ -49,12 +51,13 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+BOTH = role_of("kv_both")
 
 
-def _request_flags(request: Request) -> tuple[bool, bool]:
+def _request_flags(request: Request, role: Role) -> tuple[bool, bool]:
     params = getattr(request, "kv_transfer_params", None) or {}
     ours = params.get(PARAMS_KEY) or {} if isinstance(params, dict) else {}
-    return bool(ours.get("load", True)), bool(ours.get("store", True))
+    return role.can_load and bool(ours.get("load", True)), role.can_store and bool(ours.get("store", True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +169,9 @@ class _ReqState:
 
 class SchedulerSide:
     def __init__(self, config: Config, layout: KVLayout, model_id: str, block_size: int, key_mode: str,
-                 load_mode: str = "async") -> None:
+                 load_mode: str = "async", role: Role = BOTH) -> None:
         self.chunk_size = config.chunk_size
+        self.role = role
         self.block_size = block_size
         self.key_mode = key_mode
         self.is_async = load_mode == "async"
@@ -208,7 +212,7 @@ class SchedulerSide:
         return keys
 
     def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        load, _ = _request_flags(request)
+        load, _ = _request_flags(request, self.role)
         req_id = request.request_id
         keys = self.request_keys(request) if load else []
         hit = self.lookup.prefix(keys) if keys else PrefixHit()
@@ -227,7 +231,7 @@ class SchedulerSide:
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
-        _, store = _request_flags(request)
+        _, store = _request_flags(request, self.role)
         state = self.states.get(req_id)
         match = self.pending.pop(req_id, None)
         if state is not None and match is None:  # the second call after an async load: blocks only

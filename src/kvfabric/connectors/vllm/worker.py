@@ -9,7 +9,8 @@ Contract, per step (vLLM calls the hooks in this order):
 - `layer_save(layer, kv)`: right after the layer's attention, gathers the KV of the step's finished chunks out of
   the paged cache into engine payloads (``CacheEngine.new_payload``) that the ``Saver`` stores (one copy; the
   blocks may be reused once the step ends).
-- `end_step()`: the synchronous loads' outcomes (a failed chunk: its blocks are reported, the request's saves of
+- `end_step()` (``wait_for_save``; with ``is_sync_store`` it waits until the step's saves are stored): the
+  synchronous loads' outcomes (a failed chunk: its blocks are reported, the request's saves of
   this step dropped, since their KV was computed over bad blocks); a save not gathered from every layer is
   dropped; complete saves go to the ``Saver`` (dropped and counted when its queue is full).
 - `finished_loads()` (``get_finished``): ids of the asynchronous loads that ended since the last call, each
@@ -56,8 +57,9 @@ IDLE_WAIT_S = 0.005  # on a step with nothing scheduled, wait this long for an a
 
 class WorkerSide:
     def __init__(self, config: Config, layout: KVLayout, model_id: str, block_size: int,
-                 options: dict[str, Any]) -> None:
+                 options: dict[str, Any], is_sync_store: bool = False) -> None:
         self.config = config
+        self.is_sync_store = is_sync_store  # a P/D producer: the step's KV is stored before its output leaves
         self.layout = layout
         self.chunk_size = config.chunk_size
         self.block_size = block_size
@@ -202,6 +204,9 @@ class WorkerSide:
                 self.counters.add("saves_dropped_queue_full")
                 continue
             self._add_stats(spec.req_id, RequestStats(saved_tokens=spec.end - spec.start))
+        if self.is_sync_store and self.saves:
+            self.saver.join()  # the answer tells the proxy that the decode instance can load this KV ...
+            self.engine.flush()  # ... from every tier, the write-behind ones included
         if self.stats_path and self.meta is not None and self.meta.loads:
             self.write_stats()
         self.saves = []

@@ -35,13 +35,18 @@ def gather(block: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, num_
     present = block >= 0
     counts = present.sum(1)
     width = int(counts.max())
-    order = torch.where(present, torch.arange(num_pages), num_pages)  # absent pages sort last
-    pages = torch.sort(order, dim=1).values[:, :width]  # [R, width]: resident page ids ascending, then padding
-    blocks = block.gather(1, pages.clamp(max=num_pages - 1)).clamp(min=0)  # padding reads block 0, masked
+    even = bool((counts == width).all())
+    if even:  # the common step: every row holds as many pages; nonzero lists them row by row, ascending
+        pages = present.nonzero()[:, 1].view(rows, width)
+        blocks = block.gather(1, pages)
+    else:
+        order = torch.where(present, torch.arange(num_pages), num_pages)  # absent pages sort last
+        pages = torch.sort(order, dim=1).values[:, :width]  # [R, width]: resident page ids ascending, then padding
+        blocks = block.gather(1, pages.clamp(max=num_pages - 1)).clamp(min=0)  # padding reads block 0, masked
     flat = blocks.flatten()  # index_select: several times faster than advanced indexing for this gather
     k = k_pool.index_select(0, flat).view(rows, width * page_size, dim)
     v = v_pool.index_select(0, flat).view(rows, width * page_size, dim)
-    if bool((counts == width).all()):  # the tail page is the last slot of every row: cut it to its tokens
+    if even:  # the tail page is the last slot of every row: cut it to its tokens
         tokens = width * page_size - ((num_pages * page_size) - num_tokens)
         return Resident(k[:, :tokens], v[:, :tokens], pages, None, page_size)
     token_pos = pages[:, :, None] * page_size + torch.arange(page_size)  # [R, width, P]

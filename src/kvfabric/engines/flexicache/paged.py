@@ -50,6 +50,7 @@ class DecodeMemoryStats:
     radar_hits: int
     first_step_moves: int  # the first step fills every TOPK head's pages (ranked by its query): not per-step
     moves_per_step: float  # (promotions + demotions) per decode step after the first
+    stable_promotions_per_step: float  # promotions into the split's stable heads, per step after the first
     bytes_moved_per_step: float  # copied between the pools per step after the first (promotions + filled pages)
     ingest_bytes: int  # the prompt's pages copied to the slow pool at the start
     transfer_s_per_step: float  # time in copies between the pools, per step after the first
@@ -145,15 +146,14 @@ class PagedKV(Cache):
             return self._done(layer, sdpa_attention_forward(module, query, k[None], v[None], None,
                                                             scaling=scaling)[0])
         out = torch.empty(q.shape)  # [Hq, D]
+        q_full, q_paged = pages.query_rows(group)
         if full.numel():
             k, v = pages.full_kv()
-            q_full = (full[:, None] * group + torch.arange(group)).flatten()
             out[q_full] = sdpa_attention_forward(module, query[:, q_full], k[None], v[None], None,
                                                  scaling=scaling)[0][0, 0]
         res = gather(pages.block[paged, :pages.num_pages], self.fast.k, self.fast.v, pages.num_tokens)
-        q_paged = (paged[:, None] * group + torch.arange(group)).flatten()
-        heavy = pages.heavy_row[paged]
-        if bool((heavy >= 0).any()):  # H2O: every resident token's attention accumulates
+        if pages.rows[Role.HEAVY].numel():  # H2O: every resident token's attention accumulates
+            heavy = pages.heavy_row[paged]
             out[q_paged], mass = attend_with_mass(q[q_paged], res, scaling)
             on = (heavy >= 0)[:, None] & (res.pages < pages.num_pages)  # [R, width]
             rows = heavy[:, None].expand_as(res.pages)
@@ -201,6 +201,7 @@ class PagedKV(Cache):
             dropped=c.dropped, reranks=c.reranks, radar_hits=c.radar_hits,
             first_step_moves=c1.promotions + c1.demotions - c0.promotions - c0.demotions,
             moves_per_step=(c.promotions + c.demotions - c1.promotions - c1.demotions) / later,
+            stable_promotions_per_step=(c.stable_promotions - c1.stable_promotions) / later,
             bytes_moved_per_step=(t.to_fast_bytes + t.to_slow_bytes - t1.to_fast_bytes - t1.to_slow_bytes) / later,
             ingest_bytes=t0.to_fast_bytes + t0.to_slow_bytes, transfer_s_per_step=(t.seconds - t1.seconds) / later,
             manage_s_per_step=(self._manage_s - m1) / later)

@@ -36,6 +36,8 @@ class MoveCounts:
     dropped: int = 0  # WINDOW / HEAVY pages evicted for good
     reranks: int = 0  # (head, step) re-ranks
     radar_hits: int = 0  # (head, step) promotions triggered by the radar between re-ranks
+    stable_promotions: int = 0  # promotions into the heads the split calls stable (plan.stable)
+    stable_reranks: int = 0  # (head, step) re-ranks of those heads
 
 
 class LayerPages:
@@ -57,9 +59,12 @@ class LayerPages:
         topk = self.rows[Role.TOPK]
         self.intervals = torch.from_numpy(plan.intervals[layer].astype("int64"))[topk]
         self.phase = (layer * num_heads + topk) % self.intervals  # stagger re-ranks over steps
+        self.stable = torch.from_numpy(plan.stable[layer])[topk]  # [R]: the heads the split calls stable
         self.summary = torch.empty(topk.numel(), 2 * head_dim, max_pages)  # radar of TOPK heads [R, 2D, pages]
         self.score = torch.zeros(topk.numel(), max_pages)  # last bound of every page
         self.mass = torch.zeros(self.rows[Role.HEAVY].numel(), max_pages)  # HEAVY heads' accumulated attention
+        self._pinned_mask = torch.zeros(0, dtype=torch.bool)
+        self._query_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_pages(self) -> int:
@@ -134,8 +139,18 @@ class LayerPages:
         k = self.fast.k[start:start + count].view(shape)[:, :self.num_tokens]
         return k, self.fast.v[start:start + count].view(shape)[:, :self.num_tokens]
 
+    def query_rows(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query heads (G per KV head) of the FULL heads and of the others, in head order (cached)."""
+        if self._query_rows is None:
+            self._query_rows = tuple((heads[:, None] * group + torch.arange(group)).flatten()
+                                     for heads in (self.rows[Role.FULL], self.paged))
+        return self._query_rows
+
     def all_resident(self) -> bool:
-        return bool((self.block[:, :self.num_pages] >= 0).all())
+        num_pages = self.num_pages
+        if self.paged.numel() and self.plan.cap(num_pages) < num_pages:  # the budget alone says no (no scan)
+            return False
+        return bool((self.block[:, :num_pages] >= 0).all())
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every head's K and V gathered in position order: [H, num_tokens, D] (all pages must be resident)."""
@@ -145,11 +160,14 @@ class LayerPages:
         return k, self.fast.v.index_select(0, blocks).view(heads, -1, dim)[:, :self.num_tokens]
 
     def _pinned(self, num_pages: int) -> torch.Tensor:
-        """bool [num_pages]: the sink page and the recent_pages newest (resident in every TOPK head)."""
-        pinned = torch.zeros(num_pages, dtype=torch.bool)
-        pinned[0] = True
-        pinned[max(0, num_pages - self.plan.recent_pages):] = True
-        return pinned
+        """bool [num_pages]: the sink page and the recent_pages newest (resident in every TOPK head). Cached: it
+        changes once per page."""
+        if self._pinned_mask.numel() != num_pages:
+            pinned = torch.zeros(num_pages, dtype=torch.bool)
+            pinned[0] = True
+            pinned[max(0, num_pages - self.plan.recent_pages):] = True
+            self._pinned_mask = pinned
+        return self._pinned_mask
 
     # ---- decode ---------------------------------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -233,6 +251,7 @@ class LayerPages:
         if not (any_due or any_hit):
             return  # the common step of a stable head: nothing to move
         self.counts.reranks += int(due.sum())
+        self.counts.stable_reranks += int((due & self.stable).sum())
         self.counts.radar_hits += int(hits.any(1).sum())
         cand = free & (due[:, None] | open_res | hits)
         num_sel = min(self._cap(num_pages) - int((~free).sum()), int(free.sum()))
@@ -252,3 +271,4 @@ class LayerPages:
             self.block[heads, p] = blocks
             self.slow.read(self.layer, heads, p, self.fast, blocks)
             self.counts.promotions += r.numel()
+            self.counts.stable_promotions += int(self.stable[r].sum())

@@ -5,7 +5,8 @@ role and re-rank interval:
 - `full`: every head FULL (dense KV: the reference);
 - `flexicache`: as many heads as the table calls unstable are FULL while they fit in `max_full_share` of the
   budget, taken in the table's `full_order(config.head_order)`; unstable heads not kept whole are TOPK re-ranked
-  every step; the stable ones are TOPK re-ranked every `rerank_interval` steps, the radar checking them between;
+  every step; the stable ones (`stable`, whatever the interval) are TOPK re-ranked every `rerank_interval` steps,
+  the radar checking them between;
 - `shuffled`: flexicache's counts (FULL heads, every-step heads) on randomly chosen heads (seeded): the control;
 - `quest`: every head TOPK, re-ranked every step;
 - `streaming`: every head WINDOW: the sink page and the newest pages; the rest is dropped;
@@ -49,12 +50,15 @@ class HeadPlan:
     radar_promotions: int
     roles: np.ndarray  # int8 [L, H] of Role
     intervals: np.ndarray  # int32 [L, H]: TOPK heads re-rank every this many steps
+    stable: np.ndarray  # bool [L, H]: TOPK heads the split calls stable (re-ranked every rerank_interval steps)
     num_full: int = field(init=False)
     num_paged: int = field(init=False)
+    has_topk: bool = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_full", int((self.roles == Role.FULL).sum()))
         object.__setattr__(self, "num_paged", self.roles.size - self.num_full)
+        object.__setattr__(self, "has_topk", bool((self.roles == Role.TOPK).any()))  # checked every step
 
     @property
     def is_lossless(self) -> bool:
@@ -72,7 +76,7 @@ class HeadPlan:
 
     def min_cap(self) -> int:
         """Fewest pages a non-FULL head can work with: sink + recent + one ranked page (TOPK), or two."""
-        return self.recent_pages + 2 if (self.roles == Role.TOPK).any() else 2
+        return self.recent_pages + 2 if self.has_topk else 2
 
 
 def make_plan(method: str, budget: float, num_layers: int, num_heads: int, config: FlexiCacheConfig,
@@ -83,6 +87,7 @@ def make_plan(method: str, budget: float, num_layers: int, num_heads: int, confi
         raise BudgetError(f"kv budget {budget}: expected a fraction in (0, 1]")
     shape = (num_layers, num_heads)
     roles = np.full(shape, Role.TOPK, np.int8)
+    stable = np.zeros(shape, bool)
     intervals = np.ones(shape, np.int32)
     page_size = 1 if method == "h2o" else config.page_size
     if method == "full":
@@ -106,6 +111,8 @@ def make_plan(method: str, budget: float, num_layers: int, num_heads: int, confi
         flat_intervals[:] = config.rerank_interval
         flat_roles[full] = Role.FULL
         flat_intervals[every_step] = 1
+        stable = roles == Role.TOPK
+        stable.reshape(-1)[every_step] = False
     return HeadPlan(method=method, budget=budget, page_size=page_size, recent_pages=config.recent_pages,
                     radar_margin=config.radar_margin, radar_promotions=config.radar_promotions, roles=roles,
-                    intervals=intervals)
+                    intervals=intervals, stable=stable)

@@ -10,6 +10,27 @@ memcpy out of the shared mapping, no socket and no serialization.
     arena.py      Arena: the pool file and its mapping (create, validate, replace, remap), the writers' lock,
                   fork safety, copies into and out of the data region
     tier.py       ShmTier, the Tier protocol composed of the three (no shared state but the counters)
+    coherence.py  the cache-maintenance primitives (flush, fence, invalidate): no-ops on coherent memory
+
+Publish protocol (a put; the writers' lock held). A slot's entry is seqlocked: an odd seq means busy, and a
+READY entry under an even seq is the publish flag. Steps in order ("flush+fence": coherence.py; no-ops unless
+`coherent=False`):
+    W1  header dirty flag set; flush+fence           (a writer dying from here on is repaired by the next one)
+    W2  old entries of the key retired: seq odd, flush+fence; state TOMBSTONE, flush+fence; seq even, flush+fence
+    W3  payload copied into a free extent: the chunk blob, which carries its own checksums; flush+fence
+    W4  entry seq made odd; flush+fence
+    W5  entry fields written with their checksum `esum` (over the final even seq, the key, offset, length);
+        flush+fence: payload and entry are in memory before ...
+    W6  ... the publish flag: seq even; flush+fence
+    W7  header dirty flag cleared; flush+fence
+A reader (no lock): R1 invalidates and reads the entry, which counts only between two equal even seqs, READY,
+with a matching esum and an extent inside the arena; R2 invalidates and copies the payload; R3 invalidates the
+entry's seq and re-reads it: changed means the extent may have been reused (retry, else a miss); R4 the stack
+verifies the blob's checksums (a bad blob is a miss). A writer killed at any step leaves either no READY entry
+for the key or a complete one, never a torn read; the dirty flag makes the next writer retire odd entries.
+On coherent memory (one host's /dev/shm) the flushes, fences and invalidations are no-ops: x86-64 keeps the
+stores in order. The writers' lock is a host-local flock: across hosts that share non-coherent memory, one
+host writes a pool (a pool-resident lock is not implemented).
 
 Contract (each module states its part):
 - Readers take no lock and never wait for writers; every entry update is a seqlock, and a reader re-checks the

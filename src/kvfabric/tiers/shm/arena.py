@@ -34,6 +34,7 @@ from pathlib import Path
 
 from kvfabric.counters import Counters
 from kvfabric.tiers.base import Blob, Scratch
+from kvfabric.tiers.shm.coherence import CacheOps
 from kvfabric.tiers.shm.index import EntryRef, Index
 from kvfabric.tiers.shm.layout import Geometry, default_num_slots
 
@@ -77,7 +78,7 @@ def _private_copy(mm: mmap.mmap, start: int, length: int) -> memoryview:
 
 class Arena:
     def __init__(self, name: str, capacity_bytes: int, *, root: str | os.PathLike, num_slots: int | None,
-                 lock_timeout_s: float, counters: Counters) -> None:
+                 lock_timeout_s: float, counters: Counters, ops: CacheOps | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         if not name or "/" in name or name.startswith("."):
@@ -92,6 +93,7 @@ class Arena:
         self.capacity_bytes = capacity_bytes
         self.lock_timeout_s = lock_timeout_s
         self.counters = counters
+        self.ops = ops or CacheOps()
         self.current: Index | None = None
         self._want = Geometry(num_slots or default_num_slots(capacity_bytes), capacity_bytes)
         self._tlock = threading.RLock()
@@ -202,7 +204,7 @@ class Arena:
             if isinstance(geo, str):
                 problem: str | None = geo
             else:
-                index = Index(mm, geo, self.counters)
+                index = Index(mm, geo, self.counters, self.ops)
                 problem = index.validate()
             if problem is not None:
                 log.warning("shared-memory pool %s is unusable (%s); replacing it with a fresh pool", self.path,
@@ -246,11 +248,14 @@ class Arena:
         """Copy a blob into the data region of the index's mapping (one memcpy; lock held)."""
         start = index.geo.data_offset + offset
         index.mm[start:start + len(blob)] = blob
+        self.ops.flush(index.mm, start, len(blob))  # the payload in memory before the entry that publishes it
+        self.ops.fence()
 
     def read(self, index: Index, ref: EntryRef, scratch: Scratch | None) -> Blob:
         """A copy of the entry's bytes: into `scratch` (a view valid until it is reused), else a private object
         (`bytes`; from LARGE_COPY_BYTES a huge-page mapping). The caller checks `index.is_current(ref)` after."""
         mm, start, length = index.mm, index.geo.data_offset + ref.offset, ref.length
+        self.ops.invalidate(mm, start, length)
         if scratch is None and length >= LARGE_COPY_BYTES:
             return _private_copy(mm, start, length)
         if scratch is None:

@@ -28,6 +28,7 @@ import numpy as np
 import xxhash
 
 from kvfabric.counters import Counters
+from kvfabric.tiers.shm.coherence import CacheOps
 from kvfabric.tiers.shm.layout import (ALIGN, ATIME_AT, EMPTY, ENTRY, ENTRY_BYTES, ENTRY_DTYPE, FIELDS, KEY_AT,
                                        MAX_KEY_BYTES, READY, SEQ, STATE, STATS, STATS_AT, TOMBSTONE, U64, Geometry,
                                        entry_sum, extent_bytes)
@@ -46,7 +47,8 @@ class EntryRef(NamedTuple):
 
 
 class Index:
-    def __init__(self, mm: mmap.mmap, geo: Geometry, counters: Counters) -> None:
+    def __init__(self, mm: mmap.mmap, geo: Geometry, counters: Counters, ops: CacheOps | None = None) -> None:
+        self.ops = ops or CacheOps()  # cache maintenance: no-ops on coherent memory (coherence.py)
         self.mm = mm
         self.geo = geo
         self.counters = counters
@@ -64,6 +66,7 @@ class Index:
         """A consistent (seq, state, key, offset, length, esum) snapshot, or None while a writer holds it."""
         mm = self.mm
         for _ in range(SEQ_SPINS):
+            self.ops.invalidate(mm, base, ENTRY_BYTES)
             seq, state, key_len, offset, length, _, esum = ENTRY.unpack_from(mm, base)
             if not seq & 1:
                 key = mm[base + KEY_AT:base + KEY_AT + min(key_len, MAX_KEY_BYTES)]
@@ -97,6 +100,7 @@ class Index:
 
     def is_current(self, ref: EntryRef) -> bool:
         """Whether the entry is still the one `find` saw (not retired or reused since)."""
+        self.ops.invalidate(self.mm, self._base(ref.slot), SEQ.size)
         return SEQ.unpack_from(self.mm, self._base(ref.slot))[0] == ref.seq
 
     def touch(self, slot: int) -> None:
@@ -122,6 +126,7 @@ class Index:
     def writing(self) -> Iterator[None]:
         """Bracket index changes. The header's dirty flag stays set if this process dies (or raises) mid-change;
         the next writer then retires entries left mid-update and recounts the stats."""
+        self.ops.invalidate(self.mm, STATS_AT, STATS.size)
         dirty, live_bytes, live_count, used = STATS.unpack_from(self.mm, STATS_AT)
         if dirty:
             self.repair()
@@ -130,8 +135,15 @@ class Index:
             self.counters.add("recovered")
         self.stats = [live_bytes, live_count, used]
         STATS.pack_into(self.mm, STATS_AT, 1, live_bytes, live_count, used)
+        self._flush(STATS_AT, STATS.size)
         yield
         STATS.pack_into(self.mm, STATS_AT, 0, *self.stats)
+        self._flush(STATS_AT, STATS.size)
+
+    def _flush(self, start: int, length: int) -> None:
+        """Write back and order: what was stored before is in memory before anything stored after."""
+        self.ops.flush(self.mm, start, length)
+        self.ops.fence()
 
     def extents(self) -> tuple[np.ndarray, np.ndarray]:
         """The writers' extent table: offsets and extent sizes by slot (0: not READY)."""
@@ -163,8 +175,11 @@ class Index:
         seq, prev, _, _, length = FIELDS.unpack_from(mm, base)
         seq |= 1  # odd while it changes; also fixes an entry left odd by a dead writer
         SEQ.pack_into(mm, base, seq)
+        self._flush(base, SEQ.size)
         STATE.pack_into(mm, base + 8, state)
+        self._flush(base, ENTRY_BYTES)
         SEQ.pack_into(mm, base, seq + 1)
+        self._flush(base, SEQ.size)
         stats = self.stats
         if prev == READY:
             stats[0] -= length
@@ -187,12 +202,15 @@ class Index:
         stats[0] += length
         stats[1] += 1
         stats[2] += prev == EMPTY
-        SEQ.pack_into(mm, base, seq)
+        SEQ.pack_into(mm, base, seq)  # busy
+        self._flush(base, SEQ.size)
         final = seq + 1
-        esum = entry_sum(final, READY, len(key), offset, length, key)
+        esum = entry_sum(final, READY, len(key), offset, length, key)  # the entry checksum, over the final seq
         mm[base + KEY_AT:base + KEY_AT + len(key)] = key
         ENTRY.pack_into(mm, base, seq, READY, len(key), offset, length, atime, esum)
-        SEQ.pack_into(mm, base, final)
+        self._flush(base, ENTRY_BYTES)  # the entry in memory before ...
+        SEQ.pack_into(mm, base, final)  # ... the publish flag: an even seq over a READY entry
+        self._flush(base, SEQ.size)
         U64.pack_into(mm, self.geo.ext_offset + slot * 8, offset)
         U64.pack_into(mm, self.geo.ext_len_offset + slot * 8, extent_bytes(length))
 

@@ -25,6 +25,7 @@ from kvfabric.counters import Counters
 from kvfabric.tiers.base import Blob, Scratch, TierBase, TierUsage
 from kvfabric.tiers.shm.allocator import Allocator
 from kvfabric.tiers.shm.arena import DEFAULT_ROOT, Arena, ShmLockTimeout
+from kvfabric.tiers.shm.coherence import CacheOps, cache_ops
 from kvfabric.tiers.shm.index import Index
 from kvfabric.tiers.shm.layout import MAX_KEY_BYTES, READY
 
@@ -43,15 +44,19 @@ class ShmTier(TierBase):
     honors_pins = True
 
     def __init__(self, name: str = "kvfabric", capacity_bytes: int = 2**30, *, root: str | os.PathLike = DEFAULT_ROOT,
-                 num_slots: int | None = None, lock_timeout_s: float = 2.0) -> None:
+                 num_slots: int | None = None, lock_timeout_s: float = 2.0, coherent: bool = True,
+                 ops: CacheOps | None = None) -> None:
+        """coherent=False: the publish protocol's flushes and invalidations run (coherence.py); `ops` replaces
+        the primitives (a recording shim in the tests)."""
         self.counters = Counters()
         self.allocator = Allocator(self.counters)
         self.arena = Arena(name, capacity_bytes, root=root, num_slots=num_slots, lock_timeout_s=lock_timeout_s,
-                           counters=self.counters)
+                           counters=self.counters, ops=ops or cache_ops(coherent))
 
     @classmethod
     def from_config(cls, config: ShmTierConfig) -> ShmTier:
-        return cls(config.name, config.capacity, lock_timeout_s=config.lock_timeout_s)
+        return cls(config.name, config.capacity, root=config.root, lock_timeout_s=config.lock_timeout_s,
+                   coherent=config.coherent)
 
     @staticmethod
     def destroy(name: str, root: str | os.PathLike = DEFAULT_ROOT) -> None:

@@ -1,0 +1,202 @@
+"""`kvfabric bench pd`: prefill/decode disaggregation with real `vllm serve` processes, against one colocated instance.
+
+Paths (each started here, one after the other, never two pairs at once):
+
+    colocated  one vLLM instance, no connector, both cores
+    shm        a prefill instance (kv_role kv_producer) and a decode instance (kv_consumer), each on its own core,
+               sharing KV through one shared-memory pool, behind `kvfabric pd-proxy` (ProxyThread)
+    redis      the same pair sharing KV through a Redis server (`--redis-url`; skipped without)
+    (p2p, the cluster's peer-to-peer TCP path, is not in this bench yet)
+
+Per (path, prompt size, concurrency): TTFT mean and P99 measured on the client through the proxy (prefill + decode
+first token), `transfer_s`: the decode instance's mean KV load time per request (its connector's counters),
+`memcpy_s`: the same bytes copied in memory once, `socket_s`: the same bytes over a raw loopback socket, both
+measured in this run; `same_output`: greedy text equal to the colocated instance's on every prompt.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from kvfabric.bench.cluster import RawClient, RawServer
+from kvfabric.bench.common import emit, paired
+from kvfabric.bench.serve import percentile, server_argv
+from kvfabric.bench.vllm_server import VllmServer, free_port
+from kvfabric.pd.proxy import ProxyThread
+from kvfabric.tiers.shm import ShmTier
+
+CHUNK = 256
+CHUNK_BYTES = 1 << 20  # the raw socket baseline sends the bytes in pieces of this size
+PATHS = ("colocated", "shm", "redis")  # redis only with a server's URL; p2p: not yet
+
+
+def pd_extra(pool: str, stats: Path, capacity: str = "2GiB", redis_url: str | None = None) -> dict[str, Any]:
+    """kv_connector_extra_config of both instances of a pair: one shm pool (or, with redis_url, one Redis)."""
+    tiers = {"tiers": ["redis"], "redis": {"url": redis_url, "timeout_s": 10.0}} if redis_url else \
+        {"tiers": ["shm"], "shm": {"name": pool, "capacity": capacity}}
+    return {"chunk_size": CHUNK, **tiers, "model_id": "kvfabric-bench-pd", "stats_path": str(stats)}
+
+
+def start_instance(python: str, model: str, work: Path, name: str, cores: str, kv_role: str | None = None,
+                   extra: dict[str, Any] | None = None, max_len: int = 2048,
+                   kv_bytes: int = 1 << 30) -> VllmServer:
+    """A `vllm serve` process pinned to `cores` (not yet ready: call wait_ready); with kv_role, KVFabricConnector."""
+    port = free_port()
+    argv = server_argv(python, model, port, kv_bytes, max_len)
+    if kv_role is not None:
+        argv += ["--kv-transfer-config", json.dumps({
+            "kv_connector": "KVFabricConnector", "kv_connector_module_path": "kvfabric.connectors.vllm",
+            "kv_role": kv_role, "kv_connector_extra_config": extra or {}})]
+    src = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cores, "OMP_WAIT_POLICY": "PASSIVE",
+           "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)}
+    return VllmServer(argv, port, work / f"serve-{name}.log", env)
+
+
+def pool_name() -> str:
+    return f"pd-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def prompts_of(num_tokens: int, count: int, seed: int) -> list[list[int]]:
+    """Distinct random token-id prompts (no shared prefix between them, so every one is a transfer)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1000, 40000, num_tokens).tolist() for _ in range(count)]
+
+
+def ask(client: httpx.Client, model: str, prompt: list[int], max_tokens: int) -> tuple[float, str]:
+    """(time to the first streamed token, greedy text) of one completion, timed on the client."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    started, first, parts = time.perf_counter(), None, []
+    with client.stream("POST", "/v1/completions", json=body) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text = json.loads(line[6:])["choices"][0].get("text") or ""
+                if text and first is None:
+                    first = time.perf_counter()
+                parts.append(text)
+    if first is None:
+        raise RuntimeError("no token streamed")
+    return first - started, "".join(parts)
+
+
+def drive(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[tuple[float, str]]:
+    with httpx.Client(base_url=url, timeout=1800) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        with ThreadPoolExecutor(concurrency) as pool:
+            return list(pool.map(lambda p: ask(client, model, p, max_tokens), prompts))
+
+
+def copy_baselines(num_bytes: int, repeats: int = 5) -> tuple[float, float]:
+    """(memcpy_s, socket_s): the same bytes copied once in memory, and sent over a raw loopback socket."""
+    chunk = CHUNK_BYTES
+    src, dst = np.ones(num_bytes, np.uint8), np.empty(num_bytes, np.uint8)
+    blobs = [bytes(min(chunk, num_bytes - at)) for at in range(0, num_bytes, chunk)]
+    server = RawServer(blobs)
+    client = RawClient(server.port, [len(b) for b in blobs])
+    try:
+        memcpy_s, socket_s = paired(lambda: np.copyto(dst, src), client.fetch, repeats)
+    finally:
+        client.close()
+        server.close()
+    return memcpy_s, socket_s
+
+
+def _loaded(stats: Path) -> tuple[int, int]:
+    """(load_read_ns, bytes loaded) so far by a decode instance (its connector's stats file)."""
+    try:
+        counters = json.loads(stats.read_text())["connector"]
+    except (OSError, ValueError, KeyError):
+        return 0, 0
+    return counters.get("load_read_ns", 0), sum(v for k, v in counters.items() if k.startswith("bytes_loaded."))
+
+
+def run_path(path: str, python: str, model: str, work: Path, groups: list[tuple[int, int]], max_tokens: int,
+             max_len: int, log, redis_url: str | None = None) -> dict[tuple[int, int], list[Any]]:  # noqa: ANN001
+    """Start the path's instances, run every (prompt_tokens, concurrency) group, stop. Per group:
+    (ttfts, texts, transfer_s per request, bytes per request)."""
+    out: dict[tuple[int, int], list[Any]] = {}
+    kv_bytes = 2 << 30
+    pool, stats = pool_name(), work / f"decode-{path}.json"
+    with contextlib.ExitStack() as stack:
+        if path == "colocated":
+            server = stack.enter_context(start_instance(python, model, work, path, "0-1", max_len=max_len,
+                                                        kv_bytes=kv_bytes))
+            server.wait_ready(900)
+            url = f"http://127.0.0.1:{server.port}"
+        else:
+            stack.callback(ShmTier.destroy, pool)
+            url_or_none = redis_url if path == "redis" else None
+            prefill = stack.enter_context(start_instance(
+                python, model, work, f"prefill-{path}", "0", "kv_producer",
+                pd_extra(pool, work / f"prefill-{path}.json", "4GiB", url_or_none), max_len, kv_bytes))
+            decode = stack.enter_context(start_instance(python, model, work, f"decode-{path}", "1", "kv_consumer",
+                                                        pd_extra(pool, stats, "4GiB", url_or_none), max_len, kv_bytes))
+            prefill.wait_ready(900)
+            decode.wait_ready(900)
+            url = stack.enter_context(ProxyThread(prefill.base_url, decode.base_url, free_port())).url
+        drive(url, prompts_of(64, 1, seed=999), 1, 2)  # warm-up
+        for num_tokens, concurrency in groups:
+            prompts = prompts_of(num_tokens, max(2, concurrency), seed=num_tokens * 10 + concurrency)
+            before = _loaded(stats)
+            results = drive(url, prompts, concurrency, max_tokens)
+            after = _loaded(stats)
+            n = len(prompts)
+            out[(num_tokens, concurrency)] = [[r[0] for r in results], [r[1] for r in results],
+                                              (after[0] - before[0]) / 1e9 / n, (after[1] - before[1]) // n]
+            log(f"[bench pd] {path} {num_tokens} tokens x{concurrency}: ttft "
+                f"{statistics.fmean(out[(num_tokens, concurrency)][0]):.2f} s")
+    return out
+
+
+def run(sizes: list[int], concurrencies: list[int], as_json: bool = False, max_tokens: int = 16,
+        python: str | None = None, model: str | None = None, workdir: str | None = None,
+        redis_url: str | None = None) -> list[dict[str, Any]]:
+    from kvfabric.bench.vllm import find_python
+    from kvfabric.engines.model import ensure_model
+
+    python = find_python(python)
+    model = model or str(ensure_model())
+    groups = [(n, c) for n in sizes for c in concurrencies]
+    max_len = max(sizes) + max_tokens + 64
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    paths = [path for path in PATHS if path != "redis" or redis_url]
+    with tempfile.TemporaryDirectory(prefix="kvfabric-bench-pd-", dir=workdir) as tmp:
+        results = {path: run_path(path, python, model, Path(tmp), groups, max_tokens, max_len, log, redis_url)
+                   for path in paths}
+    rows = []
+    for path in paths:
+        for group in groups:
+            ttfts, texts, transfer_s, num_bytes = results[path][group]
+            base_ttfts, base_texts = results["colocated"][group][:2]
+            is_pd = path != "colocated"
+            ttft = statistics.fmean(ttfts)
+            memcpy_s, socket_s = copy_baselines(num_bytes) if num_bytes else (None, None)
+            rows.append({"path": path, "prompt_tokens": group[0], "concurrency": group[1], "requests": len(ttfts),
+                         "ttft_mean_s": ttft, "ttft_p99_s": percentile(ttfts, 99),
+                         "ttft_vs_colocated": ttft / statistics.fmean(base_ttfts),
+                         "transfer_s": transfer_s if is_pd else None,
+                         "transfer_share": transfer_s / ttft if is_pd else None,
+                         "bytes_per_request": num_bytes, "memcpy_s": memcpy_s, "socket_s": socket_s,
+                         "transfer_vs_memcpy": transfer_s / memcpy_s if memcpy_s else None,
+                         "socket_gbps": num_bytes / socket_s / 1e9 if socket_s else None,
+                         "same_output": texts == base_texts if is_pd else None})
+    emit(rows, as_json, "bench pd: prefill/decode disaggregation (TTFT on the client, through pd-proxy)",
+         ["path", "prompt_tokens", "concurrency", "ttft_mean_s", "ttft_p99_s", "ttft_vs_colocated", "transfer_s",
+          "memcpy_s", "socket_s", "transfer_vs_memcpy", "same_output"])
+    return rows

@@ -1,0 +1,25 @@
+"""bench pd's parts that need no vLLM (the whole bench: `kvfabric bench pd`; the real pair: test_pd_vllm.py)."""
+from __future__ import annotations
+
+from kvfabric.bench.pd import copy_baselines, pd_extra, prompts_of
+from kvfabric.config import Config
+
+
+def test_prompts_are_seeded_and_distinct():
+    first = prompts_of(300, 3, seed=7)
+    assert first == prompts_of(300, 3, seed=7) and len({tuple(p) for p in first}) == 3
+    assert all(len(p) == 300 for p in first) and first != prompts_of(300, 3, seed=8)
+
+
+def test_baselines_time_the_same_bytes():
+    memcpy_s, socket_s = copy_baselines(3 << 20, repeats=3)  # over a piece boundary: 1 MiB pieces
+    assert 0 < memcpy_s and 0 < socket_s
+
+
+def test_pair_config_is_a_valid_kvfabric_config(tmp_path):
+    for url in (None, "redis://127.0.0.1:1/0"):
+        extra = pd_extra("p", tmp_path / "s.json", "64MiB", url)
+        options = {k: extra.pop(k) for k in ("model_id", "stats_path")}
+        config = Config.from_dict(extra)
+        assert config.tiers == (("redis",) if url else ("shm",)) and options["stats_path"].endswith("s.json")
+        assert config.redis.url == url if url else config.shm.capacity == 64 << 20
