@@ -109,3 +109,12 @@ def assert_clean(load: Load) -> None:
     assert load.errors == 0, "a call raised"
     assert load.hangs == 0, f"{load.hangs} calls past their {load.deadline_s} s deadline (max {load.max_call_s:.2f} s)"
     assert load.wrong == 0, f"{load.wrong} wrong chunks of {load.checked}"
+
+
+def controller_healthy(url: str) -> bool:
+    """The controller at `url` answers /v1/health with 200 (False while it is down or starting)."""
+    import httpx
+    try:
+        return httpx.get(url + "/v1/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvfabric.cluster.client import ControllerClient
@@ -19,7 +18,7 @@ from kvfabric.engine import CacheEngine
 from kvfabric.node import MODEL_ID, SMALL_LAYOUT, Workload
 from tests.cluster_scripts.helpers import free_port, wait_for
 from tests.redis_fixtures import needs_redis, redis_server  # noqa: F401 - fixtures
-from tests.reliability.harness import Load, assert_clean, report, time_until
+from tests.reliability.harness import Load, assert_clean, controller_healthy, report, time_until
 
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
 pytestmark = pytest.mark.slow
@@ -82,7 +81,7 @@ def test_controller_clock_jumps(tmp_path):
 
     api = ControllerClient(url, timeout_s=20.0)
     try:
-        wait_for(lambda: _healthy(url), 60, 0.1)
+        wait_for(lambda: controller_healthy(url), 60, 0.1)
         with CacheEngine(config("a"), SMALL_LAYOUT, MODEL_ID) as a, CacheEngine(config("b"), SMALL_LAYOUT,
                                                                                  MODEL_ID) as b:
             writer = Workload(a, num_prompts=50)
@@ -113,10 +112,3 @@ def test_controller_clock_jumps(tmp_path):
     assert_clean(load)
     report("controller clock +1 h, then back 1 h with a dead instance", load, recovery_s=forward_s,
            dead_instance_dropped_s=back_s)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/v1/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False

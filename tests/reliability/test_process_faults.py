@@ -21,7 +21,7 @@ from kvfabric.engine import CacheEngine
 from kvfabric.node import MODEL_ID, Workload
 from kvfabric.tiers.shm import ShmTier
 from tests.cluster_scripts.helpers import ControllerThread, free_port, wait_for
-from tests.reliability.harness import Load, assert_clean, report, time_until
+from tests.reliability.harness import Load, assert_clean, controller_healthy, report, time_until
 from tests.reliability.peer_node import BIG_LAYOUT
 
 pytestmark = pytest.mark.slow
@@ -123,7 +123,7 @@ def test_controller_killed_and_restarted(tmp_path):
     def start_controller() -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-m", "kvfabric.cluster.controller", "--port", str(port),
                                  "--token-file", str(token), "--instance-ttl", "5"], env=ENV)
-        wait_for(lambda: _healthy(url), 60, 0.1)
+        wait_for(lambda: controller_healthy(url), 60, 0.1)
         return proc
 
     ctl = start_controller()
@@ -154,11 +154,3 @@ def test_controller_killed_and_restarted(tmp_path):
     assert_clean(load)
     report("controller killed (SIGKILL) and restarted (in-memory index)", load, ops_during_outage=ops_during,
            recovery_s=recovery_s)
-
-
-def _healthy(url: str) -> bool:
-    import httpx
-    try:
-        return httpx.get(url + "/v1/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
