@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kvfabric.bench.common import emit, paired, threads_note
+from kvfabric.bench.vllm_server import free_port
 from kvfabric.cluster.p2p_client import PeerClient, new_buffer
 from kvfabric.cluster.p2p_server import PeerServer
 from kvfabric.codec.raw import RawCodec
@@ -146,9 +147,7 @@ def _controller():
     from kvfabric.cluster.controller_app import create_app
     from kvfabric.cluster.index_memory import MemoryIndex
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     app = create_app(MemoryIndex(), token=TOKEN, control_timeout_s=120.0)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)

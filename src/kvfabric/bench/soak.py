@@ -34,18 +34,13 @@ import numpy as np
 
 from kvfabric.bench.soak_load import (DISK_BYTES, OP_DEADLINE_S, REDIS_BYTES, SHM_BYTES, Totals, run_load,
                                      soak_config)
+from kvfabric.bench.vllm_server import free_port
 
 WARMUP_SHARE = 0.2
 RSS_SLACK_MB = 64.0
 FD_SLACK = 16
 THREAD_SLACK = 4
 HIT_DRIFT = 0.15
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisProcess:
@@ -55,7 +50,7 @@ class RedisProcess:
         binary = shutil.which("redis-server")
         if binary is None:
             raise SystemExit("bench soak needs redis-server (or --redis-url)")
-        self.port = _free_port()
+        self.port = free_port()
         self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "no", "--dir", str(workdir), "--maxmemory", str(REDIS_BYTES),
                                       "--maxmemory-policy", "allkeys-lru"], stdout=subprocess.DEVNULL)
