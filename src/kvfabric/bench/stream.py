@@ -22,7 +22,7 @@ import time
 import torch
 
 from kvfabric.bench.codec import held_out_texts
-from kvfabric.bench.common import emit, threads_note, timed
+from kvfabric.bench.common import emit, save_figure, subplots, threads_note, timed
 from kvfabric.engines.runtime import BufferCache, layout_for, load_for_inference, prefill
 
 RATES = (("100Mbit", 100e6 / 8), ("1Gbit", 1e9 / 8), ("unthrottled", None))
@@ -136,13 +136,10 @@ def run(as_json: bool = False, plot: str | None = None, prompt_tokens: int = 204
 
 
 def write_plot(rows: list[dict], path: str, target: float) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
     links = list(dict.fromkeys(r["link"] for r in rows))
     strategies = ("raw", "adaptive", "recompute")
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = subplots(figsize=(7.5, 4.2))
     xs = np.arange(len(links))
     for i, strategy in enumerate(strategies):
         vals = [next(r["ttft_s"] for r in rows if r["link"] == link and r["strategy"] == strategy) for link in links]
@@ -154,6 +151,4 @@ def write_plot(rows: list[dict], path: str, target: float) -> None:
     ax.set_ylabel("TTFT (s)")
     ax.set_title(f"Loading a {rows[0]['tokens']}-token prompt's KV (SmolLM2-135M)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, 110)
