@@ -8,10 +8,12 @@ import torch
 
 from kvfabric.codec.cachegen import CacheGenCodec
 from kvfabric.codec.cachegen import family as F
-from kvfabric.codec.cachegen import kernels as K
 from kvfabric.codec.cachegen import profile as P
+from kvfabric.codec.cachegen import quant as Q
 from kvfabric.codec.cachegen import reference as R
 from kvfabric.codec.cachegen import wire as W
+from kvfabric.codec.cachegen.rans import encode_lossy
+from kvfabric.codec.cachegen.rans_decode import decode_lossy
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, parse
 from kvfabric.layout import KVLayout
 
@@ -31,9 +33,9 @@ def segment(H: int = 2, T: int = 50, D: int = 8, seed: int = 0) -> dict:
     maxdev = np.abs(x[:, 1:] - mu.reshape(H, 1, D)).max(1).reshape(Cn)
     e = np.maximum(np.ceil(8 * np.log2(0.1 * x.std(1).reshape(Cn) + 1e-9)),
                    np.ceil(8 * np.log2(maxdev * 2 / W.QLIMIT))).astype(np.int64)
-    steps = K.steps_from_exponents(e)
+    steps = Q.steps_from_exponents(e)
     dflag = (np.arange(Cn) % 3 == 0).astype(np.uint8)
-    asteps = np.where(dflag != 0, K.steps_from_exponents(e - 8), steps).astype(np.float32)
+    asteps = np.where(dflag != 0, Q.steps_from_exponents(e - 8), steps).astype(np.float32)
     return dict(x=x, head=head, mu=mu, steps=steps, asteps=asteps, dflag=dflag, e=e)
 
 
@@ -42,7 +44,7 @@ def test_kernels_match_the_numpy_reference_bit_for_bit(G):
     s = segment(T=53)
     H, T, D = s["x"].shape
     q = np.empty((T, H * D), np.int32)
-    K.quantize(s["x"], s["head"], s["mu"], s["steps"], s["asteps"], s["dflag"], G, True, q, np.empty((H * D, 2)))
+    Q.quantize(s["x"], s["head"], s["mu"], s["steps"], s["asteps"], s["dflag"], G, True, q, np.empty((H * D, 2)))
     q_ref = R.quantize_ref(s["x"], s["head"], s["mu"], s["steps"], s["asteps"], s["dflag"], G)
     assert np.array_equal(q[1:], q_ref[1:])
     ia, idx = R.fit_indices(q_ref, s["dflag"], G)
@@ -51,18 +53,18 @@ def test_kernels_match_the_numpy_reference_bit_for_bit(G):
     ka, kd = F.shift_of(i_a).astype(np.int32), F.shift_of(idx).astype(np.int32)
     ja, jd = F.base_of(i_a).astype(np.int32), F.base_of(idx).astype(np.int32)
     words = np.empty(2 * T * H * D + 64, np.uint16)
-    start = K.encode_lossy(q, ja, ka, jd, kd, G, True, fam.fc, fam.rcps, words)
+    start = encode_lossy(q, ja, ka, jd, kd, G, True, fam.fc, fam.rcps, words)
     code = words[start:].copy()
     out = np.full((H, T, D), np.nan, np.float32)
-    assert K.decode_lossy(code, 0, len(code), out, s["head"], s["mu"], s["steps"], s["asteps"], s["dflag"],
+    assert decode_lossy(code, 0, len(code), out, s["head"], s["mu"], s["steps"], s["asteps"], s["dflag"],
                           ja, ka, jd, kd, G, True, fam.slots)
     ref = R.dequantize_ref(q_ref, s["head"], s["mu"], s["steps"], s["asteps"], s["dflag"], G, H, D)
     assert np.array_equal(out, ref)
     assert (np.abs(out - s["x"])[:, 1:] <= s["steps"].reshape(H, 1, D) / 2 * (1 + 1e-6)).all()
     # the same words decode in pure Python (the no-numba fallback) to the same values
-    if hasattr(K.decode_lossy, "py_func") and G == 10:
+    if hasattr(decode_lossy, "py_func") and G == 10:
         out2 = np.full_like(out, np.nan)
-        assert K.decode_lossy.py_func(code, 0, len(code), out2, s["head"], s["mu"], s["steps"], s["asteps"],
+        assert decode_lossy.py_func(code, 0, len(code), out2, s["head"], s["mu"], s["steps"], s["asteps"],
                                       s["dflag"], ja, ka, jd, kd, G, True, fam.slots)
         assert np.array_equal(out, out2)
 
@@ -89,7 +91,7 @@ def test_rans_costs_close_to_the_ideal_and_to_constriction():
             ideal += float(-np.log2(p).sum()) + k * ok.sum() + 16 * (~ok).sum()
     i_a = np.where(ia != 255, ia, idx).astype(np.int64)
     words = np.empty(2 * T * H * D + 64, np.uint16)
-    start = K.encode_lossy(q, F.base_of(i_a).astype(np.int32), F.shift_of(i_a).astype(np.int32),
+    start = encode_lossy(q, F.base_of(i_a).astype(np.int32), F.shift_of(i_a).astype(np.int32),
                            F.base_of(idx).astype(np.int32), F.shift_of(idx).astype(np.int32), G, True, fam.fc,
                            fam.rcps, words)
     rans_bits = 16 * (len(words) - start)
@@ -123,9 +125,9 @@ def test_shipped_family_is_the_generated_one():
 
 def test_steps_are_exact_powers():
     e = np.arange(-128, 128)
-    assert np.array_equal(K.steps_from_exponents(e), np.float32(2.0) ** (e / 8.0).astype(np.float32)) or \
-        np.allclose(K.steps_from_exponents(e), 2.0 ** (e / 8.0), rtol=1e-6)
-    assert K.steps_from_exponents(np.array([8]))[0] == 2.0 and K.steps_from_exponents(np.array([-16]))[0] == 0.25
+    assert np.array_equal(Q.steps_from_exponents(e), np.float32(2.0) ** (e / 8.0).astype(np.float32)) or \
+        np.allclose(Q.steps_from_exponents(e), 2.0 ** (e / 8.0), rtol=1e-6)
+    assert Q.steps_from_exponents(np.array([8]))[0] == 2.0 and Q.steps_from_exponents(np.array([-16]))[0] == 0.25
 
 
 def test_levels_trade_size_for_error():

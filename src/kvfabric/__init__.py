@@ -6,20 +6,15 @@ OpenMP environment before torch loads (see kvfabric.cli).
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __all__ = ["CacheEngine", "Config", "KVLayout"]
 __version__ = "0.1.0"
+_HOMES = {"CacheEngine": "kvfabric.engine", "Config": "kvfabric.config", "KVLayout": "kvfabric.layout"}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "CacheEngine":
-        from kvfabric.engine import CacheEngine
-        return CacheEngine
-    if name == "Config":
-        from kvfabric.config import Config
-        return Config
-    if name == "KVLayout":
-        from kvfabric.layout import KVLayout
-        return KVLayout
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
     raise AttributeError(f"module 'kvfabric' has no attribute {name!r}")

@@ -73,25 +73,27 @@ def _check_codec(spec: str, key: str) -> None:
         raise ConfigError(f"{key}: {exc}") from None
 
 
-def _check_tier_codec(spec: str, key: str) -> None:
-    if spec:  # "" = the engine's codec
-        _check_codec(spec, key)
+class _TierSection:
+    """Base of the tier sections: a section's `codec` ("" = the engine's codec) must name a registered codec.
+    The section's key is its class name's prefix (CpuTierConfig -> "cpu")."""
+    __slots__ = ()
+
+    def __post_init__(self) -> None:
+        if self.codec:
+            _check_codec(self.codec, f"{type(self).__name__.removesuffix('TierConfig').lower()}.codec")
 
 
 @dataclass(frozen=True, slots=True)
-class CpuTierConfig:
+class CpuTierConfig(_TierSection):
     capacity: ByteSize = 4 * 2**30
     codec: str = ""  # "" = the top-level codec; e.g. "cachegen:6" keeps this tier's copy compressed
     eviction: EvictionName = "lru"  # which chunk leaves when the tier is full (heat: best on the Mooncake
     # traces, +1.6 to +5 points of prefix hits, but its bookkeeping costs ~2x LRU's: over 2 us/access here)
     admission: AdmissionName = "always"  # whether a new chunk is stored at all ("second": on its second miss)
 
-    def __post_init__(self) -> None:
-        _check_tier_codec(self.codec, "cpu.codec")
-
 
 @dataclass(frozen=True, slots=True)
-class DiskTierConfig:
+class DiskTierConfig(_TierSection):
     path: str = ""  # empty: <KVFABRIC_HOME>/chunks
     capacity: ByteSize = 50 * 2**30
     fsync: bool = False  # atomic rename + checksums already make a crash a clean miss
@@ -99,15 +101,12 @@ class DiskTierConfig:
     eviction: EvictionName = "lru"
     admission: AdmissionName = "always"
 
-    def __post_init__(self) -> None:
-        _check_tier_codec(self.codec, "disk.codec")
-
     def resolved_path(self) -> Path:
         return Path(self.path).expanduser() if self.path else kvfabric_home() / "chunks"
 
 
 @dataclass(frozen=True, slots=True)
-class ShmTierConfig:
+class ShmTierConfig(_TierSection):
     name: str = "kvfabric"  # pool file /dev/shm/kvfabric-<name>; every process using the same name shares it
     capacity: ByteSize = 2**30  # reserved in /dev/shm at creation (containers often give /dev/shm only 64 MB)
     lock_timeout_s: float = 2.0  # a writer waits at most this long for the pool lock, then drops the put
@@ -115,12 +114,9 @@ class ShmTierConfig:
     coherent: bool = True  # False: memory not coherent across hosts (CXL): flush before publish, invalidate before read
     root: str = "/dev/shm"  # the pool's folder: any mmap-able file system (a DAX mount, a CXL-backed tmpfs)
 
-    def __post_init__(self) -> None:
-        _check_tier_codec(self.codec, "shm.codec")
-
 
 @dataclass(frozen=True, slots=True)
-class RedisTierConfig:
+class RedisTierConfig(_TierSection):
     url: str = "redis://127.0.0.1:6379/0"  # redis://, rediss://, unix:///path.sock
     is_cluster: bool = False
     ttl_s: int = 0  # 0: no expiry; the server's maxmemory policy evicts
@@ -129,9 +125,6 @@ class RedisTierConfig:
     breaker_failures: int = 3  # consecutive failures that open the circuit
     backoff_max_s: float = 30.0
     codec: str = ""  # "" = the top-level codec; "cachegen" sends ~4x fewer bytes over the network
-
-    def __post_init__(self) -> None:
-        _check_tier_codec(self.codec, "redis.codec")
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +145,7 @@ class PlacementConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class MooncakeTierConfig:
+class MooncakeTierConfig(_TierSection):
     master: str = "127.0.0.1:50051"  # mooncake_master's RPC address
     metadata_url: str = "http://127.0.0.1:8080/metadata"  # the transfer engine's metadata server (the master's HTTP one)
     metrics_url: str = ""  # the master's admin HTTP server, for keys() and usage(); "" = http://<master host>:9003
@@ -168,7 +161,7 @@ class MooncakeTierConfig:
     codec: str = ""  # "" = the top-level codec
 
     def __post_init__(self) -> None:
-        _check_tier_codec(self.codec, "mooncake.codec")
+        _TierSection.__post_init__(self)  # (no zero-argument super() in a slotted dataclass)
         if self.timeout_s <= 0:
             raise ConfigError(f"mooncake.timeout_s: must be positive, got {self.timeout_s}")
 
@@ -397,20 +390,14 @@ def _convert(hint: Any, value: Any, name: str) -> Any:
         if str(value).lower() in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"{name}: expected true or false, got {value!r}")
-    if hint is int:
+    if hint in (int, float):
         try:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            if isinstance(value, bool) or (hint is int and isinstance(value, float) and not value.is_integer()):
                 raise ValueError
-            return int(value)
+            return hint(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
-    if hint is float:
-        try:
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+            kind = "an integer" if hint is int else "a number"
+            raise ConfigError(f"{name}: expected {kind}, got {value!r}") from None
     if hint is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{name}: expected a string, got {value!r}")

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from kvfabric.bench.common import emit, paired, threads_note
+from kvfabric.bench.common import emit, paired, threads_note, timed
+from kvfabric.bench.vllm_server import free_port
 from kvfabric.cluster.p2p_client import PeerClient, new_buffer
 from kvfabric.cluster.p2p_server import PeerServer
 from kvfabric.codec.raw import RawCodec
@@ -146,9 +147,7 @@ def _controller():
     from kvfabric.cluster.controller_app import create_app
     from kvfabric.cluster.index_memory import MemoryIndex
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     app = create_app(MemoryIndex(), token=TOKEN, control_timeout_s=120.0)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -219,7 +218,7 @@ def bench_cluster(num_tokens: int, repeats: int, root: Path) -> list[dict]:
                 times.append(time.perf_counter() - started)
                 moved = reply["bytes"]
                 assert reply["chunks"] == len(a.keys(tokens)), reply
-            raw_times = [_timed(raw.fetch) for _ in range(repeats)]
+            raw_times = [timed(raw.fetch, 1) for _ in range(repeats)]
             seconds, base = statistics.median(times), statistics.median(raw_times)
             rows.append({**_row(f"move a/cpu->b/{dst_tier}", moved, seconds, base, "raw socket, same bytes"),
                          "tokens": num_tokens, "chunks": len(a.keys(tokens)), "seconds": round(seconds, 4),
@@ -233,12 +232,6 @@ def bench_cluster(num_tokens: int, repeats: int, root: Path) -> list[dict]:
         server.should_exit = True
         thread.join(timeout=10)
     return rows
-
-
-def _timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
 
 
 def run(as_json: bool = False, repeats: int = 5, quick: bool = False, num_chunks: int | None = None,

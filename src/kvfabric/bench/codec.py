@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvfabric.bench.common import emit, threads_note
+from kvfabric.bench.common import emit, save_figure, subplots, threads_note
 from kvfabric.engines.model import DEFAULT_MODEL
 from kvfabric.engines.runtime import layout_for, load_for_inference, next_logprobs, prefill
 
@@ -207,10 +207,7 @@ def run(as_json: bool = False, plot: str | None = None, num_docs: int = 8, ctx_t
 
 
 def write_plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = subplots(1, 3, figsize=(15, 4.5))
     for name, marker in (("cachegen", "o-"), ("int8", "s"), ("cachegen-noprofile", "^"), ("cachegen-G1", "v")):
         sel = [r for r in rows if r["codec"] == name]
         if not sel:
@@ -238,6 +235,4 @@ def write_plot(rows: list[dict], path: str) -> None:
     axes[2].set_ylabel("MB/s of fp16 KV (wall)")
     axes[2].legend(fontsize=8)
     fig.suptitle("kvfabric codecs on SmolLM2-135M (held-out text)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, 110)

@@ -10,6 +10,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -78,6 +79,22 @@ def emit_summary(summary: dict, as_json: bool, title: str) -> None:
     for key, value in summary.items():
         table.add_row(key, _fmt(value))
     Console().print(table)
+
+
+def subplots(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """matplotlib's `plt.subplots` on the Agg backend (files only, no display; pyplot loads only when plotting)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt.subplots(*args, **kwargs)
+
+
+def save_figure(fig: Any, path: str, dpi: int) -> None:
+    """Lay out, write and close a figure made by `subplots`."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
 
 
 def _fmt(value: object) -> str:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from rich.console import Console
 
-from kvfabric.bench.common import emit, emit_summary, threads_note
+from kvfabric.bench.common import emit, emit_summary, save_figure, subplots, threads_note
 from kvfabric.config import FlexiCacheConfig
 from kvfabric.data import demo_document, find_musique
 from kvfabric.engines.flexicache import PagedKV, load_table, make_plan
@@ -254,10 +254,7 @@ def summary(rows: list[dict], table: Any) -> dict:
 
 
 def write_plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2) = subplots(1, 2, figsize=(11, 4.2))
     for method in dict.fromkeys(r["method"] for r in rows):
         pts = sorted((r["resident_frac"], r["top1"], r["kl_mean"]) for r in rows if r["method"] == method)
         style = "*" if method == "full" else "o-"
@@ -269,9 +266,7 @@ def write_plot(rows: list[dict], path: str) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, 120)
 
 
 def study(as_json: bool = False, data: str | None = None, steps: int = 256, threshold: float | None = None,

@@ -221,14 +221,10 @@ def run(systems: Sequence[str] = SYSTEMS, workload_names: Sequence[str] = ("docq
 
 
 def plot_rows(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    from kvfabric.bench.common import save_figure, subplots  # torch and rich load only when plotting
     workloads = sorted({r["workload"] for r in rows})
     systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig, axes = subplots(1, 3, figsize=(13, 4))
     for ax, (metric, label) in zip(axes, (("ttft_mean_s", "TTFT mean (s)"), ("ttft_p99_s", "TTFT p99 (s)"),
                                           ("throughput_rps", "throughput (req/s)"))):
         width = 0.8 / len(systems)
@@ -239,8 +235,7 @@ def plot_rows(rows: list[dict[str, Any]], path: str) -> None:
         ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(workloads))], workloads)
         ax.set_title(label)
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, 120)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,20 +31,16 @@ from pathlib import Path
 
 import numpy as np
 
+from kvfabric.bench.common import save_figure, subplots
 from kvfabric.bench.soak_load import (DISK_BYTES, OP_DEADLINE_S, REDIS_BYTES, SHM_BYTES, Totals, run_load,
                                      soak_config)
+from kvfabric.bench.vllm_server import free_port
 
 WARMUP_SHARE = 0.2
 RSS_SLACK_MB = 64.0
 FD_SLACK = 16
 THREAD_SLACK = 4
 HIT_DRIFT = 0.15
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisProcess:
@@ -55,7 +50,7 @@ class RedisProcess:
         binary = shutil.which("redis-server")
         if binary is None:
             raise SystemExit("bench soak needs redis-server (or --redis-url)")
-        self.port = _free_port()
+        self.port = free_port()
         self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "no", "--dir", str(workdir), "--maxmemory", str(REDIS_BYTES),
                                       "--maxmemory-policy", "allkeys-lru"], stdout=subprocess.DEVNULL)
@@ -276,11 +271,8 @@ def show(report: Report, as_json: bool) -> None:
 
 
 def plot_samples(samples: list[Sample], report: Report, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     t = [s.t for s in samples]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = subplots(2, 2, figsize=(11, 7))
     ax = axes[0][0]
     ax.plot(t, [sum(s.rss_mb) for s in samples], label="RSS, both processes")
     ax.axhline(report.bounds["rss_mb"], color="red", linestyle="--", label="bound")
@@ -304,5 +296,4 @@ def plot_samples(samples: list[Sample], report: Report, path: str) -> None:
         for ax in row:
             ax.set_xlabel("s")
     fig.suptitle(f"kvfabric bench soak: {report.ops} ops, wrong {report.wrong}, hangs {report.hangs}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    save_figure(fig, path, 90)

@@ -18,24 +18,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 
 from kvfabric.bench.codec import held_out_texts
-from kvfabric.bench.common import emit, threads_note
+from kvfabric.bench.common import emit, save_figure, subplots, threads_note, timed
 from kvfabric.engines.runtime import BufferCache, layout_for, load_for_inference, prefill
 
 RATES = (("100Mbit", 100e6 / 8), ("1Gbit", 1e9 / 8), ("unthrottled", None))
 CHUNK = 256
 MODEL_ID = "smollm2-135m-instruct"
 TRACE_LADDER = (0, 5, 6)  # video levels on the fluctuating trace: lossless and levels with top-1 >= 99 %
-
-
-def timed_once(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def run(as_json: bool = False, plot: str | None = None, prompt_tokens: int = 2048, ttft_target_s: float = 1.0,
@@ -72,8 +65,8 @@ def run(as_json: bool = False, plot: str | None = None, prompt_tokens: int = 204
     scratch = kv.clone()
     recompute(ids, n - CHUNK, n, scratch)
     first_token(scratch)
-    recompute_s = min(timed_once(lambda: recompute(ids, n - CHUNK, n, scratch)) for _ in range(3))
-    finish_s = min(timed_once(lambda: first_token(scratch)) for _ in range(3))
+    recompute_s = min(timed(lambda: recompute(ids, n - CHUNK, n, scratch), 1) for _ in range(3))
+    finish_s = min(timed(lambda: first_token(scratch), 1) for _ in range(3))
     options = [RAW] + [f"L{lvl}" for lvl in levels]
     rows: list[dict] = []
     ref_lp: torch.Tensor | None = None
@@ -143,13 +136,10 @@ def run(as_json: bool = False, plot: str | None = None, prompt_tokens: int = 204
 
 
 def write_plot(rows: list[dict], path: str, target: float) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
     links = list(dict.fromkeys(r["link"] for r in rows))
     strategies = ("raw", "adaptive", "recompute")
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = subplots(figsize=(7.5, 4.2))
     xs = np.arange(len(links))
     for i, strategy in enumerate(strategies):
         vals = [next(r["ttft_s"] for r in rows if r["link"] == link and r["strategy"] == strategy) for link in links]
@@ -161,6 +151,4 @@ def write_plot(rows: list[dict], path: str, target: float) -> None:
     ax.set_ylabel("TTFT (s)")
     ax.set_title(f"Loading a {rows[0]['tokens']}-token prompt's KV (SmolLM2-135M)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, 110)

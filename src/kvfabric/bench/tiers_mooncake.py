@@ -31,15 +31,10 @@ from pathlib import Path
 import numpy as np
 
 from kvfabric.bench.tiers_shared import SIZES, _payload, _row
+from kvfabric.bench.vllm_server import free_port
 
 SEGMENT_BYTES = 1 << 30
 TARGET = 0.9
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def master_binary() -> Path:
@@ -54,7 +49,7 @@ class LoopbackMaster:
     def __init__(self, workdir: Path) -> None:
         self.binary = str(master_binary())
         self.workdir = workdir
-        self.rpc_port, self.metadata_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        self.rpc_port, self.metadata_port, self.metrics_port = free_port(), free_port(), free_port()
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -102,7 +97,7 @@ def _storage(master: str, metadata_url: str, conn) -> None:
     os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
     from mooncake.store import MooncakeDistributedStore
     store = MooncakeDistributedStore()
-    conn.send(store.setup(f"127.0.0.1:{_free_port()}", metadata_url, SEGMENT_BYTES, 16 << 20, "tcp", "", master))
+    conn.send(store.setup(f"127.0.0.1:{free_port()}", metadata_url, SEGMENT_BYTES, 16 << 20, "tcp", "", master))
     conn.recv()
     store.close()
 
@@ -156,7 +151,7 @@ def bench_mooncake(repeats: int = 3, sizes: dict[str, int] | None = None) -> lis
         try:
             if not parent.poll(60) or parent.recv() != 0:
                 raise RuntimeError("the Mooncake storage process did not mount its segment")
-            if raw.setup(f"127.0.0.1:{_free_port()}", master.metadata_url, 0, 16 << 20, "tcp", "", master.address):
+            if raw.setup(f"127.0.0.1:{free_port()}", master.metadata_url, 0, 16 << 20, "tcp", "", master.address):
                 raise RuntimeError("raw Mooncake client set-up failed")
             tier = MooncakeTier(master.address, master.metadata_url, segment_bytes=0, buffer_bytes=16 << 20,
                                 timeout_s=30.0)
@@ -187,7 +182,6 @@ def _medians(fns: list, repeats: int) -> list[float]:
 def _bench_size(tier, raw, name: str, size: int, repeats: int) -> list[dict]:
     from kvfabric.bench.cluster import RawClient, RawServer
     from kvfabric.tiers.base import Scratch
-    from kvfabric.tiers.mooncake import object_key
 
     blob = _payload(size, seed=size)
     data = np.frombuffer(blob, dtype=np.uint8)

@@ -12,31 +12,17 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
-import statistics
-import time
 import uuid
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
+from kvfabric.bench.common import paired
 from kvfabric.codec.format import HEADER_BYTES
 
 SIZES: dict[str, int] = {"smollm2-135m": 30 * 2 * 3 * 256 * 64 * 2 + HEADER_BYTES,   # 5.9 MB
                          "llama-8b": 32 * 2 * 8 * 256 * 128 * 2 + HEADER_BYTES}      # 33.6 MB
-
-
-def _paired(ours: Callable[[], object], base: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """Median times of `ours` and `base`, run alternately, and which goes first alternates too (going first or
-    second in a pair measurably shifts big socket reads on a loaded machine)."""
-    times: dict[int, list[float]] = {0: [], 1: []}
-    for i in range(repeats):
-        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
-            fn = ours if which == 0 else base
-            start = time.perf_counter()
-            fn()
-            times[which].append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def _row(tier: str, op: str, layout: str, num_bytes: int, seconds: float, base_seconds: float, baseline: str) -> dict:
@@ -89,8 +75,8 @@ def bench_redis(url: str, sizes: Mapping[str, int] | tuple | list | None = None,
                 got[1] = raw.get(raw_key)
 
             put(), raw.set(raw_key, blob), get(), raw_get()  # warm up connections and server allocations
-            store_s, set_s = _paired(put, lambda: raw.set(raw_key, blob), repeats)
-            retrieve_s, get_s = _paired(get, raw_get, repeats)
+            store_s, set_s = paired(put, lambda: raw.set(raw_key, blob), repeats)
+            retrieve_s, get_s = paired(get, raw_get, repeats)
             if got[0] != blob or got[1] != blob:
                 raise RuntimeError("redis returned different bytes")
             rows += [_row("redis", "store", name, size, store_s, set_s, "raw redis-py SET, same bytes, same server"),
@@ -129,8 +115,8 @@ def _shm_reader(pool: str, capacity: int, root: str, key: bytes, size: int, repe
             np.copyto(dst, src_arr)
 
         get_into(), get(), memcpy()  # map the pool's pages in this process, size the buffers
-        into_s, copy1_s = _paired(get_into, memcpy, repeats)
-        get_s, copy2_s = _paired(get, memcpy, repeats)
+        into_s, copy1_s = paired(get_into, memcpy, repeats)
+        get_s, copy2_s = paired(get, memcpy, repeats)
         if not ok[0] or bytes(tier.get_into(key, scratch)) != src:
             raise RuntimeError("the reader process got a miss or different bytes")
         tier.close()
@@ -171,7 +157,7 @@ def bench_shm(sizes: Mapping[str, int] | tuple | list | None = None, repeats: in
                     raise RuntimeError("shm put failed")
 
             put(), np.copyto(dst, src)
-            store_s, copy_s = _paired(put, lambda: np.copyto(dst, src), repeats)
+            store_s, copy_s = paired(put, lambda: np.copyto(dst, src), repeats)
             parent, child = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_shm_reader, args=(pool, capacity, root, key, size, repeats, child))
             proc.start()

@@ -9,9 +9,10 @@ short name ("conversation", "synthetic") or a path.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvfabric.data import find_shared_data
 
 BLOCK_TOKENS = 512
 TRACE_FILES = {"conversation": "mooncake_conversation_trace.jsonl", "synthetic": "mooncake_synthetic_trace.jsonl"}
@@ -48,16 +49,7 @@ def find_trace(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
-    file_name = TRACE_FILES.get(name_or_path, name_or_path)
-    roots = [Path(os.environ["KVFABRIC_BENCH_TRACE_DIR"])] if os.environ.get("KVFABRIC_BENCH_TRACE_DIR") else []
-    repo = Path(__file__).resolve().parents[3]
-    roots += [Path.cwd() / ".." / "shared" / "data", repo / ".." / "shared" / "data",
-              repo / ".." / ".." / "shared" / "data"]  # a worktree under <project>/wt/<name>
-    for root in roots:
-        if (root / file_name).is_file():
-            return (root / file_name).resolve()
-    raise FileNotFoundError(f"trace {name_or_path!r} not found (looked in {', '.join(map(str, roots))}); "
-                            "pass a path or set KVFABRIC_BENCH_TRACE_DIR")
+    return find_shared_data(TRACE_FILES.get(name_or_path, name_or_path), env="KVFABRIC_BENCH_TRACE_DIR")
 
 
 def load_trace(name_or_path: str, limit: int | None = None, block_tokens: int = BLOCK_TOKENS) -> Trace:

@@ -2,10 +2,7 @@
 drawn bold), and modelled mean TTFT vs capacity per two-tier set-up, one column per trace."""
 from __future__ import annotations
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from kvfabric.bench.common import save_figure, subplots
 
 BASELINE_STYLE = {"lru": dict(color="black", linewidth=2.5),
                   "belady": dict(color="black", linewidth=2.5, linestyle="--")}
@@ -16,7 +13,7 @@ def plot_rows(rows: list[dict], path: str) -> None:
     panels = [(1, "prefix_hit_ratio", "prefix hit ratio (one tier)"),
               (2, "ttft_mean_s", "modelled mean TTFT, s (two tiers)")]
     panels = [p for p in panels if any(row["tiers"] == p[0] for row in rows)]
-    fig, axes = plt.subplots(len(panels), len(traces), figsize=(6 * len(traces), 4.2 * len(panels)), squeeze=False)
+    fig, axes = subplots(len(panels), len(traces), figsize=(6 * len(traces), 4.2 * len(panels)), squeeze=False)
     for col, trace in enumerate(traces):
         for r, (tiers, field, title) in enumerate(panels):
             ax = axes[r][col]
@@ -34,6 +31,4 @@ def plot_rows(rows: list[dict], path: str) -> None:
             ax.set_title(f"{trace}: {title}")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, 110)

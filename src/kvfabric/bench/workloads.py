@@ -19,18 +19,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvfabric.data import find_shared_data
+
 BLOCK_TOKENS = 64  # tokens per trace hash id (the trace's blocks are 512 tokens: 1/8 scale for a 2-core CPU)
 MAX_OUTPUT = 16
 TRACE_NAME = "mooncake_conversation_trace.jsonl"
 
 
 def default_trace() -> Path:
-    """../shared/data/ beside the checkout (a git worktree one level deeper finds the same folder)."""
-    repo = Path(__file__).resolve().parents[3]
-    for base in (repo.parent, repo.parent.parent):
-        if (base / "shared" / "data" / TRACE_NAME).exists():
-            return base / "shared" / "data" / TRACE_NAME
-    raise FileNotFoundError(f"no ../shared/data/{TRACE_NAME} beside {repo}; pass --trace")
+    """The conversation trace in ../shared/data (kvfabric.data.find_shared_data); else pass --trace."""
+    return find_shared_data(TRACE_NAME)
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,9 +63,6 @@ class PassageStore:
     def group_of(self, layer: int) -> int:
         return layer // self.group
 
-    def layers_of(self, g: int) -> range:
-        return range(g * self.group, (g + 1) * self.group)
-
     def tagged(self, tokens: Sequence[int] | np.ndarray, g: int) -> np.ndarray:
         arr = np.asarray(tokens, dtype=np.int64)
         if arr.ndim != 1 or arr.size == 0:

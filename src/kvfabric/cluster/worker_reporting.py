@@ -1,7 +1,7 @@
 """Keeping the controller's view of an instance's served tiers current: `ObservedTier` and `Reporter`.
 
-- `ObservedTier` wraps a served local tier: the Tier protocol unchanged (declarations and every method forwarded
-  to the tier it wraps), plus a "this tier changed" mark on every put / delete / clear. With `refuse` it
+- `ObservedTier` wraps a served local tier: the Tier protocol unchanged (what it does not define is the wrapped
+  tier's), plus a "this tier changed" mark on every put / delete / clear. With `refuse` it
   declines puts of the keys it names (chunks fetched from peers).
 - `Reporter` is a background thread: it registers the instance, sends heartbeats with tier usage, and every
   `interval_s` diffs each changed tier's key set against what the controller was told and sends the admits /
@@ -15,12 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from kvfabric.cluster.client import ControllerClient, ControllerError
 from kvfabric.counters import Counters
-from kvfabric.tiers.base import Blob, EvictListener, Scratch, Tier, TierUsage
+from kvfabric.tiers.base import Blob, Scratch, Tier
 from kvfabric.tiers.policies import NO_META, AccessMeta
 
 log = logging.getLogger(__name__)
@@ -30,26 +30,18 @@ EVENT_BATCH = 4096  # keys per events request (the controller accepts up to 1638
 
 class ObservedTier:
     """A tier that tells `on_change(name)` when its contents may have changed. With `refuse`, puts of the keys
-    it names are declined (used to not keep copies of chunks fetched from peers)."""
+    it names are declined (used to not keep copies of chunks fetched from peers). What it does not define (the
+    declarations, contains_many, reads in batches, new_blob, prefetch, file_of, keys, usage, pins, counters,
+    breaker, close) is the inner tier's, looked up at each access."""
 
     def __init__(self, inner: Tier, on_change: Callable[[str], None],
                  refuse: Callable[[bytes], bool] | None = None) -> None:
         self.inner = inner
         self._on_change = on_change
         self.refuse = refuse
-        self.name, self.capacity_bytes = inner.name, inner.capacity_bytes
-        self.is_trusted, self.is_read_only, self.is_persistent = inner.is_trusted, inner.is_read_only, inner.is_persistent
-        self.is_shared, self.honors_capacity, self.honors_pins = inner.is_shared, inner.honors_capacity, inner.honors_pins
-        self.is_policy_driven = inner.is_policy_driven
-        self.breaker = getattr(inner, "breaker", None)  # metrics
 
-    @property
-    def counters(self) -> Counters | None:
-        """The inner tier's counters (metrics), read at each call: a policy tier's are a snapshot."""
-        return getattr(self.inner, "counters", None)
-
-    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return self.inner.contains_many(keys)
+    def __getattr__(self, name: str) -> Any:  # called only for names this class does not define
+        return getattr(self.inner, name)
 
     def get(self, key: bytes, meta: AccessMeta = NO_META) -> Blob | None:
         return self.inner.get(key, meta=meta) if self.is_policy_driven else self.inner.get(key)
@@ -59,18 +51,6 @@ class ObservedTier:
             return self.inner.get_into(key, scratch, meta=meta)
         return self.inner.get_into(key, scratch)
 
-    def new_blob(self, size: int) -> Blob:
-        return self.inner.new_blob(size)
-
-    def set_evict_listener(self, listener: EvictListener | None) -> None:
-        self.inner.set_evict_listener(listener)
-
-    def prefetch(self, keys: Sequence[bytes]) -> None:
-        self.inner.prefetch(keys)
-
-    def file_of(self, key: bytes) -> Path | None:
-        return self.inner.file_of(key)
-
     def put(self, key: bytes, blob: Blob, meta: AccessMeta = NO_META) -> bool:
         if self.refuse is not None and self.refuse(key):
             return False
@@ -78,30 +58,18 @@ class ObservedTier:
         self._on_change(self.name)
         return ok
 
+    def put_many(self, items: Sequence[tuple[bytes, Blob]]) -> list[bool]:
+        return [self.put(key, blob) for key, blob in items]  # each through put: refused keys, the change mark
+
     def delete(self, key: bytes) -> bool:
         ok = self.inner.delete(key)
         if ok:
             self._on_change(self.name)
         return ok
 
-    def keys(self) -> list[bytes]:
-        return self.inner.keys()
-
-    def usage(self) -> TierUsage:
-        return self.inner.usage()
-
-    def pin(self, keys: Iterable[bytes]) -> None:
-        self.inner.pin(keys)
-
-    def unpin(self, keys: Iterable[bytes]) -> None:
-        self.inner.unpin(keys)
-
     def clear(self) -> None:
         self.inner.clear()
         self._on_change(self.name)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 class Reporter:

@@ -13,15 +13,17 @@ def demo_document() -> str:
     return resources.files("kvfabric").joinpath("data/demo_document.txt").read_text()
 
 
-def find_shared_data(name: str) -> Path:
-    """``$KVFABRIC_DATA_DIR/name``, else ``../shared/data/name`` next to the working directory or the checkout."""
-    env = os.environ.get("KVFABRIC_DATA_DIR")
-    folders = [Path(env)] if env else []
-    folders += [Path.cwd() / ".." / "shared" / "data", Path(__file__).resolve().parents[3] / ".." / "shared" / "data"]
+def find_shared_data(name: str, env: str = "KVFABRIC_DATA_DIR") -> Path:
+    """``$<env>/name``, else ``../shared/data/name`` next to the working directory, the checkout, or the project
+    of a worktree checked out under <project>/wt/<name>."""
+    repo = Path(__file__).resolve().parents[3]
+    folders = [Path(os.environ[env])] if os.environ.get(env) else []
+    folders += [Path.cwd() / ".." / "shared" / "data", repo / ".." / "shared" / "data",
+                repo / ".." / ".." / "shared" / "data"]
     for folder in folders:
         if (folder / name).is_file():
             return (folder / name).resolve()
-    raise FileNotFoundError(f"{name} not found in {', '.join(map(str, folders))}; set KVFABRIC_DATA_DIR")
+    raise FileNotFoundError(f"{name} not found in {', '.join(map(str, folders))}; set {env}")
 
 
 def find_musique(path: str | os.PathLike | None = None) -> Path:

@@ -16,31 +16,24 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import DynamicCache
 
 from kvfabric.codec.cachegen import profile as P
 from kvfabric.engines.model import DEFAULT_MODEL
-from kvfabric.engines.runtime import BufferLayer, layout_for, load_for_inference, prefill
+from kvfabric.engines.runtime import layout_for, load_for_inference, prefill
 
 ALPHA1 = 2.5e-5  # level-1 step scale: step = sqrt(ALPHA1^2 / Fisher), see profile.build
 CHUNK = 256
 
 
-class _GrowingLayer(BufferLayer):
-    """A BufferLayer over K/V that require grad: new tokens are concatenated (autograd follows them), never
-    written in place (in-place writes into views of one buffer would invalidate the saved ones)."""
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, *args: object, **kwargs: object
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys, self.values = torch.cat([self.keys, k], 2), torch.cat([self.values, v], 2)
-        self.length = self.keys.shape[2]
-        return self.keys, self.values
-
-
-class _GrowingCache(Cache):
-    def __init__(self, kv: torch.Tensor) -> None:  # kv [L, 2, H, T, D]
-        t = kv.shape[3]
-        super().__init__(layers=[_GrowingLayer(kv[i, 0][None], kv[i, 1][None], t) for i in range(kv.shape[0])])
+def _growing_cache(kv: torch.Tensor) -> DynamicCache:
+    """transformers' DynamicCache seeded with kv [L, 2, H, T, D], which requires grad: new tokens are
+    concatenated (autograd follows them), never written in place (in-place writes into views of one buffer, as
+    BufferCache does, would invalidate the saved ones)."""
+    cache = DynamicCache()
+    for i in range(kv.shape[0]):
+        cache.update(kv[i, 0][None], kv[i, 1][None], i)
+    return cache
 
 
 def fisher_diagonal(model: Any, contexts: list[list[int]], num_next: int = 64, draws: int = 2, seed: int = 0
@@ -59,7 +52,7 @@ def fisher_diagonal(model: Any, contexts: list[list[int]], num_next: int = 64, d
         kv = buf.clone().requires_grad_(True)
         t = kv.shape[3]
         out = model(input_ids=torch.tensor([nxt]), position_ids=torch.arange(t, t + len(nxt))[None],
-                    cache=_GrowingCache(kv), use_cache=True)
+                    cache=_growing_cache(kv), use_cache=True)
         logp = torch.log_softmax(out.logits[0].float(), -1)
         for r in range(draws):
             y = torch.multinomial(logp.detach().exp(), 1, generator=gen)[:, 0]

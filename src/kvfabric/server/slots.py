@@ -115,10 +115,6 @@ class SlotTable:
             return published
 
     # ---- references --------------------------------------------------------------------------------------
-    def hold(self, slot: int) -> None:
-        with self._lock:
-            self._ref(slot)
-
     def unhold(self, slot: int) -> None:
         with self._lock:
             self._unref(slot)

@@ -47,7 +47,6 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import numpy as np
 

@@ -14,7 +14,7 @@ Lossy coding of one segment (a layer's K or V: channels c = (head, dim), tokens 
   from the measured Fisher information of each (layer, K/V, channel); without one, step = std * level scale,
   halved in the first third of the layers (one more bit for shallow layers);
 - entropy coding (idea 3): every (layer, K/V, channel) group has its own probability model (a discretized
-  Gaussian of the family in family.py, chosen by one byte), coded with the 4-lane rANS of kernels.py.
+  Gaussian of the family in family.py, chosen by one byte), coded with the 4-lane rANS of rans.py.
 Every value decodes within half a step of the original (the contract's error bound, `error_bound`).
 
 Stream (the chunk payload; all integers little-endian, every block 4-byte aligned):
@@ -46,8 +46,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from kvfabric.codec.cachegen import kernels as K
 from kvfabric.codec.cachegen import profile as P
+from kvfabric.codec.cachegen import quant as Q
 from kvfabric.codec.cachegen.decode import decode_lossy, stated_error_bound
 from kvfabric.codec.cachegen.family import family
 from kvfabric.codec.cachegen.lossless import decode_lossless, encode_lossless
@@ -212,8 +212,8 @@ class CacheGenCodec:
                 e = np.ceil(8.0 * np.log2(np.maximum(std * beta * lf[:, None], 1e-30)))
             e = np.maximum(e, e_floor).astype(np.int64)
         e = np.clip(e, -128, 127).astype(np.int64)
-        steps = K.steps_from_exponents(e)
-        asteps_d = K.steps_from_exponents(e - 8 * ab)
+        steps = Q.steps_from_exponents(e)
+        asteps_d = Q.steps_from_exponents(e - 8 * ab)
         lossy = np.flatnonzero(kinds != SEG_RAW).astype(np.int64)
         choose = kinds == SEG_EMBEDDED
         to_choose = np.flatnonzero(choose).astype(np.int64)
@@ -223,7 +223,7 @@ class CacheGenCodec:
             stride = max(1, T // 128)  # a sample of the groups is enough to rank the two modes
 
             def trial(part: np.ndarray) -> None:
-                K.mode_costs(x, part, head, mu, steps, asteps_d, G, True, np.empty((C, 5)), cost, stride)
+                Q.mode_costs(x, part, head, mu, steps, asteps_d, G, True, np.empty((C, 5)), cost, stride)
             self._split(trial, to_choose)
             margin = 0.05 * T / stride  # delta must win by 0.05 bit a token: ties stay flat (cheaper to decode)
             dflag[to_choose] = (cost[to_choose, :, 1] + margin < cost[to_choose, :, 0]).astype(np.uint8)
@@ -237,7 +237,7 @@ class CacheGenCodec:
 
             def work(part: np.ndarray) -> None:
                 qbuf = self._scratch("q", (T, C), np.int32)
-                K.encode_segments(x, part, head, mu, steps, asteps, dflag, ia, idx, choose, G, True, fam.fc, fam.rcps,
+                Q.encode_segments(x, part, head, mu, steps, asteps, dflag, ia, idx, choose, G, True, fam.fc, fam.rcps,
                                   qbuf, np.empty((C, 2)), words, starts)
             self._split(work, lossy)
             coded = [words[s, starts[s]:] for s in range(S)]
@@ -281,8 +281,8 @@ class CacheGenCodec:
         def prep(layers: np.ndarray) -> None:
             for l in layers:  # chunk_stats reads K and V of every layer it is given: one layer at a time
                 if bits is not None:
-                    K.widen_f16(bits[l], x[l])
-                K.chunk_stats(x[l:l + 1], 1, st[2 * l:2 * l + 2])
+                    Q.widen_f16(bits[l], x[l])
+                Q.chunk_stats(x[l:l + 1], 1, st[2 * l:2 * l + 2])
         self._split(prep, np.arange(L, dtype=np.int64))
         return x
 

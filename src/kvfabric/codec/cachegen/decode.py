@@ -10,8 +10,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvfabric.codec.cachegen import kernels as K
 from kvfabric.codec.cachegen import profile as P
+from kvfabric.codec.cachegen import quant as Q
+from kvfabric.codec.cachegen import rans_decode
 from kvfabric.codec.cachegen.family import NUM_SCALES, family
 from kvfabric.codec.cachegen.wire import (
     CODER_RANS,
@@ -65,8 +66,8 @@ def decode_lossy(rd: Reader, kinds: np.ndarray, lengths: np.ndarray, layout: KVL
     if ((ia >= NUM_SCALES) & (ia != 255)).any() or (idx >= NUM_SCALES).any():
         raise ChunkFormatError("cachegen model index out of range")
     dflag = (ia != 255).astype(np.uint8)
-    steps = K.steps_from_exponents(e)
-    asteps = np.where(dflag != 0, K.steps_from_exponents(e - 8 * ab), steps).astype(np.float32)
+    steps = Q.steps_from_exponents(e)
+    asteps = np.where(dflag != 0, Q.steps_from_exponents(e - 8 * ab), steps).astype(np.float32)
     i_a = np.where(dflag != 0, ia, idx)
     ka = np.maximum(0, (i_a - 32 + 3) // 4)
     kd = np.maximum(0, (idx - 32 + 3) // 4)
@@ -102,7 +103,7 @@ def decode_lossy(rd: Reader, kinds: np.ndarray, lengths: np.ndarray, layout: KVL
             bad = 0
             for s in part:
                 l, k = divmod(int(s), 2)
-                bad += not K.decode_lossy(words_all, offs[s], ends[s], o5[l, k], head[s], mu[s], steps[s],
+                bad += not rans_decode.decode_lossy(words_all, offs[s], ends[s], o5[l, k], head[s], mu[s], steps[s],
                                           asteps[s], dflag[s], ja[s], ka[s], jd[s], kd[s], G, True, slots)
             return bad
         bad = sum(split(work, segs))
@@ -116,7 +117,7 @@ def decode_lossy(rd: Reader, kinds: np.ndarray, lengths: np.ndarray, layout: KVL
                 bad += 1
                 continue
             seg = np.empty((H, T, D), np.float32)
-            K.dequantize(q, head[s], mu[s], steps[s], asteps[s], dflag[s], G, True, seg)
+            Q.dequantize(q, head[s], mu[s], steps[s], asteps[s], dflag[s], G, True, seg)
             o5[s // 2, s % 2] = as_out(seg, o5)
     if bad:
         raise ChunkFormatError(f"cachegen: {bad} segment(s) failed to decode")
@@ -145,7 +146,7 @@ def stated_error_bound(kv: torch.Tensor, blob: bytes | bytearray | memoryview, l
     prof_rows = np.flatnonzero(kinds == SEG_PROFILE)
     if len(prof_rows):
         e[prof_rows] = P.by_id(pid).params(header.level)[0][prof_rows]  # type: ignore[union-attr]
-    half = torch.from_numpy(K.steps_from_exponents(e).astype(np.float64) / 2).reshape(L, 2, H, 1, D)
+    half = torch.from_numpy(Q.steps_from_exponents(e).astype(np.float64) / 2).reshape(L, 2, H, 1, D)
     half = half.expand(L, 2, H, T, D).clone()
     half[torch.from_numpy(kinds == SEG_RAW).reshape(L, 2)] = 0.0
     half[:, :, :, 0, :] = 0.0

@@ -47,14 +47,6 @@ def base_of(index: np.ndarray) -> np.ndarray:
     return np.asarray(index, dtype=np.int64) - 4 * shift_of(index)
 
 
-def index_for_sigma(sigma: np.ndarray) -> np.ndarray:
-    """Nearest model index (in log scale) for residual scales `sigma` (any shape)."""
-    sigma = np.asarray(sigma, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        i = np.rint((np.log2(np.maximum(sigma, 1e-30)) + 4.0) * 4.0)
-    return np.clip(np.nan_to_num(i, nan=0.0), 0, NUM_SCALES - 1).astype(np.int64)
-
-
 def generate() -> np.ndarray:
     """Frequencies [NUM_BASE, ALPHABET] (int64, each row sums to PROB_SCALE). Deterministic on one platform."""
     freqs = np.zeros((NUM_BASE, ALPHABET), dtype=np.int64)

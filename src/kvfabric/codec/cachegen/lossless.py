@@ -6,7 +6,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvfabric.codec.cachegen import kernels as K
+from kvfabric.codec.cachegen.planes import decode_bytes, encode_bytes, slots_for, table_from_counts
+from kvfabric.codec.cachegen.rans import PB
 from kvfabric.codec.cachegen.wire import (
     SEG_BYTES,
     SEG_RAW,
@@ -37,9 +38,9 @@ def encode_lossless(kv: torch.Tensor, layout: KVLayout, out: np.ndarray) -> list
         counts = np.bincount(hi, minlength=256)
         if (counts > 0).sum() < 2:  # a table needs two symbols (12-bit frequencies stay below 4096)
             counts[(int(hi[0]) + 1) % 256] = 1
-        freq = K.table_from_counts(counts)
+        freq = table_from_counts(counts)
         cum = np.concatenate([[0], np.cumsum(freq)[:-1]])
-        start = K.encode_bytes(hi, freq.astype(np.int32), cum.astype(np.int32), out)
+        start = encode_bytes(hi, freq.astype(np.int32), cum.astype(np.int32), out)
         low = np.ascontiguousarray(b[:, : isz - 1]).reshape(-1)
         seg = np.concatenate([freq.astype("<u2").view(np.uint8), low,
                               np.zeros(low.nbytes % 2, np.uint8), out[start:].view(np.uint8)])
@@ -73,9 +74,9 @@ def decode_lossless(rd: Reader, kinds: np.ndarray, lengths: np.ndarray, layout: 
         if len(seg) < head_n + 8 or (len(seg) - head_n) % 2:
             raise ChunkFormatError("cachegen lossless segment too short")
         freq = seg[:512].view("<u2").astype(np.int64)
-        if freq.sum() != 1 << K.PB or freq.max() >= 1 << K.PB:
+        if freq.sum() != 1 << PB or freq.max() >= 1 << PB:
             raise ChunkFormatError("cachegen lossless table invalid")
-        slots.append(K.slots_for(freq))
+        slots.append(slots_for(freq))
     same_bits = o5.dtype == np.uint16 and layout.dtype == "float16"
 
     def work(part: np.ndarray) -> int:
@@ -90,7 +91,7 @@ def decode_lossless(rd: Reader, kinds: np.ndarray, lengths: np.ndarray, layout: 
                 words = seg[head_n:].view("<u2")
                 if not words.flags.aligned:
                     words = words.copy()
-                if not K.decode_bytes(words, 0, len(words), slots[s], hi):
+                if not decode_bytes(words, 0, len(words), slots[s], hi):
                     bad += 1
                     continue
                 bits[:, : isz - 1] = seg[512:512 + low_n].reshape(n, isz - 1)

@@ -141,7 +141,7 @@ def build(layout: KVLayout, fisher: np.ndarray, kv_chunks: list[np.ndarray], *, 
           group_size: int = 10, anchor_bits: int = 1, shrink: float = 1.0, meta: dict | None = None) -> Profile:
     """Profile from a Fisher diagonal [L, 2, H, D] and calibration KV chunks ([L, 2, H, T, D] float32 each):
     steps from the Fisher information, then modes and residual scales measured by coding the chunks."""
-    from kvfabric.codec.cachegen import kernels as K
+    from kvfabric.codec.cachegen import quant as Q
 
     S, C = 2 * layout.num_layers, layout.num_kv_heads * layout.head_dim
     w = np.maximum(fisher.reshape(S, C), 1e-30)
@@ -149,8 +149,8 @@ def build(layout: KVLayout, fisher: np.ndarray, kv_chunks: list[np.ndarray], *, 
     if shrink != 1.0:  # pull each channel toward its (layer, K/V) mean, in log scale
         logw = shrink * logw + (1.0 - shrink) * logw.mean(axis=1, keepdims=True)
     e_base = np.clip(np.round(8.0 * (math.log2(alpha1) - 0.5 * logw)), -120, 120).astype(np.int64)
-    steps = K.steps_from_exponents(e_base)
-    asteps = K.steps_from_exponents(e_base - 8 * anchor_bits)
+    steps = Q.steps_from_exponents(e_base)
+    asteps = Q.steps_from_exponents(e_base - 8 * anchor_bits)
     cost = np.zeros((S, C, 2))
     sums = np.zeros((S, C, 3))  # sum of mean q^2: flat, anchors, others (delta mode)
     counts = 0
@@ -158,15 +158,15 @@ def build(layout: KVLayout, fisher: np.ndarray, kv_chunks: list[np.ndarray], *, 
         x = np.ascontiguousarray(x, dtype=np.float32)
         T = x.shape[3]
         st = np.empty((S, C, 4))
-        K.chunk_stats(x, 1, st)
+        Q.chunk_stats(x, 1, st)
         mus = (st[:, :, 0] / max(T - 1, 1)).astype(np.float16).astype(np.float32)
         head = np.ascontiguousarray(x[:, :, :, 0, :].reshape(S, C))
         sq = np.empty((C, 5))
         c2 = np.zeros((S, C, 2))
-        K.mode_costs(x, np.arange(S, dtype=np.int64), head, mus, steps, asteps, group_size, True, sq, c2, 1)
+        Q.mode_costs(x, np.arange(S, dtype=np.int64), head, mus, steps, asteps, group_size, True, sq, c2, 1)
         cost += c2
         for s in range(S):
-            K.quantize_stats(x[s // 2, s % 2], head[s], mus[s], steps[s], asteps[s], group_size, True, sq, 1)
+            Q.quantize_stats(x[s // 2, s % 2], head[s], mus[s], steps[s], asteps[s], group_size, True, sq, 1)
             n = T - 1
             na = sq[:, 3]
             sums[s, :, 0] += sq[:, 0] / n

@@ -209,7 +209,8 @@ def mode_costs(x, segs, head, mus, steps, asteps, G, has_head, sq, cost, stride)
 
 @inline
 def _index_for(sumsq, n):  # noqa: ANN001, ANN202
-    """Model index (family.index_for_sigma) of the residual scale sqrt(sumsq / n)."""
+    """Nearest model index (log scale: four per octave, sigma 1/16 at index 0) of the residual scale
+    sqrt(sumsq / n)."""
     if n <= 0 or sumsq <= 0.0:
         return 0
     i = math.floor((0.5 * math.log2(sumsq / n) + 4.0) * 4.0 + 0.5)

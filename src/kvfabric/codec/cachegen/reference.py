@@ -12,7 +12,7 @@ from functools import lru_cache
 import numpy as np
 
 from kvfabric.codec.cachegen.family import PROB_SCALE, base_of, family, shift_of
-from kvfabric.codec.cachegen.kernels import QMAX
+from kvfabric.codec.cachegen.rans import QMAX
 
 
 def anchor_mask(T: int, G: int) -> np.ndarray:
@@ -23,7 +23,7 @@ def anchor_mask(T: int, G: int) -> np.ndarray:
 def quantize_ref(x: np.ndarray, head: np.ndarray, mu: np.ndarray, steps: np.ndarray, asteps: np.ndarray,
                  dflag: np.ndarray, G: int) -> np.ndarray:
     """q [T, C] (int32) for segment x [H, T, D]; token 0 is the stored head (q = 0). Same float32 arithmetic
-    as kernels.quantize."""
+    as quant.quantize."""
     H, T, D = x.shape
     C = H * D
     xs = np.ascontiguousarray(x.transpose(1, 0, 2).reshape(T, C), dtype=np.float32)
@@ -62,7 +62,7 @@ def dequantize_ref(q: np.ndarray, head: np.ndarray, mu: np.ndarray, steps: np.nd
 
 
 def fit_indices(q: np.ndarray, dflag: np.ndarray, G: int) -> tuple[np.ndarray, np.ndarray]:
-    """Model indices (anchor, other; anchor 255 for flat channels) fitted like kernels.encode_segments."""
+    """Model indices (anchor, other; anchor 255 for flat channels) fitted like quant.encode_segments."""
     T, C = q.shape
     am = anchor_mask(T, G)
     rest = ~am

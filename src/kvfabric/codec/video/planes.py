@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvfabric.codec.cachegen.kernels import steps_from_exponents as steps  # the profile's grid: step = 2^(e/8)
+from kvfabric.codec.cachegen.quant import steps_from_exponents as steps  # the profile's grid: step = 2^(e/8)
 
 
 def fit_exponents(need: np.ndarray) -> np.ndarray:

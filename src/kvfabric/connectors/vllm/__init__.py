@@ -33,40 +33,7 @@ Design (vLLM 0.32, CPU backend; LLM, scheduler (EngineCore) and worker are three
 Stored chunks are true [layers, 2, heads, tokens, head_dim] KV, equal to transformers' K/V
 (tests/test_vllm_connector.py), so they are shared with kvfabric's other engines.
 """
-from kvfabric.connectors.vllm.config import (
-    CONNECTOR_KEYS,
-    KEY_MODES,
-    LOAD_MODES,
-    PARAMS_KEY,
-    detect_cpu_kv_layout,
-    kv_transfer_config,
-    layout_from_vllm,
-    model_id_from_vllm,
-    resolve_config,
-)
+from kvfabric.connectors.vllm.config import kv_transfer_config
 from kvfabric.connectors.vllm.connector import KVFabricConnector
-from kvfabric.connectors.vllm.metadata import (
-    KVFabricMetadata,
-    KVFabricWorkerMetadata,
-    LoadSpec,
-    RequestStats,
-    SaveSpec,
-)
 
-__all__ = [
-    "CONNECTOR_KEYS",
-    "KEY_MODES",
-    "LOAD_MODES",
-    "PARAMS_KEY",
-    "KVFabricConnector",
-    "KVFabricMetadata",
-    "KVFabricWorkerMetadata",
-    "LoadSpec",
-    "RequestStats",
-    "SaveSpec",
-    "detect_cpu_kv_layout",
-    "kv_transfer_config",
-    "layout_from_vllm",
-    "model_id_from_vllm",
-    "resolve_config",
-]
+__all__ = ["KVFabricConnector", "kv_transfer_config"]
