@@ -91,7 +91,10 @@ def test_chunks_of_other_layouts_are_never_read(tmp_path):
         grouped.stack.tiers[0].put(key, RawCodec().encode(kv[:, :, :, :4], key, theirs))  # planted under our key
         assert grouped.read_chunk(key) == ChunkMiss("wrong_layout")
         assert grouped.store(tokens, kv) == 4
-        assert torch.equal(grouped.retrieve(tokens), kv)
+        got = grouped.retrieve(tokens)
+        # window layers read positions >= 9 after 16 tokens: chunks 0-1 of them are not loaded, left zero
+        assert torch.equal(got[5], kv[5]) and torch.equal(got[:5, :, :, 8:], kv[:5, :, :, 8:])
+        assert not got[:5, :, :, :8].any()
 
 
 def test_layout_for_reads_transformers_configs():

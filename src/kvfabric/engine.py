@@ -16,6 +16,10 @@ Contract:
   that copies the KV elsewhere at once pays no allocation); `chunk_blob_bytes()` sizes such a scratch.
 - `new_payload()` then `store_chunk(key, payload)`: the caller lays a chunk's KV out in the payload (raw codec:
   the payload region of the very blob that will be stored, no encode copy); a chunk already held is skipped.
+- Layouts with sliding-window layers (kvfabric.chunk_parts): a chunk is stored as its full-attention part and,
+  under a derived key, its window part; `retrieve` reads the window part only of chunks holding rows a
+  continuation still reads (`KVLayout.live_start`) and zeros the window layers' earlier rows; `lookup` counts a
+  prefix only while those window parts are present. `read_chunk` / `store_chunk` still take and give whole chunks.
 - `delete(tokens)` removes a prompt's chunks from every tier; `tier_keys`, `tier_usage`, `clear_tier` address one
   tier by name; `stats()` is an `EngineStats` snapshot.
 - Observability (kvfabric.metrics, kvfabric.events): lookup / store / retrieve / read_chunk latencies and codec
@@ -38,6 +42,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from kvfabric.chunk_parts import ChunkParts
 from kvfabric.codec.base import Codec, Decoders, WrongLayoutError
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError
 from kvfabric.codec.raw import RawCodec, new_payload, seal
@@ -125,6 +130,7 @@ class CacheEngine:
         self.codec = parse_codec(self.config.codec).make()
         self._decoders = Decoders()
         self._root = root_key(model_id, layout, self.chunk_size, self.config.salt, self.config.hash)
+        self._parts = ChunkParts.of(layout)  # None: chunks are stored whole
         self.node = None  # the cluster node this engine made for tier "peer"; closed with the engine
         self.stack = TierStack(tiers if tiers is not None else self._build_tiers(), self.config.write_queue_chunks,
                                self.config.placement)
@@ -200,6 +206,9 @@ class CacheEngine:
         started = time.perf_counter()
         keys = self.keys(tokens)
         num_hit = self.stack.prefix_length(keys)
+        if self._parts is not None and num_hit:
+            num_hit = self._parts.live_prefix(num_hit, len(tokens), self.chunk_size, lambda chunks: self.stack.
+                                              contains_many([self._parts.window_key(keys[i]) for i in chunks]))
         found = self._span(num_hit - 1, len(tokens))[1] if num_hit else 0
         self.histograms.observe("kvfabric_lookup_seconds", time.perf_counter() - started)
         c = self._counters
@@ -216,7 +225,7 @@ class CacheEngine:
         keys = self.keys(tokens)
         wanted = chunks_to_store(self.layout, self.chunk_size, num_tokens, len(keys), kv, start)
         end = start + kv.shape[3]
-        present = self.stack.contains_many([keys[i] for i in wanted], writable_only=True)
+        present = self._held([keys[i] for i in wanted])
         stored: list[int] = []
         for i, is_present in zip(wanted, present):
             if is_present:
@@ -253,30 +262,48 @@ class CacheEngine:
         """What the tiers' policies learn about chunk i (tokens [start, end)) of a prompt of num_chunks chunks."""
         return AccessMeta(i, num_chunks, end - start, prefill_cost_s(start, end))
 
+    def _held(self, keys: list[bytes]) -> list[bool]:
+        """Whether a writable tier holds each chunk (both parts of a split chunk: one whose window part is gone is
+        stored again, else its hits would stay short)."""
+        held = self.stack.contains_many(keys, writable_only=True)
+        if self._parts is None:
+            return held
+        windows = self.stack.contains_many([self._parts.window_key(k) for k in keys], writable_only=True)
+        return [a and b for a, b in zip(held, windows)]
+
     def _put_chunk(self, key: bytes, kv: torch.Tensor, blob: Blob | None = None, meta: AccessMeta = NO_META) -> None:
-        """Store one chunk's KV [L, 2, H, C, D] under `key`: encoded once with the engine's codec (or `blob`, that
+        """Store one chunk's KV [L, 2, H, C, D] under `key`, whole or as its two parts (chunk_parts)."""
+        if self._parts is None:
+            self._put_part(key, kv, blob, meta, self.layout)
+            return
+        full, window = self._parts.split(kv)
+        self._put_part(key, full, None, meta, self._parts.full)
+        self._put_part(self._parts.window_key(key), window, None, meta, self._parts.window)
+
+    def _put_part(self, key: bytes, kv: torch.Tensor, blob: Blob | None, meta: AccessMeta, layout: KVLayout) -> None:
+        """Store kv [L', 2, H, C, D] of `layout` under `key`: encoded once with the engine's codec (or `blob`, that
         encoding made by the caller) and once more for each other codec a tier the chunk goes to asks for. A raw
         blob is written into a buffer from the first tier (process memory recycles them: no page faults) and
         left unsealed: the stack fills its checksums in only if it is written beyond process memory."""
         if blob is None:
             if isinstance(self.codec, RawCodec):
-                out = self.stack.new_blob(HEADER_BYTES + self.layout.num_bytes(kv.shape[3]))
-                blob = self._encode(self.codec, kv, key, out=out, with_checksums=False)
+                out = self.stack.new_blob(HEADER_BYTES + layout.num_bytes(kv.shape[3]))
+                blob = self._encode(self.codec, kv, key, layout, out=out, with_checksums=False)
             else:
-                blob = self._encode(self.codec, kv, key)
+                blob = self._encode(self.codec, kv, key, layout)
         encoded: dict[int, Blob] = {}  # id(codec) -> blob: tiers sharing a codec share one encoding
         per_level: dict[int, Blob] = {}
         for level, codec in self._tier_codecs.items():
             if level not in self.stack.levels.store:
                 continue  # exclusive placement: this tier only gets chunks demoted to it (as they are)
             if id(codec) not in encoded:
-                encoded[id(codec)] = self._encode(codec, kv, key)
+                encoded[id(codec)] = self._encode(codec, kv, key, layout)
             per_level[level] = encoded[id(codec)]
         self.stack.put(key, blob, per_level, meta)
 
-    def _encode(self, codec: Codec, kv: torch.Tensor, key: bytes, **options) -> Blob:
+    def _encode(self, codec: Codec, kv: torch.Tensor, key: bytes, layout: KVLayout, **options) -> Blob:
         started = time.perf_counter()
-        blob = codec.encode(kv, key, self.layout, **options)
+        blob = codec.encode(kv, key, layout, **options)
         self.histograms.observe("kvfabric_codec_encode_seconds", time.perf_counter() - started, codec.name)
         return blob
 
@@ -284,7 +311,7 @@ class CacheEngine:
         """Where the caller lays out one chunk's KV [L, 2, H, T, D] (T = num_tokens, default chunk_size) for
         `store_chunk`: with the raw codec, the payload region of the blob that will be stored (uninitialized)."""
         num_tokens = num_tokens or self.chunk_size
-        if self.codec.codec_id == RawCodec.codec_id:
+        if self.codec.codec_id == RawCodec.codec_id and self._parts is None:
             blob, kv = new_payload(self.layout, num_tokens,
                                    self.stack.new_blob(HEADER_BYTES + self.layout.num_bytes(num_tokens)))
             return ChunkPayload(kv, blob)
@@ -294,7 +321,7 @@ class CacheEngine:
         """Store a chunk laid out in `new_payload()` under `key`; False when a writable tier already holds it.
         The payload belongs to the engine from here on: the caller must not write into it again."""
         started = time.perf_counter()
-        if self.stack.contains_many([key], writable_only=True)[0]:
+        if self._held([key])[0]:
             return False
         if payload.blob is not None:
             seal(payload.blob, key, self.layout, with_checksums=False)  # the stack seals it if it leaves memory
@@ -318,7 +345,10 @@ class CacheEngine:
         reads into `scratch` (no fresh allocation: for a caller that copies the KV elsewhere right away)."""
         started = time.perf_counter()
         num_tokens = out.shape[3] if out is not None else num_tokens or self.chunk_size
-        result = self._take(key, self.stack.get(key, scratch, promote=promote), num_tokens, out)
+        if self._parts is None:
+            result = self._take(key, self.stack.get(key, scratch, promote=promote), num_tokens, out)
+        else:
+            result = self._read_parts(key, out, num_tokens, scratch, promote)
         self.histograms.observe("kvfabric_retrieve_seconds", time.perf_counter() - started, "read_chunk")
         self._counters.add("chunk_reads")
         self._counters.add("chunk_read_requests")
@@ -330,17 +360,35 @@ class CacheEngine:
         """Bytes of one whole chunk's blob with the raw codec (header + payload): the size a read buffer needs."""
         return HEADER_BYTES + self.layout.num_bytes(self.chunk_size)
 
-    def _take(self, key: bytes, found: StackHit | None, num_tokens: int,
-              out: torch.Tensor | None) -> ChunkHit | ChunkMiss:
-        """The checked, decoded chunk of a stack read, or a miss; a chunk that fails its checks is discarded."""
+    def _read_parts(self, key: bytes, out: torch.Tensor | None, num_tokens: int, scratch: Scratch | None,
+                    promote: bool) -> ChunkHit | ChunkMiss:
+        """read_chunk of a split chunk: both parts, joined into out (or a new tensor) [L, 2, H, T, D]."""
+        parts = self._parts
+        whole = out if out is not None else torch.empty(self.layout.shape(num_tokens), dtype=self.layout.torch_dtype)
+        num_bytes, tier = 0, ""
+        for part_key, layout, put in ((key, parts.full, parts.put_full),
+                                      (parts.window_key(key), parts.window, parts.put_window)):
+            part = torch.empty(layout.shape(num_tokens), dtype=whole.dtype)
+            got = self._take(part_key, self.stack.get(part_key, scratch, promote=promote), num_tokens, part, layout)
+            if isinstance(got, ChunkMiss):
+                return got
+            put(whole, part)
+            num_bytes, tier = num_bytes + got.num_bytes, tier or got.tier
+        return ChunkHit(whole, tier, num_bytes)
+
+    def _take(self, key: bytes, found: StackHit | None, num_tokens: int, out: torch.Tensor | None,
+              layout: KVLayout | None = None) -> ChunkHit | ChunkMiss:
+        """The checked, decoded chunk of a stack read (in `layout`, default the engine's), or a miss; a chunk that
+        fails its checks is discarded."""
         if found is None:
             return _MISSING
+        layout = layout or self.layout
         started = time.perf_counter()
         try:
             if out is None:
-                kv = self._decoders.view(found.header, found.blob, self.layout, num_tokens)
+                kv = self._decoders.view(found.header, found.blob, layout, num_tokens)
             else:
-                self._decoders.decode(found.header, found.blob, self.layout, out)
+                self._decoders.decode(found.header, found.blob, layout, out)
                 kv = out
             self.histograms.observe("kvfabric_codec_decode_seconds", time.perf_counter() - started,
                                     _codec_name(found.header.codec_id))
@@ -356,13 +404,18 @@ class CacheEngine:
         out = retrieve_buffer(self.layout, num_tokens, out)
         num_done = num_chunks = 0
         started = time.perf_counter()
-        with self.stack.pinned(keys), self.stack.load_permit() as permit:
+        parts = self._parts
+        pinned = keys if parts is None else [*keys, *map(parts.window_key, keys)]
+        with self.stack.pinned(pinned), self.stack.load_permit() as permit:
             self.stack.prefetch(keys)
             for i, found in enumerate(self._fetch_ahead(keys, num_tokens, permit)):
                 s, e = self._span(i, num_tokens)
-                if isinstance(self._take(keys[i], found, e - s, out[:, :, :, s:e, :]), ChunkMiss):
+                if isinstance(self._take_into(keys[i], found, out[:, :, :, s:e, :]), ChunkMiss):
                     break
                 num_done, num_chunks = e, i + 1
+            if parts is not None and num_chunks:
+                num_chunks = self._load_windows(keys, num_chunks, num_tokens, out, permit)
+                num_done = self._span(num_chunks - 1, num_tokens)[1] if num_chunks else 0
         elapsed = time.perf_counter() - started
         self.histograms.observe("kvfabric_retrieve_seconds", elapsed, "retrieve")
         c = self._counters
@@ -373,6 +426,45 @@ class CacheEngine:
         c.add("retrieve_hit_chunks", num_chunks)
         c.add("retrieve_ns", int(elapsed * 1e9))
         return out[:, :, :, :num_done, :]
+
+    def _take_into(self, key: bytes, found: StackHit | None, out: torch.Tensor) -> ChunkHit | ChunkMiss:
+        """Decode a chunk read by retrieve into out [L, 2, H, T, D]: whole, or a split chunk's full part."""
+        if self._parts is None:
+            return self._take(key, found, out.shape[3], out)
+        part = torch.empty(self._parts.full.shape(out.shape[3]), dtype=out.dtype)
+        got = self._take(key, found, out.shape[3], part, self._parts.full)
+        if isinstance(got, ChunkHit):
+            self._parts.put_full(out, part)
+        return got
+
+    def _load_windows(self, keys: Sequence[bytes], num_chunks: int, num_tokens: int, out: torch.Tensor,
+                      permit) -> int:
+        """Read the window parts a prefix of num_chunks chunks needs into out, zero the window rows before them;
+        returns the chunks of the prefix served (fewer when a needed window part is missing or fails its checks)."""
+        parts, scratch = self._parts, Scratch()
+        num_read = 0
+
+        def read(chunks: Sequence[int]) -> list[bool]:
+            nonlocal num_read
+            found = []
+            for i in chunks:
+                s, e = self._span(i, num_tokens)
+                key = parts.window_key(keys[i])
+                part = torch.empty(parts.window.shape(e - s), dtype=out.dtype)
+                got = self._take(key, self.stack.get(key, scratch, self._meta(i, len(keys), s, e), permit), e - s,
+                                 part, parts.window)
+                if isinstance(got, ChunkHit):
+                    parts.put_window(out[:, :, :, s:e, :], part)
+                found.append(isinstance(got, ChunkHit))
+                num_read += 1
+            return found
+
+        served = parts.live_prefix(num_chunks, num_tokens, self.chunk_size, read)
+        end = self._span(served - 1, num_tokens)[1] if served else 0
+        parts.zero_window_rows(out, parts.first_live_chunk(end, self.chunk_size) * self.chunk_size)
+        self._counters.add("window_parts_read", num_read)
+        self._counters.add("window_parts_skipped", parts.first_live_chunk(end, self.chunk_size))
+        return served
 
     def _fetch_ahead(self, keys: Sequence[bytes], num_tokens: int, permit) -> Iterator[StackHit | None]:
         """Yield stack.get(key) for each key in order (with each chunk's AccessMeta, under the load's slow-read
@@ -403,7 +495,10 @@ class CacheEngine:
 
     def delete(self, tokens: Tokens) -> int:
         """Remove the chunks of `tokens` from every tier; returns how many chunks some tier held."""
-        held = self.stack.delete(self.keys(tokens))  # queued writes of these keys are cancelled
+        keys = self.keys(tokens)
+        held = self.stack.delete(keys)  # queued writes of these keys are cancelled
+        if self._parts is not None:
+            self.stack.delete([self._parts.window_key(k) for k in keys])
         if self.events is not None:
             self.events.removed(held)
         return len(held)

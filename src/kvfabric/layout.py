@@ -14,6 +14,11 @@ chunk i holds the K/V of ITS OWN tokens [iC, (i+1)C) at their own positions, for
 included. After a cached prefix of N tokens a window group reads only positions [N-W+1, N) (`window_start`):
 W-1 rows, exactly what the engine itself keeps; rows before that are never read again, so a loader may skip
 them (`stale_rows`) but must leave finite values there (zeros), because the mask excludes them by position.
+
+Parts (`LayoutPart`, `KVLayout.part`): a layout of some of another layout's layers, as one stored part of a chunk
+(the engine stores a window layout's chunk as its full-attention layers and, under a derived key, its window
+layers: kvfabric.chunk_parts). A part's fingerprint names its parent's and the layers it holds, so a codec's
+per-model tables can be sliced to it and a part is never mistaken for a whole layout of the same shape.
 """
 from __future__ import annotations
 
@@ -67,12 +72,21 @@ class LayerGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class LayoutPart:
+    """What a part layout is part of: the parent's fingerprint and the parent's layers it holds, in order."""
+
+    parent: bytes  # the parent layout's fingerprint
+    layers: tuple[int, ...]  # parent layer of each of the part's layers
+
+
+@dataclass(frozen=True, slots=True)
 class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str = "float16"
     groups: tuple[LayerGroup, ...] = ()  # () = every layer full attention; else a partition of the layers
+    part_of: LayoutPart | None = None  # set for a part of another layout (see `part`)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -117,6 +131,22 @@ class KVLayout:
     def window_groups(self) -> tuple[LayerGroup, ...]:
         return tuple(group for group in self.groups if group.is_window)
 
+    @property
+    def window_layers(self) -> tuple[int, ...]:
+        """Layers with a sliding window, sorted (() for a layout without window groups)."""
+        return tuple(sorted(layer for group in self.window_groups for layer in group.layers))
+
+    def live_start(self, num_tokens: int) -> int:
+        """First position any window layer still reads after a prefix of num_tokens (num_tokens without windows)."""
+        return min((g.window_start(num_tokens) for g in self.window_groups), default=num_tokens)
+
+    def part(self, layers: tuple[int, ...]) -> KVLayout:
+        """The plain layout of `layers` of this one (each layer's KV shape and the dtype unchanged)."""
+        if not layers or any(not 0 <= layer < self.num_layers for layer in layers):
+            raise ValueError(f"a part needs layers in 0..{self.num_layers - 1}, got {layers!r}")
+        return KVLayout(len(layers), self.num_kv_heads, self.head_dim, self.dtype,
+                        part_of=LayoutPart(self.fingerprint, tuple(layers)))
+
     def stale_rows(self, num_tokens: int) -> tuple[tuple[tuple[int, ...], int], ...]:
         """(layers, end) per window group: after a prefix of num_tokens those layers never read positions
         [0, end) again (end = num_tokens - W + 1, or 0)."""
@@ -147,6 +177,8 @@ class KVLayout:
         text = f"L{self.num_layers}/H{self.num_kv_heads}/D{self.head_dim}/{self.dtype}"
         for group in self.groups:
             text += f"/G{group.window}:{','.join(map(str, group.layers))}:{group.num_kv_heads}x{group.head_dim}"
+        if self.part_of is not None:
+            text += f"/P{self.part_of.parent.hex()}:{','.join(map(str, self.part_of.layers))}"
         return hashlib.sha256(text.encode()).digest()[:8]
 
     def check(self, kv: torch.Tensor, num_tokens: int | None = None) -> None:

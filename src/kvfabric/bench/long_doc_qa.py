@@ -13,7 +13,9 @@ sliding-window layers, Qwen2) or local folder.
 TTFT ends when the first token is picked; storing the new chunks (`store_s`, encode into the cpu tier, disk
 written in the background) follows it and is reported on its own. Each hit is decomposed against its physical
 limit measured in the same run: load = bytes loaded / memcpy bandwidth of the same bytes, plus the suffix's own
-forward time; `limit_ratio` = TTFT / (load + suffix).
+forward time; `limit_ratio` = TTFT / (load + suffix). `load_frac`: the bytes a hit read over its whole KV's
+bytes (about 1 with the raw codec; less on models with sliding-window layers, whose chunks before the window are
+skipped: kvfabric.chunk_parts).
 """
 from __future__ import annotations
 
@@ -68,6 +70,9 @@ def run(num_docs: int = 3, doc_tokens: int = 4096, question_tokens: int = 64, se
                     rows.append({"doc": d, "round": round_name, "prompt_tokens": result.prompt_tokens,
                                  "hit_tokens": result.hit_tokens, "ttft_s": round(result.ttft_s, 4),
                                  "tier": "+".join(tiers) or "-", "bytes_loaded": bytes_loaded,
+                                 # share of the hit's whole KV actually read (window layers: only live rows)
+                                 "load_frac": round(bytes_loaded / engine.layout.num_bytes(result.hit_tokens), 3)
+                                 if result.hit_tokens else None,
                                  "load_s": round(result.retrieve_s, 4), "suffix_s": round(result.prefill_s, 4),
                                  "store_s": round(result.store_s, 4)})
                     if round_name == "nocache":
@@ -82,7 +87,7 @@ def run(num_docs: int = 3, doc_tokens: int = 4096, question_tokens: int = 64, se
             r.update(limit_s=round(limit, 4), limit_ratio=round(r["ttft_s"] / limit, 3))
     emit(rows, as_json, f"long-doc-qa: {num_docs} docs x {doc_tokens} tokens + {question_tokens}-token questions "
          f"({threads_note()}, memcpy {bw:.1f} GB/s)",
-         ["doc", "round", "hit_tokens", "tier", "ttft_s", "load_s", "suffix_s", "store_s", "limit_s",
+         ["doc", "round", "hit_tokens", "tier", "load_frac", "ttft_s", "load_s", "suffix_s", "store_s", "limit_s",
           "limit_ratio"])
     summary = _summary(rows) | {"model": engine.model_id, "kv_dtype": kv_dtype, "doc_tokens": doc_tokens,
                                 "layer_groups": [g.describe() for g in engine.layout.groups] or ["full: all layers"],
@@ -99,5 +104,6 @@ def _summary(rows: list[dict]) -> dict:
             "miss_overhead_pct": round(100 * (cold / nocache - 1), 2), "ttft_hit_cpu_s": round(cpu, 3),
             "ttft_hit_disk_s": round(disk, 3), "hit_over_miss_cpu": round(cpu / nocache, 4),
             "hit_over_miss_disk": round(disk / nocache, 4),
+            "load_frac_disk": med("warm-disk", "load_frac"),
             "limit_ratio_cpu": med("warm-cpu", "limit_ratio"), "limit_ratio_disk": med("warm-disk", "limit_ratio"),
             "threads": torch.get_num_threads()}

@@ -56,7 +56,7 @@ def decode_lossy(rd: Reader, kinds: np.ndarray, lengths: np.ndarray, layout: KVL
         idx[emb] = rd.array("u1", (len(emb), C))
     prof_rows = np.flatnonzero(kinds == SEG_PROFILE)
     if len(prof_rows):
-        prof = P.by_id(pid) if flags & FLAG_PROFILE and pid else None
+        prof = P.by_id(pid, layout) if flags & FLAG_PROFILE and pid else None
         if prof is None or prof.e_base.shape != (S, C) or prof.group_size != G or prof.anchor_bits != ab:
             raise ChunkFormatError(f"cachegen stream needs profile {pid:#x}, which this build does not have")
         e_p, ia_p, id_p, _ = prof.params(header.level)
@@ -145,7 +145,7 @@ def stated_error_bound(kv: torch.Tensor, blob: bytes | bytearray | memoryview, l
         e[emb] = rd.array("i1", (len(emb), C))
     prof_rows = np.flatnonzero(kinds == SEG_PROFILE)
     if len(prof_rows):
-        e[prof_rows] = P.by_id(pid).params(header.level)[0][prof_rows]  # type: ignore[union-attr]
+        e[prof_rows] = P.by_id(pid, layout).params(header.level)[0][prof_rows]  # type: ignore[union-attr]
     half = torch.from_numpy(Q.steps_from_exponents(e).astype(np.float64) / 2).reshape(L, 2, H, 1, D)
     half = half.expand(L, 2, H, T, D).clone()
     half[torch.from_numpy(kinds == SEG_RAW).reshape(L, 2)] = 0.0

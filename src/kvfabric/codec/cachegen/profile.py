@@ -124,12 +124,30 @@ def shipped() -> dict[bytes, Profile]:
 
 def for_layout(layout: KVLayout) -> Profile | None:
     p = shipped().get(layout.fingerprint)
+    if p is None and layout.part_of is not None:
+        p = _part_profile(layout)
     if p is None or p.e_base.shape != (2 * layout.num_layers, layout.num_kv_heads * layout.head_dim):
         return None
     return p
 
 
-def by_id(pid: int) -> Profile | None:
+@lru_cache(maxsize=64)
+def _part_profile(layout: KVLayout) -> Profile | None:
+    """A part layout's profile (a chunk's window layers, kvfabric.chunk_parts): its layers' rows of the parent
+    layout's shipped profile, named by the part's fingerprint."""
+    parent = shipped().get(layout.part_of.parent)  # type: ignore[union-attr]
+    rows = [2 * layer + kv for layer in layout.part_of.layers for kv in (0, 1)]  # type: ignore[union-attr]
+    if parent is None or max(rows) >= parent.e_base.shape[0]:
+        return None
+    return Profile(fingerprint=layout.fingerprint, group_size=parent.group_size, anchor_bits=parent.anchor_bits,
+                   e_base=parent.e_base[rows], ia4=parent.ia4[rows], id4=parent.id4[rows], dflag=parent.dflag[rows],
+                   meta=dict(parent.meta, part_of=parent.fingerprint.hex()))
+
+
+def by_id(pid: int, layout: KVLayout | None = None) -> Profile | None:
+    """The profile a stream names: the layout's own (a part's slice included), else any shipped one."""
+    if layout is not None and (own := for_layout(layout)) is not None and own.id == pid:
+        return own
     for p in shipped().values():
         if p.id == pid:
             return p
