@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvfabric import Config
+from kvfabric.chunk_parts import ChunkParts
 from kvfabric.codec.format import HEADER_BYTES
 from kvfabric.config import DiskTierConfig
 from kvfabric.engines.hf import HFEngine
@@ -40,22 +41,27 @@ def test_gemma3_hit_across_the_window_is_exact_and_a_corrupt_window_chunk_is_a_m
         assert (hit.logits - miss.logits).abs().max().item() < EXACT
         assert hit.token_ids == miss.token_ids
 
-        # what a chunk must hold for window layers is what layout.stale_rows says: rows before N-W+1 never matter
+        # what a chunk must hold for window layers is what layout.stale_rows says: rows before N-W+1 never matter;
+        # retrieve reads the window part of chunks 1-4 only (chunk 0 lies before row 129) and zeros the rows before
         buf = torch.full(layout.shape(len(ids)), float("nan"))
+        before = engine.cache.stats().counters
         assert engine.cache.retrieve(ids[:640], out=buf).shape[3] == 640
-        for layers, end in layout.stale_rows(640):
-            assert end == 640 - window.window + 1
-            buf[list(layers), :, :, :end] = 0.0  # finite: masked out by position, never read
-        assert not buf[:, :, :, :640].isnan().any()
+        after = engine.cache.stats().counters
+        assert after["window_parts_skipped"] - before.get("window_parts_skipped", 0) == 1
+        assert after["window_parts_read"] - before.get("window_parts_read", 0) == 4
+        ((layers, end),) = layout.stale_rows(640)
+        assert end == 640 - window.window + 1
+        assert not buf[:, :, :, :640].isnan().any() and not buf[list(layers), :, :, :128].any()
         zeroed = next_logprobs(engine.model, buf, ids, 640)[-1]
         assert (zeroed - torch.log_softmax(miss.logits, -1)).abs().max().item() < EXACT
 
-        # a flipped byte in a window layer's K of chunk 4 on disk (process memory is trusted and emptied): the hit
-        # ends before it, and the chunk is discarded
+        # a flipped byte in a window layer's K of chunk 4's window part on disk (process memory is trusted and
+        # emptied): the hit ends before chunk 4, and the part is discarded
         engine.cache.flush()
         engine.cache.clear_tier("cpu")
-        key = engine.cache.keys(ids)[4]
-        offset = HEADER_BYTES + layout.num_bytes(128) // layout.num_layers * window.layers[0]  # raw: layer-major
+        parts = ChunkParts.of(layout)
+        key = parts.window_key(engine.cache.keys(ids)[4])
+        offset = HEADER_BYTES + parts.window.num_bytes(128) // parts.window.num_layers * 0  # raw: layer-major
         disk = engine.cache.stack.tiers[1]
         blob = bytearray(disk.get(key))
         blob[offset + 7] ^= 0xFF
@@ -63,7 +69,7 @@ def test_gemma3_hit_across_the_window_is_exact_and_a_corrupt_window_chunk_is_a_m
         short = engine.generate(ids, max_new_tokens=1)
         assert short.hit_tokens == 512
         assert engine.cache.stats().counters["corrupt.disk"] == 1
-        engine.cache.flush()  # the recomputed chunk is stored again under its key: the damaged bytes are gone
+        engine.cache.flush()  # the recomputed chunk is stored again (both parts): the damaged bytes are gone
         stored = disk.get(key)
         assert stored is None or bytes(stored) != bytes(blob)
         assert (short.logits - miss.logits).abs().max().item() < EXACT
