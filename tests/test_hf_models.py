@@ -106,3 +106,18 @@ def test_blend_refuses_sliding_window_models_at_start_up(tmp_path):
     result = CliRunner().invoke(main, ["bench", "blend", "--model", "gemma3-270m", "--questions", "1",
                                        "--data", str(tmp_path / "q.json")])
     assert result.exit_code == 1 and "gemma3_text" in result.output and "Traceback" not in result.output
+
+
+def test_flexicache_refuses_sliding_window_models(tmp_path):
+    """Paged decode attends over every resident page, with no window: on Gemma 3 a KV budget is refused, both when
+    configured (at start-up) and when asked per call, never decoded wrong."""
+    from kvfabric.config import FlexiCacheConfig
+    path = installed_builtin("gemma3-270m")
+    if path is None:
+        pytest.skip("gemma3-270m is not set up under $KVFABRIC_HOME")
+    with pytest.raises(ValueError, match="sliding-window"):
+        HFEngine(path, config=Config(tiers=("cpu",), flexicache=FlexiCacheConfig(kv_budget=0.3)))
+    with HFEngine(path, config=Config(tiers=("cpu",))) as engine:
+        with pytest.raises(ValueError, match="sliding-window"):
+            engine.generate("The lighthouse keeper wrote in his log. " * 20, max_new_tokens=2, kv_budget=0.3)
+        assert engine.generate("The lighthouse keeper", max_new_tokens=2).token_ids  # dense decode still runs

@@ -93,12 +93,14 @@ class HFEngine:
         # note: switches a caller-provided model too; paged decode needs it (its attention hook lives there)
         self._hooked = fast_attention and use_fast_attention(self.model)
         self.decode_config = (config or Config()).flexicache
+        self.layout = layout_for(model.config, kv_dtype)
+        self._check_budget(self.decode_config.kv_budget)  # a configured budget this model cannot serve: at start-up
         self.tokenizer = tokenizer
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.model_id = model_id or _default_model_id(model_name_or_path)
         self._owns_cache = cache is None  # close() closes only a cache we built
         if cache is None:
-            cache = open_cache(config or Config(), layout_for(model.config, kv_dtype), self.model_id)  # mode: server too
+            cache = open_cache(config or Config(), self.layout, self.model_id)  # mode: server too
         self.cache = cache
         ours = layout_for(model.config, self.cache.layout.dtype)
         if self.cache.layout != ours:
@@ -110,6 +112,18 @@ class HFEngine:
         self._buf: torch.Tensor | None = None  # reusable workspace [L, 2, H, capacity, D] fp32
 
     # ---- helpers ----------------------------------------------------------------------------------------
+    def _check_budget(self, budget: float) -> None:
+        """Paged decode (FlexiCache) attends over every resident page: it has no sliding window, so on a model with
+        window layers it would read keys the model never reads. Refused, never computed wrong."""
+        if not budget:
+            return
+        if not self._hooked:
+            raise ValueError("kv_budget needs the engine's fast attention path (fast_attention=True, an sdpa model)")
+        if self.layout.window_groups:
+            raise ValueError(f"kv_budget (FlexiCache paged decode) does not support sliding-window layers "
+                             f"({', '.join(g.describe() for g in self.layout.window_groups)}); decode with "
+                             "kv_budget=0 on this model")
+
     def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = False) -> list[int]:
         if isinstance(prompt, str):
             if chat:
@@ -175,8 +189,7 @@ class HFEngine:
         if temperature > 0.0 and seed is None:
             raise ValueError("sampling (temperature > 0) needs an explicit seed")
         budget = self.decode_config.kv_budget if kv_budget is None else kv_budget
-        if budget and not self._hooked:
-            raise ValueError("kv_budget needs the engine's fast attention path (fast_attention=True, an sdpa model)")
+        self._check_budget(budget)
         max_new = min(max_new_tokens, self.max_positions - n)
         buf = self._workspace(n + max(max_new, 1))  # [L, 2, H, n + new, D] fp32
 
