@@ -567,15 +567,21 @@ def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers
 
 @bench.command("droidspeak")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per question and method, then summaries.")
-@click.option("--pair", default="finetuned", type=click.Choice(["finetuned"]), show_default=True)
+@click.option("--pair", default="finetuned", type=click.Choice(["finetuned", "qwen-0.5b-1.5b", "qwen-1.5b-0.5b"]),
+              show_default=True, help="finetuned: a block recomputed (DroidSpeak); qwen-*: linear KV maps across sizes.")
 @click.option("--questions", "limit", default=3, show_default=True, help="MuSiQue questions to run.")
 @click.option("--start", default=110, show_default=True, help="First question (held out from training/profiling).")
-@click.option("--passages", default=10, show_default=True, help="Passages per question.")
+@click.option("--passages", default=None, type=int, help="Passages per question [default: 10; 2 for qwen-*].")
 @click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
-def bench_droidspeak(as_json: bool, pair: str, limit: int, start: int, passages: int, data: str | None) -> None:
-    """A receiver reusing a sibling's KV: full prefill vs naive reuse vs DroidSpeak at three budgets."""
+def bench_droidspeak(as_json: bool, pair: str, limit: int, start: int, passages: int | None, data: str | None) -> None:
+    """A receiver reusing a sibling's KV: full prefill vs naive reuse vs DroidSpeak at three budgets (finetuned), or
+    linear KV maps across model sizes with the first layers recomputed (qwen-*)."""
+    if pair.startswith("qwen-"):
+        from kvfabric.bench.droidspeak_size import run as run_size
+        run_size(pair, as_json=as_json, limit=limit, start=start, passages=passages or 2, data=data)
+        return
     from kvfabric.bench.droidspeak import run
-    run(pair=pair, as_json=as_json, limit=limit, start=start, passages=passages, data=data)
+    run(pair=pair, as_json=as_json, limit=limit, start=start, passages=passages or 10, data=data)
 
 
 @bench.command("flexicache")

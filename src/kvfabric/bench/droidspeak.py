@@ -24,6 +24,7 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 from rich.console import Console
@@ -61,6 +62,31 @@ def _finish(runner, kv: torch.Tensor, n: int, question: list[int]) -> torch.Tens
     return runner.logits(runner.forward(torch.tensor(question), kv, start=n))
 
 
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """One method's output on one question, against the reference method's (the first one scored)."""
+    logits: torch.Tensor  # [question rows + forced answer rows, V]
+    forced: list[int]  # the reference's first answer tokens, teacher-forced after the question
+    fields: dict  # kl, kl_ans, top1, f1, answer: the JSON row's quality fields
+
+
+@torch.inference_mode()
+def score(runner, tok, kv: torch.Tensor, logits_q: torch.Tensor, end: int, num_question: int,  # noqa: ANN001
+          ref: Scored | None, answer_tokens: int, max_new_tokens: int, stop: set[int], answers: list[str]) -> Scored:
+    """Greedy answer from the question's last row (slots [0, end) filled), the reference's answer teacher-forced,
+    KL / top-1 over question + answer rows and over the answer rows alone, F1 of the greedy answer."""
+    answer = _decode(runner, kv, logits_q[-1], end, max_new_tokens, stop)
+    forced = answer[:answer_tokens] if ref is None else ref.forced
+    tf = _finish(runner, kv, end, forced) if forced else logits_q[:0]
+    logits = torch.cat([logits_q, tf])
+    base = logits if ref is None else ref.logits
+    kl, top1 = compare(base, logits)
+    kl_ans = compare(base[num_question:], tf)[0] if tf.shape[0] else 0.0
+    text = tok.decode(answer, skip_special_tokens=True).strip()
+    return Scored(logits, forced, {"kl": round(kl, 5), "kl_ans": round(kl_ans, 5), "top1": round(top1, 4),
+                                   "f1": round(f1_score(text, answers), 4), "answer": text})
+
+
 @torch.inference_mode()  # every method alike: no autograd graph (a full prefill with one is ~2x slower)
 def run(pair: str = "finetuned", as_json: bool = False, limit: int = 3, start: int = 110, passages: int = 10,
         data: str | None = None, answer_tokens: int = 8, max_new_tokens: int = 16, threshold: float = 0.9,
@@ -95,8 +121,7 @@ def run(pair: str = "finetuned", as_json: bool = False, limit: int = 3, start: i
                 kv_a, hidden_a = sender_prefill(sender.runner, context, capture)
                 out_store.store(context, kv_a, hidden_a)
                 del hidden_a
-                ref: torch.Tensor | None = None
-                ref_answer: list[int] = []
+                ref: Scored | None = None
                 for method, block in methods:
                     t0 = time.perf_counter()
                     num_bytes = 0
@@ -110,37 +135,23 @@ def run(pair: str = "finetuned", as_json: bool = False, limit: int = 3, start: i
                         kv, num_bytes = got.kv, got.num_bytes
                         logits_q = _finish(runner, kv, n, question)
                     ttft = time.perf_counter() - t0
-                    end = n + len(question)
-                    answer = _decode(runner, kv, logits_q[-1], end, max_new_tokens, stop)
-                    if ref is None:
-                        ref_answer = answer[:answer_tokens]
-                    tf = _finish(runner, kv, end, ref_answer) if ref_answer else logits_q[:0]
-                    logits = torch.cat([logits_q, tf])
-                    ref = logits if ref is None else ref
-                    kl, top1 = compare(ref, logits)
-                    kl_ans = compare(ref[len(question):], tf)[0] if tf.shape[0] else 0.0
-                    text = tok.decode(answer, skip_special_tokens=True).strip()
+                    scored = score(runner, tok, kv, logits_q, n + len(question), len(question), ref, answer_tokens,
+                                   max_new_tokens, stop, example.get("answers") or [])
+                    ref = ref or scored
                     rows.append({"q": qi, "pair": pair, "method": method,
                                  "block": None if block is None else [block.start, block.stop],
-                                 "context_tokens": n, "ttft_s": round(ttft, 4), "kl": round(kl, 5),
-                                 "kl_ans": round(kl_ans, 5), "top1": round(top1, 4),
-                                 "f1": round(f1_score(text, example.get("answers") or []), 4),
-                                 "bytes_per_token": round(num_bytes / n, 1), "answer": text})
+                                 "context_tokens": n, "ttft_s": round(ttft, 4), **scored.fields,
+                                 "bytes_per_token": round(num_bytes / n, 1)})
                 # how far the two models are apart here: the sender's own distributions vs the receiver's full
                 ws_a = sender.runner.workspace(cap)
                 ws_a[:, :, :, :n] = kv_a
                 own = _finish(sender.runner, ws_a, n, question)
-                if ref_answer:
-                    own = torch.cat([own, _finish(sender.runner, ws_a, n + len(question), ref_answer)])
+                if ref.forced:
+                    own = torch.cat([own, _finish(sender.runner, ws_a, n + len(question), ref.forced)])
                 mine = [r for r in rows if r["q"] == qi]
-                mine[0]["model_kl"] = round(compare(ref, own)[0], 5)
+                mine[0]["model_kl"] = round(compare(ref.logits, own)[0], 5)
                 del kv_a, ws_a
-                if as_json:
-                    for r in mine:
-                        print(json.dumps(r), flush=True)
-                if progress:
-                    console.print(f"q{qi} {n} tokens: " + ", ".join(
-                        f"{r['method']} {r['ttft_s']:.2f}s KL {r['kl']:.3f}" for r in mine))
+                report_question(mine, qi, n, as_json, console if progress else None)
     summary = summarize(rows, [m for m, _ in methods])
     emit(summary, as_json, f"bench droidspeak: {pair} ({sender_name} -> {receiver_name}), "
                            f"{len({r['q'] for r in rows})} MuSiQue questions x {passages} passages ({threads_note()})",
@@ -150,9 +161,20 @@ def run(pair: str = "finetuned", as_json: bool = False, limit: int = 3, start: i
     return rows + summary + [targets]
 
 
-def summarize(rows: list[dict], methods: list[str]) -> list[dict]:
+def report_question(mine: list[dict], qi: int, n: int, as_json: bool, console: Console | None) -> None:
+    """One question's rows: as JSON lines, and a progress line on stderr."""
+    if as_json:
+        for r in mine:
+            print(json.dumps(r), flush=True)
+    if console is not None:
+        console.print(f"q{qi} {n} tokens: " + ", ".join(
+            f"{r['method']} {r['ttft_s']:.2f}s KL {r['kl']:.3f}" for r in mine))
+
+
+def summarize(rows: list[dict], methods: list[str], baseline: str = "reuse") -> list[dict]:
+    """One row per method; gap_closed / gap_ans measure the KL gap closed against the `baseline` method's."""
     by_q = {(r["q"], r["method"]): r for r in rows}
-    reuse = [r for r in rows if r["method"] == "reuse"]
+    reuse = [r for r in rows if r["method"] == baseline]
     reuse_kl = statistics.fmean(r["kl"] for r in reuse) if reuse else 0.0
     reuse_ans = statistics.fmean(r["kl_ans"] for r in reuse) if reuse else 0.0
     f1_full = statistics.fmean(r["f1"] for r in rows if r["method"] == "full") if rows else 0.0
@@ -172,7 +194,7 @@ def summarize(rows: list[dict], methods: list[str]) -> list[dict]:
                     "top1": round(statistics.fmean(r["top1"] for r in mine), 3),
                     "f1": round(statistics.fmean(r["f1"] for r in mine), 3), "f1_full": round(f1_full, 3),
                     "bytes_per_token": mine[0]["bytes_per_token"]})
-        if method == "full":  # KL(receiver || sender's own prefill): how much the two models differ
+        if method == "full" and "model_kl" in mine[0]:  # KL(receiver || the sender's own prefill): how far apart
             out[-1]["model_kl"] = round(statistics.fmean(r["model_kl"] for r in mine), 4)
     return out
 
