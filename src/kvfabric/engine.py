@@ -408,6 +408,9 @@ class CacheEngine:
         pinned = keys if parts is None else [*keys, *map(parts.window_key, keys)]
         with self.stack.pinned(pinned), self.stack.load_permit() as permit:
             self.stack.prefetch(keys)
+            if parts is not None:  # the window parts a hit of the whole prompt needs
+                first = parts.first_live_chunk(num_tokens, self.chunk_size)
+                self.stack.prefetch([parts.window_key(k) for k in keys[first:]])
             for i, found in enumerate(self._fetch_ahead(keys, num_tokens, permit)):
                 s, e = self._span(i, num_tokens)
                 if isinstance(self._take_into(keys[i], found, out[:, :, :, s:e, :]), ChunkMiss):
