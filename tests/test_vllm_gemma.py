@@ -18,6 +18,8 @@ The real-vLLM tests (slow; tests/vllm_scripts/gemma_phases.py, one engine per su
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -32,7 +34,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from kvfabric.connectors.vllm.config import kv_cache_block_size  # noqa: E402
+from kvfabric.connectors.vllm.config import kv_cache_block_size, layout_from_vllm  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "vllm_scripts" / "gemma_phases.py"
 CHUNK = 256
@@ -69,6 +71,27 @@ def test_other_kv_cache_groups_are_refused_at_start_up(specs, words):
     with pytest.raises(NotImplementedError) as info:
         kv_cache_block_size(_config(*made), 16)
     assert all(word in str(info.value) for word in words), str(info.value)
+
+
+def _vllm_config(text_config, layers: int, heads: int, head_size: int) -> SimpleNamespace:
+    """The parts of vLLM's VllmConfig that `layout_from_vllm` reads."""
+    model = SimpleNamespace(hf_text_config=text_config, dtype=torch.float32, get_num_layers=lambda parallel: layers,
+                            get_num_kv_heads=lambda parallel: heads, get_head_size=lambda: head_size)
+    return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(cache_dtype="auto"),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+
+
+def test_layout_from_vllm_has_the_model_configs_layer_groups():
+    from transformers import Gemma3TextConfig
+
+    from kvfabric.engines.runtime import layout_for
+
+    text = Gemma3TextConfig(num_hidden_layers=12, sliding_window=WINDOW, num_key_value_heads=1, head_dim=256)
+    layout = layout_from_vllm(_vllm_config(text, 12, 1, 256))
+    assert layout == layout_for(text, "float32")  # the HF engine's layout: the same chunk keys
+    assert [(g.layers, g.window) for g in layout.groups] == [((5, 11), 0), ((0, 1, 2, 3, 4, 6, 7, 8, 9, 10), WINDOW)]
+    with pytest.raises(NotImplementedError, match="vLLM's model"):  # vLLM sees another KV shape: refused
+        layout_from_vllm(_vllm_config(text, 12, 1, 128))
 
 
 # ---- real vLLM on Gemma 3 -----------------------------------------------------------------------------------
