@@ -14,6 +14,7 @@ The real-vLLM tests (slow; tests/vllm_scripts/gemma_phases.py, one engine per su
             groups), equal transformers' K/V in every layer, window layers included
   load      fresh engine, same disk cache: 1024 tokens of `long` (twice the window) and 767 of `exact` load from
             kvfabric; greedy output equal to the no-connector output
+  layerwise the same with load_mode "layerwise"
   hma       hybrid KV cache manager forced on with the connector: vLLM's connector factory refuses it at start-up
 """
 from __future__ import annotations
@@ -109,6 +110,7 @@ def runs(tmp_path_factory) -> dict:
     results["store"] = _phase("store", work, model, "long,exact", script=SCRIPT)
     results["hf"] = _phase("hf", work, model, "long", script=SCRIPT)["hf"]
     results["load"] = _phase("load", work, model, "long,exact", script=SCRIPT)
+    results["layerwise"] = _phase("layerwise", work, model, "long,exact", script=SCRIPT)
     results["hma"] = _phase("hma", work, model, script=SCRIPT)["hma"]
     results["logs"] = {phase: (work / f"{phase}.log").read_text() for phase in ("store", "load", "hma")}
     return results
@@ -148,9 +150,10 @@ def test_gemma3_stored_chunks_are_every_layers_kv_under_the_hf_engines_layout(ru
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_gemma3_fresh_engine_hit_across_the_window_equals_the_no_connector_output(runs):
+@pytest.mark.parametrize("phase", ["load", "layerwise"])  # asynchronous and layer-wise loads
+def test_gemma3_fresh_engine_hit_across_the_window_equals_the_no_connector_output(runs, phase):
     for name, hit in (("long", 1024), ("exact", 767)):  # `exact`: whole prompt stored, its last token computed
-        got = _out(runs, "load", name)
+        got = _out(runs, phase, name)
         stats = got["kvfabric"]
         assert stats["external_hit_tokens"] == hit and stats["loaded_tokens"] == hit, (name, stats)
         assert not stats.get("failed_tokens") and stats["bytes"].get("disk", 0) > 0, (name, stats)

@@ -8,7 +8,8 @@ Phases (engine phases share connector_phases' engine set-up, serving and shutdow
             exact = 768 tokens (3 whole chunks)
   baseline  engine without any connector (prefix caching off): greedy outputs
   store     engine A with KVFabricConnector, cold: serves the prompts, waits for their chunk files
-  load      fresh engine B, same disk cache: serves the prompts again
+  load      fresh engine B, same disk cache: serves the prompts again (asynchronous loads)
+  layerwise the same with load_mode "layerwise" (synchronous loads, one layer ahead of the forward)
   hma       the connector with vLLM's hybrid KV cache manager forced on (disable_hybrid_kv_cache_manager=False):
             records the error the engine start-up raises (the root cause is in the phase's log)
   hf        the stored chunks of `long`, read under the layout kvfabric's HF engine uses for Gemma 3 (its layer
@@ -88,7 +89,7 @@ def forced_hma(model: str, cache: str) -> dict:
 
 
 def main() -> None:
-    args, names = base.parse_args(["prompts", "baseline", "store", "load", "hma", "hf"])
+    args, names = base.parse_args(["prompts", "baseline", "store", "load", "layerwise", "hma", "hf"])
     out: dict = {"phase": args.phase}
     prompts = json.loads(Path(args.prompts).read_text())["prompts"] if args.prompts else {}
     if args.phase == "prompts":
