@@ -128,10 +128,11 @@ def _model_dir() -> str:
         pytest.skip(f"no model: ensure_model() failed ({exc}); set KVFABRIC_TEST_MODEL_DIR")
 
 
-def _phase(phase: str, workdir: Path, model: str, names: str = "", timeout: int = 1200) -> dict:
-    """One engine process running `phase`; `timeout` guards against a hang (a loaded 2-core host needs minutes)."""
+def _phase(phase: str, workdir: Path, model: str, names: str = "", timeout: int = 1200, script: Path = SCRIPT) -> dict:
+    """One engine process running `phase` of `script`; `timeout` guards against a hang (a loaded 2-core host needs
+    minutes)."""
     out = workdir / f"{phase}.json"
-    cmd = [sys.executable, str(SCRIPT), phase, "--model", model, "--cache", str(workdir / "cache"),
+    cmd = [sys.executable, str(script), phase, "--model", model, "--cache", str(workdir / "cache"),
            "--out", str(out), "--names", names]
     if phase != "prompts":
         cmd += ["--prompts", str(workdir / "prompts.json")]

@@ -39,8 +39,8 @@ def stats_path(cache: str, phase: str) -> Path:
     return Path(cache).parent / f"stats-{phase}.json"
 
 
-def extra_config(cache: str, phase: str) -> dict:
-    return {"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": cache}, "model_id": MODEL_ID,
+def extra_config(cache: str, phase: str, model_id: str = MODEL_ID) -> dict:
+    return {"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": cache}, "model_id": model_id,
             "stats_path": str(stats_path(cache, phase)), "key_mode": os.environ.get("KVFABRIC_TEST_KEY_MODE", "tokens"),
             "load_mode": "layerwise" if phase == "layerwise" else "async"}
 
@@ -67,15 +67,16 @@ def make_prompts(model: str) -> dict[str, list[int]]:
     return {"p1": p1, "p2": p2, "p3": p3, "p4": p4}
 
 
-def make_llm(model: str, cache: str | None, phase: str = "", prefix_caching: bool = True):
+def make_llm(model: str, cache: str | None, phase: str = "", prefix_caching: bool = True, model_id: str = MODEL_ID,
+             kv_bytes: int = 1 << 30, **overrides):
     from vllm import LLM
 
     kwargs = dict(model=model, dtype="float32", enforce_eager=True, max_model_len=2048, max_num_seqs=4,
-                  kv_cache_memory_bytes=1 << 30, enable_prefix_caching=prefix_caching, seed=0)
+                  kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=prefix_caching, seed=0, **overrides)
     if cache is not None:
         from kvfabric.connectors.vllm import kv_transfer_config
 
-        kwargs["kv_transfer_config"] = kv_transfer_config(extra_config(cache, phase))
+        kwargs["kv_transfer_config"] = kv_transfer_config(extra_config(cache, phase, model_id))
     return LLM(**kwargs)
 
 
@@ -183,17 +184,21 @@ def compare_with_hf(model: str, cache: str, tokens: list[int]) -> dict:
     return {"tokens": num, "max_diff_k": diff_k, "max_diff_v": diff_v, "max_abs": scale}
 
 
-def main() -> None:
+def parse_args(phases: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The command line of a phase driver (see the module doc): (args, the --names list)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("phase", choices=["prompts", "baseline", "store", "corrupt", "load", "hf", "layerwise",
-                                      "concurrent"])
+    ap.add_argument("phase", choices=phases)
     ap.add_argument("--model", required=True)
     ap.add_argument("--cache", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompts")
     ap.add_argument("--names", default="")
     args = ap.parse_args()
-    names = [n for n in args.names.split(",") if n]
+    return args, [n for n in args.names.split(",") if n]
+
+
+def main() -> None:
+    args, names = parse_args(["prompts", "baseline", "store", "corrupt", "load", "hf", "layerwise", "concurrent"])
     out: dict = {"phase": args.phase}
     if args.phase == "prompts":
         out["prompts"] = make_prompts(args.model)
@@ -222,13 +227,22 @@ def main() -> None:
             if args.phase == "store":
                 expected = sum(len(prompts[n.partition("@")[0]]) // CHUNK for n in names)
                 out["chunk_files"] = wait_for_chunks(args.cache, expected)
-            try:  # graceful: the worker's connector flushes its saver and writes its stats
-                llm.llm_engine.engine_core.shutdown(timeout=30)
-            except Exception as exc:  # noqa: BLE001
-                print(f"engine shutdown: {exc!r}", flush=True)
-            stats = stats_path(args.cache, args.phase)
-            out["worker_stats"] = json.loads(stats.read_text()) if stats.exists() else None
-    Path(args.out).write_text(json.dumps(out))
+            out["worker_stats"] = shutdown(llm, args.cache, args.phase)
+    write_and_exit(args.out, out)
+
+
+def shutdown(llm, cache: str, phase: str) -> dict | None:
+    """Stop the engine gracefully (the worker's connector flushes its saver and writes its stats): those stats."""
+    try:
+        llm.llm_engine.engine_core.shutdown(timeout=30)
+    except Exception as exc:  # noqa: BLE001
+        print(f"engine shutdown: {exc!r}", flush=True)
+    stats = stats_path(cache, phase)
+    return json.loads(stats.read_text()) if stats.exists() else None
+
+
+def write_and_exit(path: str, out: dict) -> None:
+    Path(path).write_text(json.dumps(out))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown (vLLM's atexit hooks can hang after the engine is gone)

@@ -32,8 +32,13 @@ Contract:
                          run within the step that computes the request, scattered one layer ahead of the forward
     load_threads         background load threads (default 2; niced, so a running forward keeps the cores first)
 
-- `layout_from_vllm` / `model_id_from_vllm`: the KVLayout and key namespace; anything the connector cannot serve
-  (tensor or pipeline parallel, an unsupported KV cache dtype) raises NotImplementedError at start-up.
+- `layout_from_vllm` / `model_id_from_vllm`: the KVLayout (layer groups from the model config, as kvfabric's HF
+  engine has them: Gemma 3's window layers, so both engines' keys agree) and key namespace; anything the connector
+  cannot serve (tensor or pipeline parallel, an unsupported KV cache dtype or attention kind) raises
+  NotImplementedError at start-up.
+- `kv_cache_block_size(kv_cache_config)`: the connector needs vLLM's KV cache as ONE group of full-attention
+  blocks (it is not ``SupportsHMA``, so vLLM turns the hybrid KV cache manager off for it); several groups or
+  sliding-window / chunked-local / state blocks raise NotImplementedError at start-up, never wrong KV.
 - `detect_cpu_kv_layout` measures, with vLLM's CPU attention kernel itself, whether the K and V regions of a cache
   block are token-major ("td") or dim-major ("dt"); see ``kvfabric.connectors.paged``.
 """
@@ -50,10 +55,12 @@ from vllm.logger import init_logger
 
 from kvfabric.config import ENV_PREFIX, RESERVED_ENV, Config, ConfigError
 from kvfabric.connectors.paged import REGION_LAYOUTS, render_region
+from kvfabric.engines.runtime import layout_for
 from kvfabric.layout import KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = init_logger(__name__)
 
@@ -136,6 +143,9 @@ def _config_environ() -> dict[str, str]:
 
 
 def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
+    """The KVLayout of vLLM's model, layer groups included (``layout_for`` on the HF text config, the layout
+    kvfabric's other engines use for the same model, so their chunk keys agree), cross-checked with vLLM's own
+    layer count, KV heads and head size."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
@@ -146,8 +156,51 @@ def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
     dtype = model.dtype if cache_dtype in ("auto", None) else getattr(torch, str(cache_dtype))
     if dtype not in _TORCH_DTYPES:
         raise NotImplementedError(f"KVFabricConnector does not support dtype {dtype}")
-    return KVLayout(model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
-                    _TORCH_DTYPES[dtype])
+    try:
+        layout = layout_for(model.hf_text_config, _TORCH_DTYPES[dtype])
+    except ValueError as exc:  # attention kinds kvfabric cannot store
+        raise NotImplementedError(f"KVFabricConnector: {exc}") from exc
+    ours = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
+    theirs = (model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size())
+    if ours != theirs:
+        raise NotImplementedError(f"KVFabricConnector: the model config gives (layers, KV heads, head size) {ours}, "
+                                  f"vLLM's model {theirs}")
+    return layout
+
+
+def describe_groups(kv_cache_config: KVCacheConfig | None) -> str:
+    """vLLM's KV cache groups in one line: "FullAttentionSpec x 18 layers; ..." ("none" without any)."""
+    groups = list(kv_cache_config.kv_cache_groups or ()) if kv_cache_config is not None else []
+    return "; ".join(f"{type(g.kv_cache_spec).__name__} x {len(g.layer_names)} layers" for g in groups) or "none"
+
+
+def kv_cache_block_size(kv_cache_config: KVCacheConfig | None, default: int) -> int:
+    """The block size of vLLM's one KV cache group; NotImplementedError at start-up for anything else.
+
+    The connector moves every layer's KV through one block table (``block_ids[0]``) and reads every token of a
+    chunk back, so it needs exactly one group of full-attention blocks. It is not ``SupportsHMA``, so vLLM
+    turns its hybrid KV cache manager off for it ("Turning off hybrid kv cache manager because
+    `--kv-transfer-config` selects a KV connector that does not support it"): a model with sliding-window and
+    full layers (Gemma 3) then has one ``FullAttentionSpec`` group, its window layers keep every token's KV in
+    full-length blocks (the window is applied by the attention kernel), and chunks hold every layer's KV of
+    their tokens. Several groups (the hybrid manager forced on) or one group of sliding-window, chunked-local or
+    state-space blocks (vLLM frees or overwrites what slides out) would make the one block table wrong: refused.
+    """
+    if kv_cache_config is None:
+        return default
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = list(kv_cache_config.kv_cache_groups or ())
+    described = describe_groups(kv_cache_config)
+    if len(groups) != 1:
+        raise NotImplementedError(
+            f"KVFabricConnector needs one KV cache group (vLLM's hybrid KV cache manager off), got {len(groups)}: "
+            f"{described}; it does not implement SupportsHMA (per-group block tables)")
+    spec = groups[0].kv_cache_spec
+    if type(spec) is not FullAttentionSpec:  # not even its subclasses (MLA, sink, ...): other page contents
+        raise NotImplementedError(f"KVFabricConnector needs full-attention KV cache blocks, got {described} (a "
+                                  "sliding-window or chunked-local group frees the blocks of tokens that leave it)")
+    return int(spec.block_size)
 
 
 def model_id_from_vllm(vllm_config: VllmConfig, options: dict[str, Any]) -> str:

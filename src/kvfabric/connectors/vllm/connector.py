@@ -6,6 +6,10 @@ Contract:
   scheduler hook on a worker instance is a bug (assert).
 - Both sides derive the same kvfabric Config, KVLayout and model id from vLLM's config (``config``), so the
   scheduler's chunk keys name what the worker stores.
+- One KV cache group of full-attention blocks (``kv_cache_block_size``), one block table for every layer. Not
+  ``SupportsHMA``: vLLM turns its hybrid KV cache manager off for this connector, so a model with sliding-window
+  layers (Gemma 3) keeps their KV of every token in full-length blocks, and chunks hold every layer's KV of their
+  tokens (as kvfabric's other engines store them). Anything else is refused at start-up.
 - Loads are asynchronous by default (``load_mode: async``: ``get_num_new_matched_tokens`` answers
   ``is_async=True``, the request waits in WAITING_FOR_REMOTE_KVS while other requests run, ``get_finished``
   reports its load once the KV is in place, a failed chunk's blocks through ``get_block_ids_with_load_errors``
@@ -35,7 +39,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvfabric.connectors.vllm.config import layout_from_vllm, model_id_from_vllm, resolve_config, role_of
+from kvfabric.connectors.vllm.config import (
+    describe_groups,
+    kv_cache_block_size,
+    layout_from_vllm,
+    model_id_from_vllm,
+    resolve_config,
+    role_of,
+)
 from kvfabric.connectors.vllm.metrics import (
     EngineStatsSource,
     KVFabricKVEvents,
@@ -77,7 +88,7 @@ class KVFabricConnector(KVConnectorBase_V1):
         self.layout = layout_from_vllm(vllm_config)
         self.model_id = model_id_from_vllm(vllm_config, self.options)
         self.kv_role = role_of(transfer.kv_role)
-        block_size = vllm_config.cache_config.block_size
+        block_size = kv_cache_block_size(kv_cache_config, vllm_config.cache_config.block_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         events_config = getattr(vllm_config, "kv_events_config", None)
@@ -101,8 +112,9 @@ class KVFabricConnector(KVConnectorBase_V1):
             self._engine_stats = EngineStatsSource(self._worker.engine)
             if has_events:
                 self._worker.engine.events = worker_events(self.config.chunk_size)
-        logger.info("kvfabric connector (%s): model_id=%s layout=%s chunk_size=%d tiers=%s", role.name,
-                    self.model_id, self.layout, self.config.chunk_size, ",".join(self.config.tiers))
+        logger.info("kvfabric connector (%s): model_id=%s layout=%s chunk_size=%d tiers=%s kv cache groups: %s "
+                    "(block size %d)", role.name, self.model_id, self.layout, self.config.chunk_size,
+                    ",".join(self.config.tiers), describe_groups(kv_cache_config), block_size)
 
     @property
     def requires_kv_delivery(self) -> bool:

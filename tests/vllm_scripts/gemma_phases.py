@@ -1,0 +1,114 @@
+"""Subprocess driver for tests/test_vllm_gemma.py: one vLLM engine on Gemma 3 per invocation, results as JSON.
+
+    python gemma_phases.py PHASE --model DIR --cache DIR --out FILE [--prompts FILE] [--names p1,p2]
+
+Gemma-3-270m: 18 layers, 15 with a 512-token sliding window (0-4, 6-10, 12-16), 3 full (5, 11, 17).
+Phases (engine phases share connector_phases' engine set-up, serving and shutdown):
+  prompts   test prompts (token ids, BOS first): long = 1100 tokens (4 whole 256-token chunks, 1024 > the window),
+            exact = 768 tokens (3 whole chunks)
+  baseline  engine without any connector (prefix caching off): greedy outputs
+  store     engine A with KVFabricConnector, cold: serves the prompts, waits for their chunk files
+  load      fresh engine B, same disk cache: serves the prompts again (asynchronous loads)
+  layerwise the same with load_mode "layerwise" (synchronous loads, one layer ahead of the forward)
+  hma       the connector with vLLM's hybrid KV cache manager forced on (disable_hybrid_kv_cache_manager=False):
+            records the error the engine start-up raises (the root cause is in the phase's log)
+  hf        the stored chunks of `long`, read under the layout kvfabric's HF engine uses for Gemma 3 (its layer
+            groups), against transformers' K/V of every layer, window layers included (no vLLM engine)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import connector_phases as base  # noqa: E402  (sets vLLM's environment defaults)
+
+CHUNK = base.CHUNK
+MODEL_ID = "kvfabric-test-gemma3"
+KV_BYTES = 256 << 20  # ~7k fp32 tokens of Gemma-3-270m: ample for one request at a time
+
+
+def make_prompts(model: str) -> dict[str, list[int]]:
+    import inspect
+    import json as json_mod
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    ids_a = tok("Explain what the following Python code does.\n\n" + inspect.getsource(json_mod.decoder)).input_ids
+    ids_b = tok(inspect.getsource(argparse)[20000:]).input_ids
+    assert len(ids_a) > 1100 and len(ids_b) > 2800, (len(ids_a), len(ids_b))
+    return {"long": ids_a[:1100], "exact": ids_a[:1] + ids_b[2000:2767]}
+
+
+def compare_with_hf(model: str, cache: str, tokens: list[int]) -> dict:
+    """Stored chunks of `tokens`, read under the layout kvfabric's HF engine derives for Gemma 3 (`layout_for`:
+    its layer groups), vs transformers' K/V of the same tokens per layer group. The reference cache is a plain
+    `DynamicCache()`: full-length layers, so window layers keep every row too (the model's own cache would keep
+    their last W-1)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+    from kvfabric import CacheEngine, Config
+    from kvfabric.config import DiskTierConfig
+    from kvfabric.engines.runtime import layout_for
+
+    layout = layout_for(AutoConfig.from_pretrained(model), "float32")
+    engine = CacheEngine(Config(chunk_size=CHUNK, tiers=("disk",), disk=DiskTierConfig(path=cache)), layout, MODEL_ID)
+    stored = engine.retrieve(tokens)  # [L, 2, H, T, D]; under a layout without Gemma's groups: another key, a miss
+    engine.close()
+    num = stored.shape[3]
+    torch.set_num_threads(2)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        kv = hf(torch.tensor([tokens[:num]]), past_key_values=DynamicCache(), use_cache=True).past_key_values
+    ref = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in kv.layers])  # [L, 2, H, T, D]
+    assert ref.shape == stored.shape, (tuple(ref.shape), tuple(stored.shape))
+    groups = {}
+    for group in layout.groups:
+        layers = list(group.layers)
+        diff = (stored[layers] - ref[layers]).abs()
+        stale = group.window_start(num)  # rows a window layer no longer reads after num tokens
+        groups["window" if group.window else "full"] = {
+            "layers": layers, "window": group.window, "max_diff_k": diff[:, 0].max().item(),
+            "max_diff_v": diff[:, 1].max().item(), "max_abs": ref[layers].abs().max().item(),
+            "stale_rows_max_abs": stored[layers, :, :, :stale].abs().max().item() if stale else None}
+    return {"tokens": num, "groups": groups, "layout_groups": len(layout.groups)}
+
+
+def forced_hma(model: str, cache: str) -> dict:
+    try:
+        base.make_llm(model, cache, "hma", model_id=MODEL_ID, kv_bytes=KV_BYTES, disable_hybrid_kv_cache_manager=False)
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return {"error_type": type(exc).__name__, "error": str(exc)}
+    return {"error": None}
+
+
+def main() -> None:
+    args, names = base.parse_args(["prompts", "baseline", "store", "load", "layerwise", "hma", "hf"])
+    out: dict = {"phase": args.phase}
+    prompts = json.loads(Path(args.prompts).read_text())["prompts"] if args.prompts else {}
+    if args.phase == "prompts":
+        out["prompts"] = make_prompts(args.model)
+    elif args.phase == "hf":
+        out["hf"] = compare_with_hf(args.model, args.cache, prompts[names[0]])
+    elif args.phase == "hma":
+        out["hma"] = forced_hma(args.model, args.cache)
+    else:
+        started = time.perf_counter()
+        llm = base.make_llm(args.model, None if args.phase == "baseline" else args.cache, args.phase,
+                            prefix_caching=args.phase != "baseline", model_id=MODEL_ID, kv_bytes=KV_BYTES)
+        out["startup_s"] = round(time.perf_counter() - started, 1)
+        out["results"] = base.serve(llm, prompts, names)
+        if args.phase == "store":
+            out["chunk_files"] = base.wait_for_chunks(args.cache, sum(len(prompts[n]) // CHUNK for n in names))
+        out["worker_stats"] = base.shutdown(llm, args.cache, args.phase)
+    base.write_and_exit(args.out, out)
+
+
+if __name__ == "__main__":
+    main()
