@@ -23,7 +23,7 @@ def test_profile_command_writes_a_loadable_profile(tmp_path):
     assert result.exit_code == 0, result.output
     prof = P.load(out)
     assert f"profile {prof.id:#018x}" in result.output
-    shipped = next(iter(P.shipped().values()))  # the shipped SmolLM2 profile: same layout
+    shipped = P.shipped()[prof.fingerprint]  # the shipped SmolLM2 profile: same layout
     assert prof.fingerprint == shipped.fingerprint and prof.e_base.shape == shipped.e_base.shape
     assert prof.meta["genres"] == {"retrieval": 1, "code": 1} and prof.meta["ctx_tokens"] == 256
     fisher = np.load(out.with_suffix(".fisher.npy"))

@@ -6,7 +6,7 @@ Two disjoint sets of files (tests/test_genres.py checks it):
 
 | genre      | calibration (`kvfabric profile cachegen`)                   | held out (`kvfabric bench codec --text`)  |
 |------------|-------------------------------------------------------------|-------------------------------------------|
-| retrieval  | MuSiQue questions 0-23 (passages joined)                    | `musique`: MuSiQue questions 100..        |
+| retrieval  | MuSiQue questions 0-23 (passages joined)                    | `musique`: MuSiQue questions 100.. (documents do not share questions) |
 | prose      | LICENSE.txt (history and licence), idlelib/help.html (text) | `prose`: pydoc_data/topics.py (the prose of the language reference, as `help()` shows it) |
 | dialogue   | test/test_email/data/msg_*.txt (mails, quoted replies)      | -                                         |
 | code       | difflib.py, tarfile.py, configparser.py, pdb.py             | `code`: argparse.py, typing.py, _pydecimal.py, inspect.py |
@@ -77,13 +77,16 @@ def spread_runs(ids: list[int], count: int, num_tokens: int) -> list[list[int]]:
     return [ids[i * gap:i * gap + num_tokens] for i in range(count)]
 
 
-def musique_runs(tokenize: Tokenize, path: Path, questions: range, num_tokens: int) -> list[list[int]]:
-    """One run per question in `questions`: its passages, then the next questions' until `num_tokens`."""
+def musique_runs(tokenize: Tokenize, path: Path, questions: range, num_tokens: int, disjoint: bool = False
+                 ) -> list[list[int]]:
+    """One run per question in `questions`: its passages, then the next questions' until `num_tokens`
+    (disjoint: each run goes on from the question after the last one the run before used)."""
     data = json.loads(path.read_text())
     runs = []
+    j = questions.start
     for i in questions:
         ids: list[int] = []
-        j = i
+        j = j if disjoint else i
         while len(ids) < num_tokens:
             ids += tokenize("\n\n".join(c["title"] + "\n" + c["text"] for c in data[j % len(data)]["ctxs"]))
             j += 1
@@ -102,7 +105,7 @@ def held_out(tokenize: Tokenize, text: str, count: int, num_tokens: int, musique
     if text == "musique":
         if musique is None:
             raise FileNotFoundError("held-out musique needs ../shared/data/musique_s.json")
-        return musique_runs(tokenize, musique, range(first, first + count), num_tokens)
+        return musique_runs(tokenize, musique, range(first, first + count), num_tokens, disjoint=True)
     if text not in HELD_OUT:
         raise ValueError(f"unknown text {text!r}; one of {', '.join(TEXTS)}")
     return spread_runs(tokenize(genre_text(HELD_OUT[text])), count, num_tokens)
