@@ -18,13 +18,13 @@ def test_profile_command_writes_a_loadable_profile(tmp_path):
     texts = tmp_path / "texts.json"  # MuSiQue-style: questions with passages
     texts.write_text(json.dumps([{"ctxs": [{"title": "The lighthouse", "text": demo_document()}]}]))
     out = tmp_path / "profile.npz"
-    result = CliRunner().invoke(main, ["profile", "cachegen", "--texts", str(texts), "--count", "1",
-                                       "--ctx-tokens", "256", "--out", str(out)])
+    result = CliRunner().invoke(main, ["profile", "cachegen", "--texts", str(texts), "--genres", "retrieval,code",
+                                       "--per-genre", "1", "--ctx-tokens", "256", "--out", str(out)])
     assert result.exit_code == 0, result.output
     prof = P.load(out)
     assert f"profile {prof.id:#018x}" in result.output
-    shipped = next(iter(P.shipped().values()))  # the shipped SmolLM2 profile: same layout
+    shipped = P.shipped()[prof.fingerprint]  # the shipped SmolLM2 profile: same layout
     assert prof.fingerprint == shipped.fingerprint and prof.e_base.shape == shipped.e_base.shape
-    assert prof.meta["count"] == 1 and prof.meta["ctx_tokens"] == 256
+    assert prof.meta["genres"] == {"retrieval": 1, "code": 1} and prof.meta["ctx_tokens"] == 256
     fisher = np.load(out.with_suffix(".fisher.npy"))
     assert fisher.shape == (30, 2, 3, 64) and (fisher > 0).all()

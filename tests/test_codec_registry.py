@@ -18,7 +18,7 @@ LAYOUT = KVLayout(2, 1, 8, "float16")
 @pytest.mark.parametrize("entry", registry.CODECS, ids=[e.name for e in registry.CODECS])
 def test_every_name_id_and_level_round_trips(entry):
     kv = torch.randn(LAYOUT.shape(12), generator=torch.Generator().manual_seed(0)).half()
-    assert parse_codec(entry.name) == CodecChoice(entry.name, entry.default_level)
+    assert parse_codec(entry.name) == CodecChoice(entry.name, None if entry.per_layout_default else entry.default_level)
     for level in entry.levels:
         choice = parse_codec(f"{entry.name}:{level}")
         assert choice == CodecChoice(entry.name, level)
@@ -32,6 +32,15 @@ def test_every_name_id_and_level_round_trips(entry):
         assert torch.isfinite(out).all()
         if codec.is_lossless:
             assert torch.equal(out, kv.float())
+
+
+def test_cachegen_default_is_decided_per_layout_with_the_same_fallback():
+    entry = registry.entry("cachegen")
+    assert entry.per_layout_default and entry.default_level == wire.DEFAULT_LEVEL
+    codec = entry.make()
+    assert codec.level is None
+    header = parse(codec.encode(torch.randn(LAYOUT.shape(12)).half(), KEY, LAYOUT), KEY)
+    assert header.level == wire.DEFAULT_LEVEL  # no profile for this layout: the fallback
 
 
 def test_ids_and_names_are_unique_and_defaults_in_range():

@@ -20,6 +20,7 @@ import click  # noqa: E402
 
 from kvfabric import __version__  # noqa: E402
 from kvfabric.config import Config, ConfigError  # noqa: E402
+from kvfabric.data.genres import CALIBRATION_GENRES, TEXTS  # noqa: E402
 
 
 def _load(config_path: str | None) -> Config:
@@ -229,26 +230,46 @@ def profile() -> None:
 
 
 @profile.command("cachegen")
-@click.option("--texts", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="MuSiQue-style JSON: questions with passages (e.g. ../shared/data/musique_s.json).")
+@click.option("--texts", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="MuSiQue-style JSON for the retrieval genre (default: ../shared/data/musique_s.json if present).")
 @click.option("--model", "model_name", default="smollm2-135m-instruct", show_default=True)
-@click.option("--first", default=0, show_default=True, help="First question.")
-@click.option("--count", default=24, show_default=True, help="Calibration contexts from the questions.")
+@click.option("--genres", default=",".join(CALIBRATION_GENRES), show_default=True,
+              help="Calibration genres (kvfabric.data.genres), each weighing the same.")
+@click.option("--per-genre", default=12, show_default=True, help="Contexts per genre.")
 @click.option("--ctx-tokens", default=1536, show_default=True, help="Tokens per context.")
-@click.option("--extra-text", multiple=True, type=click.Path(exists=True, dir_okay=False),
-              help="A plain-text file whose runs are added as contexts (repeatable).")
 @click.option("--shrink", default=1.0, show_default=True, help="Pull channel sensitivities toward their mean.")
 @click.option("--out", default=None, type=click.Path(dir_okay=False),
               help="Write here (with the Fisher diagonal beside it) instead of over the shipped table.")
-def profile_cachegen(texts: str, model_name: str, first: int, count: int, ctx_tokens: int,
-                     extra_text: tuple[str, ...], shrink: float, out: str | None) -> None:
+def profile_cachegen(texts: str | None, model_name: str, genres: str, per_genre: int, ctx_tokens: int,
+                     shrink: float, out: str | None) -> None:
     """Rebuild cachegen's per-model profile from the Fisher information of the KV channels (minutes on a CPU)."""
     from pathlib import Path
 
+    from kvfabric.data import find_musique
     from kvfabric.engines.calibrate import calibrate
-    path, prof = calibrate(Path(texts), model_name=model_name, first=first, count=count, ctx_tokens=ctx_tokens,
-                           extra_texts=tuple(map(Path, extra_text)), shrink=shrink, out=Path(out) if out else None)
-    click.echo(f"{path}: profile {prof.id:#018x}, delta channels {int(prof.dflag.sum())}/{prof.dflag.size}")
+    if texts is None:
+        try:
+            texts = str(find_musique())
+        except FileNotFoundError:
+            click.echo("no MuSiQue file: calibrating without the retrieval genre", err=True)
+    path, prof = calibrate(Path(texts) if texts else None, model_name=model_name, per_genre=per_genre,
+                           genres=tuple(g for g in genres.split(",") if g), ctx_tokens=ctx_tokens, shrink=shrink,
+                           out=Path(out) if out else None)
+    click.echo(f"{path}: profile {prof.id:#018x}, delta channels {int(prof.dflag.sum())}/{prof.dflag.size}, "
+               f"contexts {prof.meta['genres']}")
+
+
+@profile.command("cachegen-default")
+@click.argument("table", type=click.Path(exists=True, dir_okay=False))
+@click.argument("level", type=click.IntRange(1, 9))
+def profile_cachegen_default(table: str, level: int) -> None:
+    """Store LEVEL as the default cachegen level of the model whose profile TABLE is (its id is unchanged)."""
+    from pathlib import Path
+
+    from kvfabric.codec.cachegen import profile as P
+    prof = P.with_default_level(P.load(Path(table)), level)
+    P.save(prof, Path(table))
+    click.echo(f"{table}: profile {prof.id:#018x} ({prof.meta.get('model')}), default level {level}")
 
 
 @profile.command("flexicache")
@@ -469,12 +490,15 @@ def bench_long_doc_qa(as_json: bool, num_docs: int, doc_tokens: int, question_to
 @click.option("--quick", is_flag=True, help="Fewer documents and codecs (a smoke run).")
 @click.option("--model", "model_name", default="smollm2-135m-instruct", show_default=True,
               help="Builtin model (gemma3-270m, qwen2.5-coder-0.5b, ...) or a local HF folder.")
+@click.option("--text", default="musique", show_default=True, type=click.Choice(TEXTS),
+              help="Held-out text (kvfabric.data.genres): MuSiQue passages, Python-docs prose, stdlib code, or a mix.")
+@click.option("--only", default=None, metavar="CODEC[:LO-HI]", help="One codec's levels only, e.g. cachegen:4-8.")
 def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int, repeats: int, quick: bool,
-                model_name: str) -> None:
+                model_name: str, text: str, only: str | None) -> None:
     """Codec levels on the real model: size ratio vs fp16, top-1 and KL of the next 64 tokens, encode/decode MB/s."""
     from kvfabric.bench.codec import run
     run(as_json=as_json, plot=plot, num_docs=num_docs, ctx_tokens=ctx_tokens, repeats=repeats, quick=quick,
-        model_name=model_name)
+        model_name=model_name, text=text, only=only)
 
 
 @bench.command("stream")

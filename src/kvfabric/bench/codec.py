@@ -9,16 +9,19 @@ chunks and decoded back; the next 64 tokens of the document are then run teacher
 the uncompressed cache (fp16, what the raw codec stores) it reports top-1 agreement of the next-token
 distributions and their mean KL(reference || codec), over all positions of all documents.
 
-Held-out text: MuSiQue passages from ../shared/data/musique_s.json, questions 100.. (the shipped SmolLM2 profile
-was calibrated on questions 0-23 and the demo document). Without that file the demo document is used, and the
-rows say `held_out: false`.
+Held-out text (`--text`, kvfabric.data.genres, never used by `kvfabric profile cachegen`): `musique` =
+MuSiQue passages from ../shared/data/musique_s.json, questions 100.. (profiles calibrate on questions 0-23);
+`prose` = the language reference's prose (pydoc_data/topics.py); `code` = stdlib modules (argparse, typing,
+_pydecimal, inspect); `mix` = the three in turn. Without the MuSiQue file, `musique` falls back to the demo
+document, and the rows say `held_out: false`. `--only cachegen:4-8` measures one codec's levels.
 
 Size: `ratio` = fp16 bytes / coded bytes (whole blobs: chunk header, model side info and all); `bits` per value.
 Speed: encode (fp32 KV as the engine holds it -> blob) and decode (blob -> fp32 buffer) in MB/s of fp16 KV,
 wall clock with the codec's threads, and per CPU-second (what one core does, robust to a busy machine). The
 "naive" baseline is the same codec with the pure-library entropy coder (constriction, one call per channel
 group) and numpy quantization; `lib_*` is constriction's best case (one bulk call, one model, one thread).
-The default level is marked `default: true`.
+The cachegen level the codec uses for this model when none is given (profile.default_level) is marked
+`default: true`.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 
 from kvfabric.bench.common import emit, save_figure, subplots, threads_note
+from kvfabric.data import genres
 from kvfabric.engines.model import DEFAULT_MODEL
 from kvfabric.engines.runtime import layout_for, load_for_inference, next_logprobs, prefill
 
@@ -41,22 +45,14 @@ CHUNK = 256
 
 
 # ---- text and quality (also used by bench.stream) ----------------------------------------------------------
-def held_out_texts(tok, num_docs: int, num_tokens: int, first: int = 100) -> tuple[list[list[int]], bool]:  # noqa: ANN001
-    """Token ids of `num_docs` documents of `num_tokens` tokens: MuSiQue questions first.. (held out), else the
-    demo document (not held out)."""
+def held_out_texts(tok, num_docs: int, num_tokens: int, first: int = 100, text: str = "musique"  # noqa: ANN001
+                   ) -> tuple[list[list[int]], bool]:
+    """Token ids of `num_docs` held-out documents of `num_tokens` tokens (kvfabric.data.genres: `text` is
+    musique, prose, code or mix); musique without its file: the demo document (not held out)."""
     path = Path(os.environ.get("KVFABRIC_MUSIQUE", MUSIQUE))
-    docs: list[list[int]] = []
-    if path.is_file():
-        data = json.loads(path.read_text())
-        j = first
-        for _ in range(num_docs):
-            ids: list[int] = []
-            while len(ids) < num_tokens:
-                ctxs = data[j % len(data)]["ctxs"]
-                ids += tok("\n\n".join(c["title"] + "\n" + c["text"] for c in ctxs))["input_ids"]
-                j += 1
-            docs.append(ids[:num_tokens])
-        return docs, True
+    musique = path if path.is_file() else None
+    if text != "musique" or musique is not None:
+        return genres.held_out(lambda s: tok(s)["input_ids"], text, num_docs, num_tokens, musique, first), True
     from kvfabric.data import demo_document
     ids = tok(demo_document())["input_ids"]
     while len(ids) < num_tokens * num_docs:
@@ -71,14 +67,20 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 # ---- codecs under test ------------------------------------------------------------------------------------------
-def codecs(quick: bool) -> list[tuple[str, int, Callable[[], object]]]:
+def codecs(quick: bool, only: str | None = None, default_level: int | None = None) -> list[tuple[str, int, Callable[[], object]]]:
     """Every codec of the registry at every level (quick: its lowest, default and highest), then two cachegen
-    variants that show what the profile and the token groups are worth."""
+    variants that show what the profile and the token groups are worth; `only` "name:3-7": one codec's levels."""
     from kvfabric.codec import registry
     from kvfabric.codec.cachegen import CacheGenCodec
     out: list[tuple[str, int, Callable[[], object]]] = [
         (entry.name, lvl, partial(entry.make, lvl)) for entry in registry.CODECS for lvl in entry.levels
-        if not quick or lvl in (entry.min_level, entry.default_level, entry.max_level)]
+        if not quick or lvl in (entry.min_level, entry.default_level, entry.max_level)
+        or (entry.name == "cachegen" and lvl == default_level)]
+    if only:
+        name, _, span = only.partition(":")
+        lo, _, hi = span.partition("-")
+        keep = range(int(lo), int(hi or lo) + 1) if lo else range(0, 1 << 8)
+        return [c for c in out if c[0] == name and c[1] in keep]
     if not quick:
         out += [("cachegen-noprofile", 5, lambda: CacheGenCodec(5, use_profile=False)),
                 ("cachegen-G1", 5, lambda: CacheGenCodec(5, group_size=1, use_profile=False))]
@@ -134,13 +136,11 @@ def constriction_ceiling(num_symbols: int = 1 << 21) -> dict:
 
 def run(as_json: bool = False, plot: str | None = None, num_docs: int = 8, ctx_tokens: int = 2048,
         next_tokens: int = 64, quick: bool = False, repeats: int = 3, quality: bool = True,
-        model_name: str = DEFAULT_MODEL) -> list[dict]:
+        model_name: str = DEFAULT_MODEL, text: str = "musique", only: str | None = None) -> list[dict]:
     """quality=False: sizes and speeds only (one document's KV, no teacher-forced evaluation)."""
     from kvfabric.codec.cachegen import CacheGenCodec
     from kvfabric.codec.cachegen import profile as cachegen_profile
     from kvfabric.codec.format import parse
-    from kvfabric.codec.registry import entry
-    default_level = entry("cachegen").default_level
     if quick:
         num_docs, ctx_tokens = min(num_docs, 2), min(ctx_tokens, 1024)
     if not quality:
@@ -148,8 +148,9 @@ def run(as_json: bool = False, plot: str | None = None, num_docs: int = 8, ctx_t
     model, tok = load_for_inference(model_name)
     layout = layout_for(model.config, "float16")
     has_profile = cachegen_profile.for_layout(layout) is not None
-    docs, held_out = held_out_texts(tok, num_docs, ctx_tokens + next_tokens)
-    cands = codecs(quick)
+    default_level = cachegen_profile.default_level(layout)
+    docs, held_out = held_out_texts(tok, num_docs, ctx_tokens + next_tokens, text=text)
+    cands = codecs(quick, only, default_level)
     stats: dict[tuple[str, int], dict] = {(n, lvl): {"kl": [], "top1": [], "bytes": 0, "fp16": 0} for n, lvl, _ in cands}
     speed_chunks: list[torch.Tensor] = []
     key = bytes(32)
@@ -182,7 +183,7 @@ def run(as_json: bool = False, plot: str | None = None, num_docs: int = 8, ctx_t
         row = {"codec": name, "level": lvl, "ratio": round(st["fp16"] / st["bytes"], 3),
                "bits": round(16 * st["bytes"] / st["fp16"], 3), "top1": round(float(top1.mean()), 4),
                "kl_mean": round(float(kl.mean()), 5), "kl_p99": round(float(kl.quantile(0.99)), 4),
-               "positions": int(kl.numel()) if quality else 0, "held_out": held_out, "model": model_name,
+               "positions": int(kl.numel()) if quality else 0, "held_out": held_out, "text": text, "model": model_name,
                "profile": has_profile}
         if not quality:
             row.update(top1=None, kl_mean=None, kl_p99=None)
@@ -197,7 +198,7 @@ def run(as_json: bool = False, plot: str | None = None, num_docs: int = 8, ctx_t
             row["lib_enc_mbps"], row["lib_dec_mbps"] = lib["enc_mbps"], lib["dec_mbps"]
             row["x_lib_dec"] = round(row["dec_mbps"] / max(lib["dec_mbps"], 1e-9), 1)
             row["x_lib_enc"] = round(row["enc_mbps"] / max(lib["enc_mbps"], 1e-9), 1)
-    emit(rows, as_json, f"codecs on {model_name} (cachegen profile: {has_profile}): {len(docs)} docs x {ctx_tokens} tokens, next {next_tokens} "
+    emit(rows, as_json, f"codecs on {model_name} (cachegen profile: {has_profile}), {text}: {len(docs)} docs x {ctx_tokens} tokens, next {next_tokens} "
          f"teacher-forced ({threads_note()})",
          ["codec", "level", "ratio", "bits", "top1", "kl_mean", "kl_p99", "enc_mbps", "dec_mbps", "enc_cpu_mbps",
           "dec_cpu_mbps"])

@@ -5,7 +5,8 @@ Contract:
   lives ("module:Class"). A class is imported only when a codec of that kind is made, so that numba (cachegen)
   loads only for processes that use it. Adding a codec is one entry here.
 - `parse_codec("name")` / `parse_codec("name:level")` -> a `CodecChoice` with the level resolved (the default
-  when none is given); an unknown name or a level outside the range raises `CodecSpecError` (a ValueError) that
+  when none is given; for a codec whose default depends on the model (`per_layout_default`: cachegen, whose
+  profile stores it) the level stays None and the codec resolves it per layout); an unknown name or a level outside the range raises `CodecSpecError` (a ValueError) that
   names the allowed values. `CodecChoice.make()` builds the codec.
 - `codec_for_id(codec_id)` builds a decoder for a header's codec id (decoders read the level from the header);
   an unknown id raises ChunkFormatError: the chunk is a miss.
@@ -36,6 +37,7 @@ class CodecEntry:
     max_level: int
     default_level: int
     factory: str  # "module:Class"; Class(level) makes the codec (a codec with one level takes no argument)
+    per_layout_default: bool = False  # Class() picks its default level per KV layout; default_level is its fallback
 
     @property
     def levels(self) -> range:
@@ -46,18 +48,19 @@ class CodecEntry:
                               f"got {got!r}")
 
     def make(self, level: int | None = None) -> Codec:
-        level = self.default_level if level is None else level
-        if level not in self.levels:
+        if level is None and not self.per_layout_default:
+            level = self.default_level
+        if level is not None and level not in self.levels:
             raise self.bad_level(level)
         module, _, attr = self.factory.partition(":")
         cls = getattr(importlib.import_module(module), attr)
-        return cls() if len(self.levels) == 1 else cls(level)
+        return cls() if len(self.levels) == 1 or level is None else cls(level)
 
 
 CODECS: tuple[CodecEntry, ...] = (
     CodecEntry("raw", 0, 0, 0, 0, "kvfabric.codec.raw:RawCodec"),
     CodecEntry("int8", 1, 0, 1, 0, "kvfabric.codec.int8:Int8Codec"),
-    CodecEntry("cachegen", 2, 0, 9, 6, "kvfabric.codec.cachegen:CacheGenCodec"),
+    CodecEntry("cachegen", 2, 0, 9, 6, "kvfabric.codec.cachegen:CacheGenCodec", per_layout_default=True),
     CodecEntry("video", 3, 0, 9, 6, "kvfabric.codec.video:VideoCodec"),  # needs PyAV (av)
 )
 _BY_NAME = {entry.name: entry for entry in CODECS}
@@ -66,9 +69,10 @@ _BY_ID = {entry.codec_id: entry for entry in CODECS}
 
 @dataclass(frozen=True, slots=True)
 class CodecChoice:
-    """A codec name and a level in its range (hashable: equal choices make equal codecs)."""
+    """A codec name and a level in its range, or None: the codec's default for each layout (hashable: equal
+    choices make equal codecs)."""
     name: str
-    level: int
+    level: int | None
 
     def make(self) -> Codec:
         return _BY_NAME[self.name].make(self.level)
@@ -86,7 +90,7 @@ def parse_codec(spec: str) -> CodecChoice:
     name, _, level_text = str(spec).strip().partition(":")
     found = entry(name)
     if not level_text:
-        return CodecChoice(name, found.default_level)
+        return CodecChoice(name, None if found.per_layout_default else found.default_level)
     if not level_text.isdigit() or int(level_text) not in found.levels:
         raise found.bad_level(level_text)
     return CodecChoice(name, int(level_text))

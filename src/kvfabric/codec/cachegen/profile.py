@@ -15,7 +15,8 @@ every chunk. A profile holds, for each (layer, K/V, channel) group:
 
 A chunk coded with a profile stores only its per-channel means; the stream names the profile by `profile_id`
 (a checksum of its arrays), and a decoder without that profile refuses the chunk (a miss, never garbage).
-Profiles ship as `tables/profile_<layout fingerprint hex>.npz` (plain arrays, loaded with allow_pickle=False).
+Profiles ship as `tables/profile_<layout fingerprint hex>.npz` (plain arrays, loaded with allow_pickle=False);
+their meta (not part of the id) may name the model's default level (`default_level`).
 `build` makes one from a Fisher diagonal and calibration KV; `kvfabric profile cachegen` (kvfabric.engines.
 calibrate) measures those on the model and rebuilds the shipped file (minutes on a CPU).
 """
@@ -31,6 +32,7 @@ import numpy as np
 import xxhash
 
 from kvfabric.codec.cachegen.family import NUM_SCALES
+from kvfabric.codec.cachegen.wire import DEFAULT_LEVEL, MAX_LEVEL
 from kvfabric.layout import KVLayout
 
 TABLES = Path(__file__).with_name("tables")
@@ -129,6 +131,23 @@ def for_layout(layout: KVLayout) -> Profile | None:
     if p is None or p.e_base.shape != (2 * layout.num_layers, layout.num_kv_heads * layout.head_dim):
         return None
     return p
+
+
+def default_level(layout: KVLayout) -> int:
+    """The one place that decides cachegen's level when none is given: the `default_level` stored with the
+    layout's shipped profile (the coarsest level that kept top-1 >= 99 % on every held-out genre of `kvfabric
+    bench codec --text`; set by `kvfabric profile cachegen-default`), else wire.DEFAULT_LEVEL."""
+    p = for_layout(layout)
+    level = p.meta.get("default_level") if p is not None else None
+    return level if isinstance(level, int) and 1 <= level <= MAX_LEVEL else DEFAULT_LEVEL
+
+
+def with_default_level(p: Profile, level: int) -> Profile:
+    """The same profile (same id: meta is not part of it) with `level` as its default."""
+    if not 1 <= level <= MAX_LEVEL:
+        raise ValueError(f"default level must be in 1..{MAX_LEVEL}, got {level}")
+    return Profile(p.fingerprint, p.group_size, p.anchor_bits, p.e_base, p.ia4, p.id4, p.dflag,
+                   {**p.meta, "default_level": level})
 
 
 @lru_cache(maxsize=64)
