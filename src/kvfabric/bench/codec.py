@@ -67,7 +67,8 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 # ---- codecs under test ------------------------------------------------------------------------------------------
-def codecs(quick: bool, only: str | None = None, default_level: int | None = None) -> list[tuple[str, int, Callable[[], object]]]:
+def codecs(quick: bool, only: str | None = None, default_level: int | None = None
+           ) -> list[tuple[str, int, Callable[[], object]]]:
     """Every codec of the registry at every level (quick: its lowest, default and highest), then two cachegen
     variants that show what the profile and the token groups are worth; `only` "name:3-7": one codec's levels."""
     from kvfabric.codec import registry
@@ -198,7 +199,8 @@ def run(as_json: bool = False, plot: str | None = None, num_docs: int = 8, ctx_t
             row["lib_enc_mbps"], row["lib_dec_mbps"] = lib["enc_mbps"], lib["dec_mbps"]
             row["x_lib_dec"] = round(row["dec_mbps"] / max(lib["dec_mbps"], 1e-9), 1)
             row["x_lib_enc"] = round(row["enc_mbps"] / max(lib["enc_mbps"], 1e-9), 1)
-    emit(rows, as_json, f"codecs on {model_name} (cachegen profile: {has_profile}), {text}: {len(docs)} docs x {ctx_tokens} tokens, next {next_tokens} "
+    emit(rows, as_json, f"codecs on {model_name} (cachegen profile: {has_profile}), {text}: {len(docs)} docs x "
+         f"{ctx_tokens} tokens, next {next_tokens} "
          f"teacher-forced ({threads_note()})",
          ["codec", "level", "ratio", "bits", "top1", "kl_mean", "kl_p99", "enc_mbps", "dec_mbps", "enc_cpu_mbps",
           "dec_cpu_mbps"])

@@ -6,7 +6,8 @@ Contract:
   loads only for processes that use it. Adding a codec is one entry here.
 - `parse_codec("name")` / `parse_codec("name:level")` -> a `CodecChoice` with the level resolved (the default
   when none is given; for a codec whose default depends on the model (`per_layout_default`: cachegen, whose
-  profile stores it) the level stays None and the codec resolves it per layout); an unknown name or a level outside the range raises `CodecSpecError` (a ValueError) that
+  profile stores it) the level stays None and the codec resolves it per layout); an unknown name or a level
+  outside the range raises `CodecSpecError` (a ValueError) that
   names the allowed values. `CodecChoice.make()` builds the codec.
 - `codec_for_id(codec_id)` builds a decoder for a header's codec id (decoders read the level from the header);
   an unknown id raises ChunkFormatError: the chunk is a miss.

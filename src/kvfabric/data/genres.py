@@ -4,12 +4,12 @@ exists wherever kvfabric runs; MuSiQue comes from ../shared/data (`find_musique`
 
 Two disjoint sets of files (tests/test_genres.py checks it):
 
-| genre      | calibration (`kvfabric profile cachegen`)                   | held out (`kvfabric bench codec --text`)  |
-|------------|-------------------------------------------------------------|-------------------------------------------|
-| retrieval  | MuSiQue questions 0-23 (passages joined)                    | `musique`: MuSiQue questions 100.. (documents do not share questions) |
-| prose      | LICENSE.txt (history and licence), idlelib/help.html (text) | `prose`: pydoc_data/topics.py (the prose of the language reference, as `help()` shows it) |
-| dialogue   | test/test_email/data/msg_*.txt (mails, quoted replies)      | -                                         |
-| code       | difflib.py, tarfile.py, configparser.py, pdb.py             | `code`: argparse.py, typing.py, _pydecimal.py, inspect.py |
+| genre     | calibration (`kvfabric profile cachegen`)      | held out (`kvfabric bench codec --text`)        |
+|-----------|------------------------------------------------|-------------------------------------------------|
+| retrieval | MuSiQue questions 0-23 (passages joined)       | `musique`: MuSiQue questions 100.. (disjoint)   |
+| prose     | LICENSE.txt, idlelib/help.html (its text)      | `prose`: pydoc_data/topics.py (the reference)   |
+| dialogue  | test/test_email/data/msg_*.txt (mail, replies) | -                                               |
+| code      | difflib, tarfile, configparser, pdb (.py)      | `code`: argparse, typing, _pydecimal, inspect   |
 
 `mix` (held out) takes its documents in turn from musique, prose and code.
 A document is a run of consecutive tokens; the runs of one genre are spread evenly over its text.
