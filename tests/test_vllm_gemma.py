@@ -127,7 +127,7 @@ def test_gemma3_runs_with_one_full_attention_group_and_stores_every_chunk(runs):
         got = _out(runs, "store", name)
         assert got["tokens"] == _out(runs, "baseline", name)["tokens"], name
         assert got["kvfabric"]["saved_tokens"] == len(runs["prompts"][name]) // CHUNK * CHUNK
-    assert runs["store"]["chunk_files"] == 4 + 3
+    assert runs["store"]["chunk_files"] == 2 * (4 + 3)  # each chunk: its full layers, its window layers
     # vLLM 0.32's own lines: the connector is not SupportsHMA, so the window layers get full-attention blocks
     log = runs["logs"]["store"]
     assert "Turning off hybrid kv cache manager because `--kv-transfer-config` selects a KV connector" in log

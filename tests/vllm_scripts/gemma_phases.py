@@ -59,8 +59,12 @@ def compare_with_hf(model: str, cache: str, tokens: list[int]) -> dict:
 
     layout = layout_for(AutoConfig.from_pretrained(model), "float32")
     engine = CacheEngine(Config(chunk_size=CHUNK, tiers=("disk",), disk=DiskTierConfig(path=cache)), layout, MODEL_ID)
-    stored = engine.retrieve(tokens)  # [L, 2, H, T, D]; under a layout without Gemma's groups: another key, a miss
+    # every whole chunk, both parts (retrieve would zero the window rows a continuation no longer reads); under a
+    # layout without Gemma's groups the keys differ: a miss
+    hits = [engine.read_chunk(key) for key in engine.keys(tokens)[:len(tokens) // CHUNK]]
     engine.close()
+    hits = hits[:next((i for i, hit in enumerate(hits) if not hasattr(hit, "kv")), len(hits))]
+    stored = torch.cat([hit.kv for hit in hits], dim=3)  # [L, 2, H, T, D]
     num = stored.shape[3]
     torch.set_num_threads(2)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
@@ -104,8 +108,8 @@ def main() -> None:
                             prefix_caching=args.phase != "baseline", model_id=MODEL_ID, kv_bytes=KV_BYTES)
         out["startup_s"] = round(time.perf_counter() - started, 1)
         out["results"] = base.serve(llm, prompts, names)
-        if args.phase == "store":
-            out["chunk_files"] = base.wait_for_chunks(args.cache, sum(len(prompts[n]) // CHUNK for n in names))
+        if args.phase == "store":  # a Gemma chunk is two files: full layers, window layers
+            out["chunk_files"] = base.wait_for_chunks(args.cache, 2 * sum(len(prompts[n]) // CHUNK for n in names))
         out["worker_stats"] = base.shutdown(llm, args.cache, args.phase)
     base.write_and_exit(args.out, out)
 
