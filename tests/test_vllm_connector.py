@@ -437,3 +437,79 @@ def test_scheduler_counts_chunks_a_peer_holds(tmp_path):
             side.lookup.close()
     finally:
         controller.stop()
+
+
+def test_hybrid_manager_specs_carry_every_groups_table_and_skip_chunks_whose_window_blocks_are_gone(tmp_path):
+    """Several KV cache groups (window W=512, block 128): a load's window_from is vLLM's first window block of the
+    hit; a save covers only chunks whose window blocks vLLM still holds (a local prefix hit nulls older ones)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from kvfabric import CacheEngine
+    from kvfabric.config import Config
+    from kvfabric.connectors.vllm.config import KVGroups
+    from kvfabric.connectors.vllm.scheduler import SchedulerSide
+    from kvfabric.layout import KVLayout
+
+    config = Config.from_dict({"chunk_size": 256, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
+    layout = KVLayout.from_layer_types(["sliding_attention", "full_attention"], 1, 4, 512, "float32")
+    groups = KVGroups(128, 2, {"model.layers.0.self_attn.attn": 0, "model.layers.1.self_attn.attn": 1}, 512)
+    side = SchedulerSide(config, layout, "m", 128, "tokens", "layerwise", groups=groups)  # loads ride the step
+    tokens = list(range(1100))
+    with CacheEngine(config, layout, "m") as engine:
+        engine.store(tokens[:512], torch.randn(layout.shape(512)))  # chunks 0-1 stored
+        engine.flush()
+
+    def request(req_id):
+        return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, lora_request=None, mm_features=[],
+                               cache_salt=None, block_hashes=[], num_tokens=len(tokens), kv_transfer_params=None)
+
+    def step(req_id, local, window_table, full_table):
+        blocks = SimpleNamespace(get_block_ids=lambda: (window_table, full_table))
+        external = side.num_new_matched_tokens(request(req_id), local)
+        side.after_alloc(request(req_id), blocks, external)
+        computed = local + external
+        return side.build_meta(SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=req_id, block_ids=(window_table, full_table),
+                                                num_computed_tokens=computed)],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[]), num_scheduled_tokens={req_id: len(tokens) - computed},
+            finished_req_ids=set(), total_num_scheduled_tokens=len(tokens) - computed))
+
+    # a hit of 512 tokens loaded from kvfabric: vLLM nulls the window blocks before (512 - 511) // 128 = 0
+    meta = step("a", 0, list(range(1, 10)), list(range(11, 20)))
+    (load,) = meta.loads
+    assert (load.start, load.end, load.window_from) == (0, 512, 0)
+    assert load.group_block_ids == ([1, 2, 3, 4], [11, 12, 13, 14]) and load.table(1) == [11, 12, 13, 14]
+    (save,) = meta.saves  # chunks 2-3 (0-1 are stored), each group's table
+    assert (save.start, save.end) == (512, 1024) and save.group_block_ids[0] == list(range(1, 9))
+    side.forget("a")
+    # vLLM's own prefix cache held 1024 tokens: its window group's blocks before (1024 - 511) // 128 = 4 are null
+    side.lookup.tiers[0].delete(side.request_keys(request("b"))[0])  # chunk 0 gone from kvfabric: no external hit
+    meta = step("b", 1024, [0, 0, 0, 0, 5, 6, 7, 8, 9], list(range(11, 20)))
+    assert not meta.loads
+    (save,) = meta.saves
+    assert (save.start, save.end) == (512, 1024)  # chunks 0-1 lost their window rows: skipped, not stored
+    assert side.window_chunks_skipped == 2
+    side.lookup.close()
+
+
+def test_hybrid_manager_failed_load_is_a_failed_receive_not_block_ids(tmp_path):
+    """vLLM cannot map block ids of several KV cache groups back to requests (it raises): under the hybrid manager
+    a failed load is reported through get_transfer_results' failed_recving, and no block id is."""
+    pytest.importorskip("vllm")
+    from kvfabric.config import Config
+    from kvfabric.connectors.vllm.config import KVGroups
+    from kvfabric.connectors.vllm.loads import LoadOutcome
+    from kvfabric.connectors.vllm.metadata import RequestStats
+    from kvfabric.connectors.vllm.worker import WorkerSide
+    from kvfabric.layout import KVLayout
+
+    config = Config.from_dict({"chunk_size": 256, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
+    layout = KVLayout.from_layer_types(["sliding_attention", "full_attention"], 1, 4, 512, "float32")
+    failed = LoadOutcome("r", 256, (3, 4), b"k" * 32, RequestStats(loaded_tokens=256, failed_tokens=256))
+    for groups, blocks, receives in ((KVGroups(128, 2, {}, 512), set(), {"r"}), (KVGroups(128), {3, 4}, set())):
+        side = WorkerSide(config, layout, "m", 128, {"load_threads": 1}, groups=groups)
+        side._apply(failed)
+        assert side.take_invalid_blocks() == blocks and side.take_failed_loads() == receives
+        assert side.take_failed_loads() == set()  # reported once
+        side.close()

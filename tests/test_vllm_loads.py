@@ -129,3 +129,45 @@ def test_async_load_of_a_partial_last_chunk(tmp_path):
         loader.stop()
     assert outcome.end == end and not outcome.bad_blocks
     assert torch.equal(_paged_kv(layers, block_ids, 0, end), kv[:, :, :, :end])
+
+
+@pytest.mark.parametrize("layered", [False, True])
+def test_hybrid_manager_load_uses_each_groups_table_and_window_layers_only_from_window_from(tmp_path, layered):
+    """vLLM's hybrid manager: layer i's KV goes through its KV cache group's block table; window layers (0, 1:
+    window 40) get rows from window_from only, the null block (id 0) before it is never written, and chunks
+    wholly before window_from are read without their window part (fewer bytes)."""
+    layout = KVLayout.from_layer_types(["sliding_attention", "sliding_attention", "full_attention"], 2, 8, 40,
+                                       "float32")
+    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
+    tokens = list(range(1, 4 * CHUNK + 1))
+    kv = torch.randn(layout.shape(len(tokens)), generator=torch.Generator().manual_seed(2))
+    with CacheEngine(config, layout, "m") as engine:
+        engine.store(tokens, kv)
+        engine.flush()
+        layers = [CpuPagedLayer(torch.zeros(24, 2, BLOCK, 16), BLOCK) for _ in range(layout.num_layers)]
+        loader = Loader(engine, Counters(), BLOCK, num_threads=2)
+        loader.bind(layers, [0, 1, 2], {0, 1})
+        end = 4 * CHUNK  # window_from(128) with W=40: (128 - 39) // 16 * 16 = 80 (chunk 2 of 4)
+        window_from = (end - 40 + 1) // BLOCK * BLOCK
+        tables = ([0] * 5 + [5, 6, 7], [0] * 5 + [8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18])
+        spec = LoadSpec("r", engine.keys(tokens), 0, end, tables[0], is_async=not layered,
+                        group_block_ids=tables, window_from=window_from)
+        if layered:
+            loader.start_layered([spec])
+            (outcome,) = loader.finish_layered()
+        else:
+            loader.start_async(spec)
+            (outcome,) = _wait_async(loader)
+        loader.stop()
+    assert outcome.end == end and not outcome.bad_blocks
+    got = torch.empty(2, 2, end, 8)
+    gather(layers[2], tables[2], 0, end, got)
+    assert torch.equal(got, kv[2, :, :, :end])  # the full layer: every row, through its own table
+    for index in (0, 1):
+        got = torch.empty(2, 2, end - window_from, 8)
+        gather(layers[index], tables[index], window_from, end, got)
+        assert torch.equal(got, kv[index, :, :, window_from:end])
+        assert not layers[index].arrays[0][0].any() and not layers[index].arrays[1][0].any()  # null block untouched
+    read = dict(outcome.stats.bytes_loaded)["disk"]
+    part = layout.part((0,)).num_bytes(CHUNK)  # one layer of one chunk
+    assert 4 * part + 2 * 2 * part <= read < 4 * part + 2 * 2 * part + 8 * 1024  # full: 4 chunks; window: 2 (+headers)

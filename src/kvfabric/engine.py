@@ -19,7 +19,10 @@ Contract:
 - Layouts with sliding-window layers (kvfabric.chunk_parts): a chunk is stored as its full-attention part and,
   under a derived key, its window part; `retrieve` reads the window part only of chunks holding rows a
   continuation still reads (`KVLayout.live_start`) and zeros the window layers' earlier rows; `lookup` counts a
-  prefix only while those window parts are present. `read_chunk` / `store_chunk` still take and give whole chunks.
+  prefix only while those window parts are present. `read_chunk` / `store_chunk` take and give whole chunks;
+  `read_chunk(key, window=False)` reads a split chunk's full-attention part only (its `ChunkHit.layers` name the
+  layers it holds): for a caller that needs no window row of that chunk (vLLM's hybrid manager, window rows
+  before the window).
 - `delete(tokens)` removes a prompt's chunks from every tier; `tier_keys`, `tier_usage`, `clear_tier` address one
   tier by name; `stats()` is an `EngineStats` snapshot.
 - Observability (kvfabric.metrics, kvfabric.events): lookup / store / retrieve / read_chunk latencies and codec
@@ -69,6 +72,7 @@ class ChunkHit:
     kv: torch.Tensor  # [L, 2, H, T, D]: the caller's `out`, or a view / new tensor (see CacheEngine.read_chunk)
     tier: str  # the tier that served it ("pending": a write still queued)
     num_bytes: int  # bytes of the blob read
+    layers: tuple[int, ...] | None = None  # the layout's layers kv holds, in order (None: all of them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,18 +339,29 @@ class CacheEngine:
             self.events.stored([key], None, [])  # the caller knows the key only
         return True
 
+    @property
+    def chunk_parts(self) -> ChunkParts | None:
+        """How a chunk is split into stored parts (None: stored whole)."""
+        return self._parts
+
     def read_chunk(self, key: bytes, out: torch.Tensor | None = None, *, num_tokens: int | None = None,
-                   scratch: Scratch | None = None, promote: bool = True) -> ChunkHit | ChunkMiss:
+                   scratch: Scratch | None = None, promote: bool = True, window: bool = True) -> ChunkHit | ChunkMiss:
         """One chunk by key. With `out` [L, 2, H, T, D] (any float dtype, T the chunk's tokens) it is decoded
         into `out`. Without, `kv` holds num_tokens (default chunk_size) tokens in the layout dtype: a raw chunk
         is a zero-copy view, over `scratch` when the first tier reads into it (valid until the caller reuses
         `scratch`) or over the stored blob (read it, never write it); other codecs decode into a new tensor.
         `promote=False`: a chunk found below the first tier is not copied into the faster tiers, and every tier
-        reads into `scratch` (no fresh allocation: for a caller that copies the KV elsewhere right away)."""
+        reads into `scratch` (no fresh allocation: for a caller that copies the KV elsewhere right away).
+        `window=False` on a split layout: the full-attention part only, kv [Lf, 2, H, T, D] (`out` of that shape)
+        and `layers` = its layers; the window part is not read."""
         started = time.perf_counter()
         num_tokens = out.shape[3] if out is not None else num_tokens or self.chunk_size
         if self._parts is None:
             result = self._take(key, self.stack.get(key, scratch, promote=promote), num_tokens, out)
+        elif not window:
+            result = self._take(key, self.stack.get(key, scratch, promote=promote), num_tokens, out, self._parts.full)
+            if isinstance(result, ChunkHit):
+                result = ChunkHit(result.kv, result.tier, result.num_bytes, self._parts.full_layers)
         else:
             result = self._read_parts(key, out, num_tokens, scratch, promote)
         self.histograms.observe("kvfabric_retrieve_seconds", time.perf_counter() - started, "read_chunk")

@@ -7,13 +7,18 @@ Phases (engine phases share connector_phases' engine set-up, serving and shutdow
   prompts   test prompts (token ids, BOS first): long = 1100 tokens (4 whole 256-token chunks, 1024 > the window),
             exact = 768 tokens (3 whole chunks)
   baseline  engine without any connector (prefix caching off): greedy outputs
-  store     engine A with KVFabricConnector, cold: serves the prompts, waits for their chunk files
-  load      fresh engine B, same disk cache: serves the prompts again (asynchronous loads)
+  store     engine A with KVFabricConnector and vLLM's hybrid KV cache manager off (one full-attention group),
+            cold: serves the prompts, waits for their chunk files
+  load      fresh engine B (manager off), same disk cache: serves the prompts again (asynchronous loads)
   layerwise the same with load_mode "layerwise" (synchronous loads, one layer ahead of the forward)
-  hma       the connector with vLLM's hybrid KV cache manager forced on (disable_hybrid_kv_cache_manager=False):
-            records the error the engine start-up raises (the root cause is in the phase's log)
+  hma_store engine with the connector and vLLM's hybrid KV cache manager on (its default with a SupportsHMA
+            connector: 6 KV cache groups on Gemma 3), cold, its own disk cache (CACHE-hma), chunked prefill in
+            steps of 384 tokens (vLLM frees window blocks before the prompt is done)
+  hma_load  fresh engine, manager on, CACHE-hma: loads the prompts (window layers only from the window)
+  hma_layerwise  manager on with load_mode "layerwise": records the start-up error (refused)
   hf        the stored chunks of `long`, read under the layout kvfabric's HF engine uses for Gemma 3 (its layer
             groups), against transformers' K/V of every layer, window layers included (no vLLM engine)
+  hma_hf    the same for the chunks hma_store saved (CACHE-hma)
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import connector_phases as base  # noqa: E402  (sets vLLM's environment defaults
 CHUNK = base.CHUNK
 MODEL_ID = "kvfabric-test-gemma3"
 KV_BYTES = 256 << 20  # ~7k fp32 tokens of Gemma-3-270m: ample for one request at a time
+HMA_STEP_TOKENS = 384  # hma_store's prefill steps: chunk 1 spans two steps, chunk 0's window blocks go at step 3
 
 
 def make_prompts(model: str) -> dict[str, list[int]]:
@@ -59,8 +65,12 @@ def compare_with_hf(model: str, cache: str, tokens: list[int]) -> dict:
 
     layout = layout_for(AutoConfig.from_pretrained(model), "float32")
     engine = CacheEngine(Config(chunk_size=CHUNK, tiers=("disk",), disk=DiskTierConfig(path=cache)), layout, MODEL_ID)
-    stored = engine.retrieve(tokens)  # [L, 2, H, T, D]; under a layout without Gemma's groups: another key, a miss
+    # every whole chunk, both parts (retrieve would zero the window rows a continuation no longer reads); under a
+    # layout without Gemma's groups the keys differ: a miss
+    hits = [engine.read_chunk(key) for key in engine.keys(tokens)[:len(tokens) // CHUNK]]
     engine.close()
+    hits = hits[:next((i for i, hit in enumerate(hits) if not hasattr(hit, "kv")), len(hits))]
+    stored = torch.cat([hit.kv for hit in hits], dim=3)  # [L, 2, H, T, D]
     num = stored.shape[3]
     torch.set_num_threads(2)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
@@ -80,33 +90,40 @@ def compare_with_hf(model: str, cache: str, tokens: list[int]) -> dict:
     return {"tokens": num, "groups": groups, "layout_groups": len(layout.groups)}
 
 
-def forced_hma(model: str, cache: str) -> dict:
+def refused_layerwise(model: str, cache: str) -> dict:
     try:
-        base.make_llm(model, cache, "hma", model_id=MODEL_ID, kv_bytes=KV_BYTES, disable_hybrid_kv_cache_manager=False)
+        base.make_llm(model, cache, "layerwise", model_id=MODEL_ID, kv_bytes=KV_BYTES)
     except Exception as exc:  # noqa: BLE001 - the error is the result
         return {"error_type": type(exc).__name__, "error": str(exc)}
     return {"error": None}
 
 
 def main() -> None:
-    args, names = base.parse_args(["prompts", "baseline", "store", "load", "layerwise", "hma", "hf"])
+    args, names = base.parse_args(["prompts", "baseline", "store", "load", "layerwise", "hma_store", "hma_load",
+                                   "hma_layerwise", "hf", "hma_hf"])
     out: dict = {"phase": args.phase}
     prompts = json.loads(Path(args.prompts).read_text())["prompts"] if args.prompts else {}
+    hma = args.phase.startswith("hma")
+    cache = args.cache + "-hma" if hma else args.cache  # the manager-on engines' own chunks
     if args.phase == "prompts":
         out["prompts"] = make_prompts(args.model)
-    elif args.phase == "hf":
-        out["hf"] = compare_with_hf(args.model, args.cache, prompts[names[0]])
-    elif args.phase == "hma":
-        out["hma"] = forced_hma(args.model, args.cache)
+    elif args.phase in ("hf", "hma_hf"):
+        out["hf"] = compare_with_hf(args.model, cache, prompts[names[0]])
+    elif args.phase == "hma_layerwise":
+        out["hma_layerwise"] = refused_layerwise(args.model, cache)
     else:
         started = time.perf_counter()
-        llm = base.make_llm(args.model, None if args.phase == "baseline" else args.cache, args.phase,
-                            prefix_caching=args.phase != "baseline", model_id=MODEL_ID, kv_bytes=KV_BYTES)
+        # the connector is SupportsHMA: vLLM keeps its hybrid manager on unless told otherwise
+        manager = {} if hma or args.phase == "baseline" else {"disable_hybrid_kv_cache_manager": True}
+        if args.phase == "hma_store":  # chunked prefill (steps of 384 tokens): window blocks are freed meanwhile
+            manager["max_num_batched_tokens"] = HMA_STEP_TOKENS
+        llm = base.make_llm(args.model, None if args.phase == "baseline" else cache, args.phase,
+                            prefix_caching=args.phase != "baseline", model_id=MODEL_ID, kv_bytes=KV_BYTES, **manager)
         out["startup_s"] = round(time.perf_counter() - started, 1)
         out["results"] = base.serve(llm, prompts, names)
-        if args.phase == "store":
-            out["chunk_files"] = base.wait_for_chunks(args.cache, sum(len(prompts[n]) // CHUNK for n in names))
-        out["worker_stats"] = base.shutdown(llm, args.cache, args.phase)
+        if args.phase in ("store", "hma_store"):  # a Gemma chunk is two files: full layers, window layers
+            out["chunk_files"] = base.wait_for_chunks(cache, 2 * sum(len(prompts[n]) // CHUNK for n in names))
+        out["worker_stats"] = base.shutdown(llm, cache, args.phase)
     base.write_and_exit(args.out, out)
 
 

@@ -36,9 +36,13 @@ Contract:
   engine has them: Gemma 3's window layers, so both engines' keys agree) and key namespace; anything the connector
   cannot serve (tensor or pipeline parallel, an unsupported KV cache dtype or attention kind) raises
   NotImplementedError at start-up.
-- `kv_cache_block_size(kv_cache_config)`: the connector needs vLLM's KV cache as ONE group of full-attention
-  blocks (it is not ``SupportsHMA``, so vLLM turns the hybrid KV cache manager off for it); several groups or
-  sliding-window / chunked-local / state blocks raise NotImplementedError at start-up, never wrong KV.
+- `kv_cache_groups(kv_cache_config, layout, ...)`: which vLLM KV cache group each layer's blocks are in
+  (``KVGroups``). One group (vLLM's hybrid KV cache manager off): `kv_cache_block_size`, it must hold
+  full-attention blocks. Several groups (the manager on; the connector is ``SupportsHMA``): full-attention and
+  sliding-window groups only, one block size dividing the chunk size, the sliding-window groups holding exactly
+  the layout's window layers with its one window W (vLLM frees a window group's blocks before the window: the
+  connector loads and saves window layers only where blocks exist), asynchronous loads only. Anything else
+  (state-space, chunked-local, MLA blocks, ...) raises NotImplementedError at start-up, never wrong KV.
 - `detect_cpu_kv_layout` measures, with vLLM's CPU attention kernel itself, whether the K and V regions of a cache
   block are token-major ("td") or dim-major ("dt"); see ``kvfabric.connectors.paged``.
 """
@@ -175,16 +179,15 @@ def describe_groups(kv_cache_config: KVCacheConfig | None) -> str:
 
 
 def kv_cache_block_size(kv_cache_config: KVCacheConfig | None, default: int) -> int:
-    """The block size of vLLM's one KV cache group; NotImplementedError at start-up for anything else.
+    """The block size of vLLM's one KV cache group (`kv_cache_groups` with one group); NotImplementedError at
+    start-up for anything else.
 
-    The connector moves every layer's KV through one block table (``block_ids[0]``) and reads every token of a
-    chunk back, so it needs exactly one group of full-attention blocks. It is not ``SupportsHMA``, so vLLM
-    turns its hybrid KV cache manager off for it ("Turning off hybrid kv cache manager because
-    `--kv-transfer-config` selects a KV connector that does not support it"): a model with sliding-window and
-    full layers (Gemma 3) then has one ``FullAttentionSpec`` group, its window layers keep every token's KV in
-    full-length blocks (the window is applied by the attention kernel), and chunks hold every layer's KV of
-    their tokens. Several groups (the hybrid manager forced on) or one group of sliding-window, chunked-local or
-    state-space blocks (vLLM frees or overwrites what slides out) would make the one block table wrong: refused.
+    One block table (``block_ids[0]``) then serves every layer and every token of a chunk is read back, so the
+    group must hold full-attention blocks: vLLM's hybrid KV cache manager off (``--disable-hybrid-kv-cache-manager``),
+    a model with sliding-window and full layers (Gemma 3) has one ``FullAttentionSpec`` group whose window layers
+    keep every token's KV in full-length blocks (the window is applied by the attention kernel). One group of
+    sliding-window, chunked-local or state-space blocks (vLLM frees or overwrites what slides out) is refused;
+    several groups are `kv_cache_groups`' case (the connector's SupportsHMA path).
     """
     if kv_cache_config is None:
         return default
@@ -194,13 +197,73 @@ def kv_cache_block_size(kv_cache_config: KVCacheConfig | None, default: int) -> 
     described = describe_groups(kv_cache_config)
     if len(groups) != 1:
         raise NotImplementedError(
-            f"KVFabricConnector needs one KV cache group (vLLM's hybrid KV cache manager off), got {len(groups)}: "
-            f"{described}; it does not implement SupportsHMA (per-group block tables)")
+            f"kv_cache_block_size: one KV cache group (vLLM's hybrid KV cache manager off), got {len(groups)}: "
+            f"{described}; several groups go through kv_cache_groups (the connector's SupportsHMA path)")
     spec = groups[0].kv_cache_spec
     if type(spec) is not FullAttentionSpec:  # not even its subclasses (MLA, sink, ...): other page contents
         raise NotImplementedError(f"KVFabricConnector needs full-attention KV cache blocks, got {described} (a "
                                   "sliding-window or chunked-local group frees the blocks of tokens that leave it)")
     return int(spec.block_size)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVGroups:
+    """vLLM's KV cache groups as the connector uses them."""
+    block_size: int
+    num_groups: int = 1
+    layer_group: dict[str, int] = dataclasses.field(default_factory=dict)  # layer name -> group (several only)
+    window: int = 0  # W of the sliding-window groups (several groups only; 0: none)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.num_groups > 1
+
+    def window_from(self, num_tokens: int) -> int:
+        """First token whose window-group block vLLM still holds (allocated) once num_tokens are computed: its
+        SlidingWindowManager frees (or never allocates: the null block) the blocks wholly before
+        num_tokens - W + 1. 0 without window groups."""
+        if not self.window:
+            return 0
+        return max(0, num_tokens - self.window + 1) // self.block_size * self.block_size
+
+
+def kv_cache_groups(kv_cache_config: KVCacheConfig | None, layout: KVLayout, default_block_size: int,
+                    chunk_size: int, load_mode: str = "async") -> KVGroups:
+    """The connector's view of vLLM's KV cache groups; NotImplementedError at start-up for what it cannot serve."""
+    groups = list(kv_cache_config.kv_cache_groups or ()) if kv_cache_config is not None else []
+    if len(groups) <= 1:
+        return KVGroups(kv_cache_block_size(kv_cache_config, default_block_size))
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    described = describe_groups(kv_cache_config)
+    specs = [g.kv_cache_spec for g in groups]
+    if any(type(spec) not in (FullAttentionSpec, SlidingWindowSpec) for spec in specs):
+        raise NotImplementedError(f"KVFabricConnector serves vLLM's hybrid KV cache manager with full-attention and "
+                                  f"sliding-window groups only, got {described}")
+    block_sizes = {int(spec.block_size) for spec in specs}
+    windows = {int(spec.sliding_window) for spec in specs if type(spec) is SlidingWindowSpec}
+    retained = {int(getattr(spec, "extra_retained_tokens", 0)) for spec in specs if type(spec) is SlidingWindowSpec}
+    layout_windows = {g.window for g in layout.window_groups}
+    window_layers = sorted(extract_layer_index(name) for g in groups if type(g.kv_cache_spec) is SlidingWindowSpec
+                           for name in g.layer_names)
+    problems = []
+    if len(block_sizes) != 1 or chunk_size % min(block_sizes):
+        problems.append(f"one block size dividing chunk_size {chunk_size} (got {sorted(block_sizes)})")
+    if len(windows) > 1 or windows != layout_windows or retained - {0}:
+        problems.append(f"one sliding window equal to the model's {sorted(layout_windows)} (got {sorted(windows)}, "
+                        f"extra retained tokens {sorted(retained)})")
+    if window_layers != list(layout.window_layers):
+        problems.append(f"sliding-window groups holding the model's window layers {list(layout.window_layers)} "
+                        f"(got {window_layers})")
+    if load_mode != "async":
+        problems.append(f"load_mode async (got {load_mode!r}: vLLM cannot recompute a failed synchronous load's "
+                        "blocks with several KV cache groups)")
+    if problems:
+        raise NotImplementedError(f"KVFabricConnector under vLLM's hybrid KV cache manager ({described}) needs "
+                                  + "; ".join(problems))
+    layer_group = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+    return KVGroups(block_sizes.pop(), len(groups), layer_group, windows.pop() if windows else 0)
 
 
 def model_id_from_vllm(vllm_config: VllmConfig, options: dict[str, Any]) -> str:

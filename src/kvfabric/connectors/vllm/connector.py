@@ -6,10 +6,15 @@ Contract:
   scheduler hook on a worker instance is a bug (assert).
 - Both sides derive the same kvfabric Config, KVLayout and model id from vLLM's config (``config``), so the
   scheduler's chunk keys name what the worker stores.
-- One KV cache group of full-attention blocks (``kv_cache_block_size``), one block table for every layer. Not
-  ``SupportsHMA``: vLLM turns its hybrid KV cache manager off for this connector, so a model with sliding-window
-  layers (Gemma 3) keeps their KV of every token in full-length blocks, and chunks hold every layer's KV of their
-  tokens (as kvfabric's other engines store them). Anything else is refused at start-up.
+- ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on (``kv_cache_groups``). With one KV cache group of
+  full-attention blocks (a model without window layers, or the manager turned off) one block table serves
+  every layer. With several groups (Gemma 3: five sliding-window groups and one full-attention group) the specs
+  carry a block table per group and the worker maps each layer to its group; window layers are loaded only
+  from the first block vLLM allocated for them (before it: its null block; rows older than the window are
+  never read), and saved only for chunks whose window blocks vLLM still holds (C < W-1: every chunk saved in
+  the step that completes it qualifies; older ones, e.g. vLLM's own prefix-cache hits, are skipped). A failed
+  load is reported as a failed receive (vLLM cannot map block ids of several groups back to requests), so the
+  request is recomputed from its start. Anything else is refused at start-up.
 - Loads are asynchronous by default (``load_mode: async``: ``get_num_new_matched_tokens`` answers
   ``is_async=True``, the request waits in WAITING_FOR_REMOTE_KVS while other requests run, ``get_finished``
   reports its load once the KV is in place, a failed chunk's blocks through ``get_block_ids_with_load_errors``
@@ -34,14 +39,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvfabric.connectors.vllm.config import (
     describe_groups,
-    kv_cache_block_size,
+    kv_cache_groups,
     layout_from_vllm,
     model_id_from_vllm,
     resolve_config,
@@ -76,7 +83,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-class KVFabricConnector(KVConnectorBase_V1):
+class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM V1 KV connector backed by a kvfabric CacheEngine (see the package doc)."""
 
     _cache_hit_source = CacheHitSource.DISK
@@ -88,7 +95,9 @@ class KVFabricConnector(KVConnectorBase_V1):
         self.layout = layout_from_vllm(vllm_config)
         self.model_id = model_id_from_vllm(vllm_config, self.options)
         self.kv_role = role_of(transfer.kv_role)
-        block_size = kv_cache_block_size(kv_cache_config, vllm_config.cache_config.block_size)
+        self.groups = kv_cache_groups(kv_cache_config, self.layout, vllm_config.cache_config.block_size,
+                                      self.config.chunk_size, self.options["load_mode"])
+        block_size = self.groups.block_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         events_config = getattr(vllm_config, "kv_events_config", None)
@@ -105,10 +114,11 @@ class KVFabricConnector(KVConnectorBase_V1):
                     logger.warning("kvfabric: cannot set kv_load_failure_policy=%s; a bad chunk fails its request",
                                    policy)
             self._scheduler = SchedulerSide(self.config, self.layout, self.model_id, block_size,
-                                             self.options["key_mode"], self.options["load_mode"], self.kv_role)
+                                             self.options["key_mode"], self.options["load_mode"], self.kv_role,
+                                             self.groups)
         else:
             self._worker = WorkerSide(self.config, self.layout, self.model_id, block_size, self.options,
-                                      is_sync_store=self.kv_role.is_sync_store)
+                                      is_sync_store=self.kv_role.is_sync_store, groups=self.groups)
             self._engine_stats = EngineStatsSource(self._worker.engine)
             if has_events:
                 self._worker.engine.events = worker_events(self.config.chunk_size)
@@ -151,6 +161,12 @@ class KVFabricConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None, None
         return None, self._worker.finished_loads() or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        if self._worker is not None:  # several KV cache groups: a failed load is a failed receive
+            results.failed_recving = self._worker.take_failed_loads()
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_invalid_blocks() if self._worker is not None else set()
@@ -228,3 +244,8 @@ class KVFabricConnector(KVConnectorBase_V1):
         if self._events is not None:
             self._events.forget(request.request_id)
         return False, params
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """SupportsHMA's request_finished: the blocks are never held past it (saves gather within the step)."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])

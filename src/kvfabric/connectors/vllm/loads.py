@@ -3,7 +3,10 @@
 Contract:
 - `Loader(engine, counters, block_size, num_threads)` owns `num_threads` threads and one staging buffer per
   thread, allocated and touched at start-up: a load never pays page faults for fresh buffers (they cost ~1 GB/s
-  on small machines, as much as the read itself). `bind(layers)` gives it the paged layers, ordered by layer index.
+  on small machines, as much as the read itself). `bind(layers, groups, window_layers)` gives it the paged layers,
+  ordered by layer index, each one's KV cache group (whose block table it uses: ``LoadSpec.table``) and, under
+  vLLM's hybrid manager, the window layers, which get only rows from ``LoadSpec.window_from`` (a chunk wholly
+  before it is read without its window part: ``CacheEngine.read_chunk(window=False)``).
 - `set_busy(True)` while a forward runs that does not wait for these threads (the worker calls it per step): the
   threads then run under SCHED_IDLE, on CPU time the forward leaves unused, so an asynchronous load does not
   slow the requests that keep decoding; `set_busy(False)` gives them normal priority again (nothing to compete
@@ -34,7 +37,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
 from vllm.logger import init_logger
 
 from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, scatter
@@ -91,7 +93,7 @@ class _Layered:
 
     def __init__(self, jobs: list[_Job], num_layers: int) -> None:
         self.jobs = jobs
-        self.chunks: list[list[torch.Tensor]] = [[] for _ in jobs]  # per job: KV [L, 2, H, C, D] of good chunks
+        self.chunks: list[list[ChunkHit]] = [[] for _ in jobs]  # per job: its good chunks' KV [L, 2, H, C, D]
         self.layer_done = [threading.Event() for _ in range(num_layers)]
         self.done = threading.Event()
 
@@ -105,6 +107,8 @@ class Loader:
         self._tids: list[int] = []  # native ids of the threads, for their scheduling policy
         self._is_busy = False
         self.layers: list[CpuPagedLayer] = []
+        self.groups: list[int] = []
+        self.window_layers: frozenset[int] = frozenset()
         self._tasks: queue.Queue[tuple[_Job, int] | _Layered | None] = queue.Queue()
         self._finished: list[LoadOutcome] = []
         self._cond = threading.Condition()
@@ -117,8 +121,22 @@ class Loader:
         for thread in self._threads:
             thread.start()
 
-    def bind(self, layers: Sequence[CpuPagedLayer]) -> None:
+    def bind(self, layers: Sequence[CpuPagedLayer], groups: Sequence[int] | None = None,
+             window_layers: set[int] | frozenset[int] = frozenset()) -> None:
         self.layers = list(layers)
+        self.groups = list(groups) if groups is not None else [0] * len(self.layers)
+        self.window_layers = frozenset(window_layers)  # rows from spec.window_from only (hybrid manager)
+
+    def _scatter(self, job: _Job, i: int, hit: ChunkHit, index: int, layer: CpuPagedLayer) -> None:
+        """Chunk i's part of the load into layer `index` (its group's block table; a window layer from
+        window_from on, and nothing when the chunk was read without its window part)."""
+        first, lo, hi = job.chunk_span(i)
+        row = index if hit.layers is None else (hit.layers.index(index) if index in hit.layers else None)
+        if index in self.window_layers:
+            lo = max(lo, job.spec.window_from)
+        if row is None or lo >= hi:
+            return
+        scatter(layer, job.spec.table(self.groups[index]), lo, hi, hit.kv[row, :, :, lo - first:hi - first, :])
 
     def set_busy(self, is_busy: bool) -> None:
         if is_busy == self._is_busy or not hasattr(os, "SCHED_IDLE"):
@@ -208,10 +226,12 @@ class Loader:
                 else:
                     self._chunk_done(task[0], task[1], None)
 
-    def _read(self, job: _Job, i: int, scratch: Scratch) -> torch.Tensor | None:
+    def _read(self, job: _Job, i: int, scratch: Scratch) -> ChunkHit | None:
         started = time.perf_counter_ns()
+        # a chunk wholly before window_from: no window row of it is loaded (hybrid manager), nor read
+        window = not self.window_layers or job.chunk_span(i)[2] > job.spec.window_from
         found = self.engine.read_chunk(job.spec.keys[i], num_tokens=job.chunk_tokens(i), scratch=scratch,
-                                       promote=False)
+                                       promote=False, window=window)
         self.counters.add("load_chunk_read_ns", time.perf_counter_ns() - started)  # file read + checks
         if isinstance(found, ChunkMiss):
             self.counters.add(f"load_{found.reason}_chunks")
@@ -220,24 +240,23 @@ class Loader:
         self.counters.add(f"bytes_loaded.{found.tier}", found.num_bytes)
         with self._cond:
             job.by_tier[found.tier] = job.by_tier.get(found.tier, 0) + found.num_bytes
-        return found.kv
+        return found
 
     def _run_chunk(self, job: _Job, i: int, staging: Scratch) -> None:
         if job.first_bad is not None and job.first_bad < i:  # a chunk before it failed: no use loading it
             self._chunk_done(job, i, None)
             return
-        kv = self._read(job, i, staging)
-        if kv is not None:
+        hit = self._read(job, i, staging)
+        if hit is not None:
             started = time.perf_counter_ns()
-            first, lo, hi = job.chunk_span(i)
             for index, layer in enumerate(self.layers):  # this chunk's part, [2, H, hi-lo, D] per layer
-                scatter(layer, job.spec.block_ids, lo, hi, kv[index, :, :, lo - first:hi - first, :])
+                self._scatter(job, i, hit, index, layer)
             self.counters.add("load_scatter_ns", time.perf_counter_ns() - started)
-        self._chunk_done(job, i, kv)
+        self._chunk_done(job, i, hit)
 
-    def _chunk_done(self, job: _Job, i: int, kv: torch.Tensor | None) -> None:
+    def _chunk_done(self, job: _Job, i: int, hit: ChunkHit | None) -> None:
         with self._cond:
-            if kv is None and (job.first_bad is None or i < job.first_bad):
+            if hit is None and (job.first_bad is None or i < job.first_bad):
                 job.first_bad = i
             job.num_left -= 1
             last = job.num_left == 0
@@ -250,18 +269,17 @@ class Loader:
             for i in range(len(job.spec.keys)):
                 if held == len(self._pool):
                     self._pool.append(Scratch())
-                kv = self._read(job, i, self._pool[held])
-                if kv is None:
+                hit = self._read(job, i, self._pool[held])
+                if hit is None:
                     job.first_bad = len(chunks)
                     break
                 held += 1  # the view may live in this buffer until the step's loads are done
-                chunks.append(kv)
+                chunks.append(hit)
         started = time.perf_counter_ns()
         for index, layer in enumerate(self.layers):
             for job, chunks in zip(task.jobs, task.chunks):
-                for i, kv in enumerate(chunks):
-                    first, lo, hi = job.chunk_span(i)
-                    scatter(layer, job.spec.block_ids, lo, hi, kv[index, :, :, lo - first:hi - first, :])
+                for i, hit in enumerate(chunks):
+                    self._scatter(job, i, hit, index, layer)
             task.layer_done[index].set()
         self.counters.add("load_scatter_ns", time.perf_counter_ns() - started)
         task.chunks = [[] for _ in task.jobs]

@@ -6,7 +6,10 @@ Contract:
   A LoadSpec loads tokens [start, end) (start need not be chunk-aligned: vLLM may already hold a prefix),
   asynchronously (`is_async`: the request waits in WAITING_FOR_REMOTE_KVS, the load spans steps) or within the
   step; a SaveSpec saves the chunks [start, end) (start chunk-aligned; end too, or the prompt's end for its
-  partial last chunk). `is_idle`: nothing is scheduled
+  partial last chunk). Under vLLM's hybrid KV cache manager (several KV cache groups) a spec carries one block
+  table per group (`group_block_ids`; `table(g)`), and a LoadSpec's `window_from` is the first token whose
+  sliding-window blocks vLLM allocated (earlier ones are its null block): window layers load only from there.
+  With one group, `block_ids` serves every layer and `window_from` is 0. `is_idle`: nothing is scheduled
   this step (the worker may then wait briefly for an asynchronous load instead of returning at once).
 - Worker -> scheduler, ``KVFabricWorkerMetadata`` (only when there is something to say): per-request
   ``RequestStats`` of the step (added up with ``+``), and the keys that entered or left the worker's
@@ -23,8 +26,18 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
+class _Tables:
+    __slots__ = ()
+    block_ids: list[int]
+    group_block_ids: tuple[list[int], ...]
+
+    def table(self, group: int) -> list[int]:
+        """The block table of KV cache group `group` (one group: `block_ids`)."""
+        return self.group_block_ids[group] if self.group_block_ids else self.block_ids
+
+
 @dataclass(frozen=True, slots=True)
-class LoadSpec:
+class LoadSpec(_Tables):
     req_id: str
     keys: list[bytes]  # keys of the chunks covering [start, end), the first one holding token `start`
     start: int  # load tokens [start, end) into the request's slots
@@ -32,15 +45,18 @@ class LoadSpec:
     block_ids: list[int]  # block table from token 0, covering `end`
     is_async: bool = False
     num_prompt_tokens: int = 0  # a last key may name a partial chunk: the prompt's tokens from its first token
+    group_block_ids: tuple[list[int], ...] = ()  # per KV cache group (several groups only), each from token 0
+    window_from: int = 0  # window layers load tokens [max(start, window_from), end) (block-aligned)
 
 
 @dataclass(frozen=True, slots=True)
-class SaveSpec:
+class SaveSpec(_Tables):
     req_id: str
     keys: list[bytes]  # keys of the chunks [start, end)
     start: int  # chunk-aligned
     end: int  # chunk-aligned, or the prompt's end (its partial last chunk, with save_partial_chunk)
     block_ids: list[int]
+    group_block_ids: tuple[list[int], ...] = ()  # per KV cache group (several groups only)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,12 @@ Contract:
 - `build_meta` emits per step, with the chunk keys: loads (token range, block table) and saves (every whole prompt
   chunk that becomes complete this step and is not known to be stored, including chunks vLLM had cached locally).
   A rollback (vLLM recomputing after a failed load) moves the save mark back, so the recomputed chunks are saved.
+- vLLM's KV cache groups (``KVGroups``): the request's block table of every group is kept and sent with each spec
+  (several groups only). Under the hybrid manager a load's `window_from` is the first token whose window-group
+  block vLLM allocated (`KVGroups.window_from` of the load's end: the same rule as its SlidingWindowManager),
+  and a chunk is saved only while vLLM still holds its window blocks (from `window_from` of the tokens computed
+  before the step); older chunks not yet stored are skipped (counted in `window_chunks_skipped`): their window
+  rows are gone, and a chunk is stored with both parts or not at all.
 - Per request, ``kv_transfer_params["kvfabric"] = {"load": False, "store": False}`` turns loading or storing off;
   the instance's kv_role (``Role``, config.py) can turn either off for every request (a P/D producer never loads,
   a consumer never stores);
@@ -36,7 +42,7 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvfabric.config import Config, ConfigError
-from kvfabric.connectors.vllm.config import PARAMS_KEY, Role, role_of
+from kvfabric.connectors.vllm.config import PARAMS_KEY, KVGroups, Role, role_of
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, RequestStats, SaveSpec
 from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
@@ -158,7 +164,7 @@ class _ReqState:
     num_prompt_tokens: int  # only prompt chunks are stored
     can_store: bool = True
     keys: list[ChunkKey] = field(default_factory=list)  # keys of the whole prompt chunks
-    block_ids: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)  # block table per KV cache group
     saved_upto: int = 0  # chunks [0, saved_upto) are stored or being stored
     next_computed: int = 0  # num_computed_tokens expected at the next schedule (a smaller one = rollback)
     load: _TokenSpan | None = None  # tokens to load in the next step
@@ -169,8 +175,10 @@ class _ReqState:
 
 class SchedulerSide:
     def __init__(self, config: Config, layout: KVLayout, model_id: str, block_size: int, key_mode: str,
-                 load_mode: str = "async", role: Role = BOTH) -> None:
+                 load_mode: str = "async", role: Role = BOTH, groups: KVGroups | None = None) -> None:
         self.chunk_size = config.chunk_size
+        self.groups = groups or KVGroups(block_size)
+        self.window_chunks_skipped = 0  # chunks not saved: vLLM had freed their window blocks
         self.role = role
         self.block_size = block_size
         self.key_mode = key_mode
@@ -235,7 +243,7 @@ class SchedulerSide:
         state = self.states.get(req_id)
         match = self.pending.pop(req_id, None)
         if state is not None and match is None:  # the second call after an async load: blocks only
-            state.block_ids = list(blocks.get_block_ids()[0])
+            state.tables = [list(table) for table in blocks.get_block_ids()]
             return
         match = match or _Match(PrefixHit(), 0)
         local = match.num_local_tokens
@@ -243,7 +251,7 @@ class SchedulerSide:
             state = self.states[req_id] = _ReqState(len(request.prompt_token_ids or ()), can_store=store,
                                                     stats=RequestStats(local_hit_tokens=local))
         state.keys = self.request_keys(request)
-        state.block_ids = list(blocks.get_block_ids()[0])
+        state.tables = [list(table) for table in blocks.get_block_ids()]
         state.saved_upto = min(match.hit.num_chunks * self.chunk_size, state.num_prompt_tokens)  # stored already
         if num_external_tokens > 0:
             state.load = _TokenSpan(local, local + num_external_tokens)
@@ -263,7 +271,7 @@ class SchedulerSide:
             state = self.states.get(new.req_id)
             if state is None:  # not seen by the lookup (should not happen): nothing to load or save
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.tables = [list(table) for table in new.block_ids]
             self._plan(meta, new.req_id, state, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id], True)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -273,9 +281,10 @@ class SchedulerSide:
             new_blocks = cached.new_block_ids[i]
             resumed = req_id in cached.resumed_req_ids
             if resumed and new_blocks is not None:
-                state.block_ids = list(new_blocks[0])  # a resumed request gets its whole block table
+                state.tables = [list(table) for table in new_blocks]  # a resumed request gets its whole tables
             elif new_blocks is not None:
-                state.block_ids.extend(new_blocks[0])
+                for table, added in zip(state.tables, new_blocks):
+                    table.extend(added)
             self._plan(meta, req_id, state, cached.num_computed_tokens[i], out.num_scheduled_tokens[req_id], resumed)
         for req_id in out.finished_req_ids:
             self.forget(req_id)
@@ -283,7 +292,7 @@ class SchedulerSide:
 
     def _plan(self, meta: KVFabricMetadata, req_id: str, state: _ReqState, computed: int, scheduled: int,
               fresh: bool) -> None:
-        cs, bs = self.chunk_size, self.block_size
+        cs = self.chunk_size
         if (not fresh and computed < state.next_computed) or computed < state.async_end:
             state.saved_upto = min(state.saved_upto, computed // cs * cs)  # a failed load: re-save from there
         state.async_end = 0
@@ -294,19 +303,31 @@ class SchedulerSide:
             stored_end = min(state.num_prompt_tokens, len(state.keys) * cs)  # a partial last key: the prompt's end
             end = min(state.next_computed, stored_end)
             end = end if end == stored_end else end // cs * cs
+            held = -(-self.groups.window_from(computed) // cs) * cs  # first chunk whose window blocks vLLM holds
+            if state.saved_upto < min(held, end):  # hybrid manager: their window rows are gone, never stored
+                self.window_chunks_skipped += (min(held, end) - state.saved_upto + cs - 1) // cs
+                state.saved_upto = min(held, end)
             if end > state.saved_upto:
                 meta.saves.append(SaveSpec(req_id, state.keys[state.saved_upto // cs:-(-end // cs)], state.saved_upto,
-                                           end, state.block_ids[:-(-end // bs)]))
+                                           end, *self._tables(state, end)))
                 state.saved_upto = end
 
     def _emit_load(self, meta: KVFabricMetadata, req_id: str, state: _ReqState, is_async: bool) -> None:
-        cs, bs = self.chunk_size, self.block_size
+        cs = self.chunk_size
         start, end = state.load.start, state.load.end
         state.load = None
         state.async_end = end if is_async else 0
-        meta.loads.append(LoadSpec(req_id, state.keys[start // cs:-(-end // cs)], start, end,
-                                   state.block_ids[:-(-end // bs)], is_async, state.num_prompt_tokens))
+        block_ids, group_block_ids = self._tables(state, end)
+        meta.loads.append(LoadSpec(req_id, state.keys[start // cs:-(-end // cs)], start, end, block_ids, is_async,
+                                   state.num_prompt_tokens, group_block_ids, self.groups.window_from(end)))
         state.stats += RequestStats(external_hit_tokens=end - start)
+
+    def _tables(self, state: _ReqState, end: int) -> tuple[list[int], tuple[list[int], ...]]:
+        """(block_ids, group_block_ids) of a spec covering tokens up to `end`: group 0's table, and every group's
+        with several groups."""
+        num = -(-end // self.block_size)
+        tables = [table[:num] for table in state.tables] or [[]]
+        return tables[0], tuple(tables) if self.groups.is_hybrid else ()
 
     def update(self, output: KVConnectorOutput) -> None:
         meta = getattr(output, "kv_connector_worker_meta", None)

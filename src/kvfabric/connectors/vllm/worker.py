@@ -15,12 +15,16 @@ Contract, per step (vLLM calls the hooks in this order):
   dropped; complete saves go to the ``Saver`` (dropped and counted when its queue is full).
 - `finished_loads()` (``get_finished``): ids of the asynchronous loads that ended since the last call, each
   reported once, success or not; a failed one's blocks are reported by `take_invalid_blocks` in the same pass, so
-  vLLM recomputes from the first bad block. On a step with nothing scheduled it first waits a few ms for a load
-  to end (vLLM would otherwise poll in a tight loop, taking the cores the load needs).
+  vLLM recomputes from the first bad block (several KV cache groups: the request is reported by
+  `take_failed_loads` instead, as a failed receive, and vLLM recomputes it whole). On a step with nothing
+  scheduled it first waits a few ms for a load to end (vLLM would otherwise poll in a tight loop, taking the
+  cores the load needs).
 - `worker_meta()`: per-request ``RequestStats`` of the step, the keys that entered or left the process-memory
   tier (the scheduler mirrors them for its lookups; with ``mode: server`` the cache is the host's
   ``kvfabric server`` and the scheduler asks it instead), and the keys of chunks that failed a load (the scheduler
   forgets them, so a request sent back to waiting is not offered the same bad chunk again).
+KV cache groups (``KVGroups``): each layer moves through its group's block table (``LoadSpec.table``); with
+several groups the window layers load from the spec's `window_from` only.
 Paged layout: ``kvfabric.connectors.paged``; the K/V region layouts are measured at first use
 (``detect_cpu_kv_layout``), so stored chunks are true [layers, 2, heads, tokens, head_dim] KV.
 """
@@ -39,7 +43,7 @@ from vllm.logger import init_logger
 
 from kvfabric.config import Config
 from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather
-from kvfabric.connectors.vllm.config import detect_cpu_kv_layout
+from kvfabric.connectors.vllm.config import KVGroups, detect_cpu_kv_layout
 from kvfabric.connectors.vllm.loads import Loader, LoadOutcome
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, RequestStats
 from kvfabric.connectors.vllm.saver import ActiveSave, Saver
@@ -57,8 +61,9 @@ IDLE_WAIT_S = 0.005  # on a step with nothing scheduled, wait this long for an a
 
 class WorkerSide:
     def __init__(self, config: Config, layout: KVLayout, model_id: str, block_size: int,
-                 options: dict[str, Any], is_sync_store: bool = False) -> None:
+                 options: dict[str, Any], is_sync_store: bool = False, groups: KVGroups | None = None) -> None:
         self.config = config
+        self.groups = groups or KVGroups(block_size)
         self.is_sync_store = is_sync_store  # a P/D producer: the step's KV is stored before its output leaves
         self.layout = layout
         self.chunk_size = config.chunk_size
@@ -67,6 +72,7 @@ class WorkerSide:
         self.engine = open_cache(config, layout, model_id, name=f"vllm-worker-{os.getpid()}")
         self.mirrored = "cpu" in config.tiers and config.mode != "server"  # a process-memory tier of ours
         self.layers: dict[str, tuple[int, CpuPagedLayer]] = {}
+        self.group_of: dict[int, int] = {}  # layer index -> its KV cache group (0 with one group)
         self.region_layouts: tuple[str, str] | None = None  # (K, V), measured on first use
         self.counters = Counters()
         self.stats_path = options.get("stats_path")
@@ -82,6 +88,7 @@ class WorkerSide:
         self.failed_reqs: set[str] = set()
         self.step_stats: dict[str, RequestStats] = {}
         self.invalid_blocks: set[int] = set()
+        self.failed_loads: set[str] = set()  # several groups: requests whose load failed (a failed receive)
         self._reported: set[bytes] = set()
         self._failed_keys: list[bytes] = []  # chunks that failed a load since the last worker_meta
         self._tier_touched = False  # a load may have read (and so touched) memory-tier entries
@@ -100,6 +107,7 @@ class WorkerSide:
         from vllm.model_executor.models.utils import extract_layer_index
         for name, kv in kv_caches.items():
             self.layers[name] = (extract_layer_index(name), self._paged(kv))
+            self.group_of[self.layers[name][0]] = self.groups.layer_group.get(name, 0)
         indices = sorted(index for index, _ in self.layers.values())
         some = next(iter(self.layers.values()))[1] if self.layers else None
         if (indices != list(range(self.layout.num_layers)) or some is None or some.num_heads !=
@@ -107,13 +115,19 @@ class WorkerSide:
                 some.dtype != self.layout.torch_dtype):
             shapes = [(name, tuple(kv.shape), kv.dtype) for name, kv in list(kv_caches.items())[:2]]
             raise ValueError(f"KVFabricConnector: KV caches {shapes}... do not match the layout {self.layout}")
-        self.loader.bind([layer for _, layer in sorted(self.layers.values(), key=lambda item: item[0])])
+        if self.groups.is_hybrid and set(self.groups.layer_group) != set(kv_caches):
+            raise ValueError(f"KVFabricConnector: KV cache layers {sorted(kv_caches)} are not those of vLLM's KV "
+                             f"cache groups {sorted(self.groups.layer_group)}")
+        window = set(self.layout.window_layers) if self.groups.is_hybrid else set()
+        self.loader.bind([layer for _, layer in sorted(self.layers.values(), key=lambda item: item[0])],
+                         [self.group_of[i] for i in indices], window)
 
     def _layer(self, name: str, kv: torch.Tensor | None = None) -> tuple[int, CpuPagedLayer] | None:
         found = self.layers.get(name)
         if found is None and kv is not None:
             from vllm.model_executor.models.utils import extract_layer_index
             found = self.layers[name] = (extract_layer_index(name), self._paged(kv))
+            self.group_of[found[0]] = self.groups.layer_group.get(name, 0)
         return found
 
     # -- step
@@ -157,12 +171,17 @@ class WorkerSide:
         if outcome.bad_key is not None:
             self._failed_keys.append(outcome.bad_key)
         if outcome.bad_blocks:
-            self.invalid_blocks.update(outcome.bad_blocks)
             self.failed_reqs.add(outcome.req_id)
             self.counters.add("load_failed_tokens", outcome.stats.failed_tokens)
-            logger.warning("kvfabric: request %s: chunk at token %d missing or corrupt; %d tokens (blocks %s...) "
-                           "will be recomputed", outcome.req_id, outcome.end, outcome.stats.failed_tokens,
-                           list(outcome.bad_blocks[:4]))
+            if self.groups.is_hybrid:  # vLLM maps block ids back to requests only with one KV cache group
+                self.failed_loads.add(outcome.req_id)
+                what = "the request will be recomputed from its start (a failed receive: several KV cache groups)"
+            else:
+                self.invalid_blocks.update(outcome.bad_blocks)
+                what = f"{outcome.stats.failed_tokens} tokens (blocks {list(outcome.bad_blocks[:4])}...) will be " \
+                    "recomputed"
+            logger.warning("kvfabric: request %s: chunk at token %d missing or corrupt; %s", outcome.req_id,
+                           outcome.end, what)
 
     def _add_stats(self, req_id: str, stats: RequestStats) -> None:
         self.step_stats[req_id] = self.step_stats.get(req_id, RequestStats()) + stats
@@ -180,12 +199,14 @@ class WorkerSide:
             self.saves = [ActiveSave(spec, [self.engine.new_payload(min(cs, spec.end - first))
                                             for first in range(spec.start, spec.end, cs)])
                           for spec in self.meta.saves]
+        group = self.group_of.get(index, 0)
         for save in self.saves:
             if index in save.layers_done:
                 continue
+            table = save.spec.table(group)
             for i, chunk in enumerate(save.chunks):
                 first = save.spec.start + i * cs
-                gather(layer, save.spec.block_ids, first, first + chunk.kv.shape[3], chunk.kv[index])
+                gather(layer, table, first, first + chunk.kv.shape[3], chunk.kv[index])
             save.layers_done.add(index)
         self.counters.add("save_gather_ns", time.perf_counter_ns() - started)
 
@@ -238,6 +259,10 @@ class WorkerSide:
             return None
         return KVFabricWorkerMetadata(requests, list(stored), removed, failed)
 
+    def take_failed_loads(self) -> set[str]:
+        out, self.failed_loads = self.failed_loads, set()
+        return out
+
     def take_invalid_blocks(self) -> set[int]:
         out, self.invalid_blocks = self.invalid_blocks, set()
         return out
@@ -246,6 +271,7 @@ class WorkerSide:
     def stats(self) -> dict[str, Any]:
         engine = self.engine.stats()
         return {"connector": self.counters.snapshot(), "engine": engine.counters,
+                "kv_cache_groups": self.groups.num_groups,
                 "tiers": [dataclasses.asdict(usage) for usage in engine.tiers]}
 
     def write_stats(self) -> None:
