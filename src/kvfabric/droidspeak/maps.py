@@ -89,7 +89,8 @@ def fit_maps(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], sender_layers: 
     size = xtx.shape[-1]
     reg = torch.eye(size, dtype=xtx.dtype) * ridge * xtx.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True)[..., None]
     reg[..., -1, -1] = 0.0  # the bias is not regularised
-    w = torch.linalg.solve(xtx + reg, xty)  # [Lb, 2, Fa + 1, Fb]
+    # numpy's solver: torch's batched float64 LU failed here inside MKL (DLASWP parameter errors) at Fa = 256
+    w = torch.from_numpy(np.linalg.solve((xtx + reg).numpy(), xty.numpy()))  # [Lb, 2, Fa + 1, Fb]
     # R^2 = 1 - residual / total, from the same sums: ||XW - Y||^2 = Y'Y - 2 W'X'Y + W'X'XW
     residual = yty.sum(-1) - 2 * (w * xty).sum((-2, -1)) + (w * (xtx @ w)).sum((-2, -1))
     total = yty.sum(-1) - (ysum * ysum).sum(-1) / count
