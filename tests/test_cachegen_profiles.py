@@ -17,6 +17,7 @@ LAYOUTS = {  # the layouts engines.runtime.layout_for gives these models' config
     "smollm2-135m-instruct": KVLayout(30, 3, 64),
     "gemma3-270m": KVLayout.from_layer_types(GEMMA_TYPES, 1, 256, 512),
     "qwen2.5-coder-0.5b": KVLayout(24, 2, 64),
+    "qwen2.5-coder-1.5b": KVLayout(28, 2, 128),
 }
 
 
