@@ -426,9 +426,11 @@ class CacheEngine:
             if parts is not None:  # the window parts a hit of the whole prompt needs
                 first = parts.first_live_chunk(num_tokens, self.chunk_size)
                 self.stack.prefetch([parts.window_key(k) for k in keys[first:]])
+            # a split chunk's full part is decoded here, then copied into its layers of out: one buffer per load
+            part = None if parts is None else torch.empty(parts.full.shape(self.chunk_size), dtype=out.dtype)
             for i, found in enumerate(self._fetch_ahead(keys, num_tokens, permit)):
                 s, e = self._span(i, num_tokens)
-                if isinstance(self._take_into(keys[i], found, out[:, :, :, s:e, :]), ChunkMiss):
+                if isinstance(self._take_into(keys[i], found, out[:, :, :, s:e, :], part), ChunkMiss):
                     break
                 num_done, num_chunks = e, i + 1
             if parts is not None and num_chunks:
@@ -445,11 +447,13 @@ class CacheEngine:
         c.add("retrieve_ns", int(elapsed * 1e9))
         return out[:, :, :, :num_done, :]
 
-    def _take_into(self, key: bytes, found: StackHit | None, out: torch.Tensor) -> ChunkHit | ChunkMiss:
-        """Decode a chunk read by retrieve into out [L, 2, H, T, D]: whole, or a split chunk's full part."""
+    def _take_into(self, key: bytes, found: StackHit | None, out: torch.Tensor,
+                   buffer: torch.Tensor | None) -> ChunkHit | ChunkMiss:
+        """Decode a chunk read by retrieve into out [L, 2, H, T, D]: whole, or a split chunk's full part (decoded
+        into buffer [Lf, 2, H, >= T, D] first)."""
         if self._parts is None:
             return self._take(key, found, out.shape[3], out)
-        part = torch.empty(self._parts.full.shape(out.shape[3]), dtype=out.dtype)
+        part = buffer[:, :, :, :out.shape[3]]
         got = self._take(key, found, out.shape[3], part, self._parts.full)
         if isinstance(got, ChunkHit):
             self._parts.put_full(out, part)
@@ -460,6 +464,7 @@ class CacheEngine:
         """Read the window parts a prefix of num_chunks chunks needs into out, zero the window rows before them;
         returns the chunks of the prefix served (fewer when a needed window part is missing or fails its checks)."""
         parts, scratch = self._parts, Scratch()
+        buffer = torch.empty(parts.window.shape(self.chunk_size), dtype=out.dtype)  # one per load, as above
         num_read = 0
 
         def read(chunks: Sequence[int]) -> list[bool]:
@@ -468,7 +473,7 @@ class CacheEngine:
             for i in chunks:
                 s, e = self._span(i, num_tokens)
                 key = parts.window_key(keys[i])
-                part = torch.empty(parts.window.shape(e - s), dtype=out.dtype)
+                part = buffer[:, :, :, :e - s]
                 got = self._take(key, self.stack.get(key, scratch, self._meta(i, len(keys), s, e), permit), e - s,
                                  part, parts.window)
                 if isinstance(got, ChunkHit):
@@ -479,9 +484,10 @@ class CacheEngine:
 
         served = parts.live_prefix(num_chunks, num_tokens, self.chunk_size, read)
         end = self._span(served - 1, num_tokens)[1] if served else 0
-        parts.zero_window_rows(out, parts.first_live_chunk(end, self.chunk_size) * self.chunk_size)
+        first_live = parts.first_live_chunk(end, self.chunk_size)
+        parts.zero_window_rows(out, first_live * self.chunk_size)
         self._counters.add("window_parts_read", num_read)
-        self._counters.add("window_parts_skipped", parts.first_live_chunk(end, self.chunk_size))
+        self._counters.add("window_parts_skipped", first_live)
         return served
 
     def _fetch_ahead(self, keys: Sequence[bytes], num_tokens: int, permit) -> Iterator[StackHit | None]:
