@@ -301,7 +301,7 @@ class TestPeerContract(TierContract):
     """A PeerTier stores nothing: chunks are seeded into another instance's served cpu tier and found through
     the controller."""
     declared = dict(is_trusted=False, is_read_only=True, is_persistent=False, is_shared=False, honors_capacity=False,
-                    honors_pins=False)
+                    honors_pins=False, is_zero_copy=False)
 
     @pytest.fixture(autouse=True)
     def _source(self, controller):

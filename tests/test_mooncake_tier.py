@@ -285,7 +285,7 @@ class TestMooncakeContract(TierContract):
     False, checked in that form); objects live in the segments of live clients, so a closed tier's objects are
     gone (is_persistent False) while every other client sees them (is_shared True)."""
     declared = dict(is_trusted=False, is_read_only=False, is_persistent=False, is_shared=True, honors_capacity=False,
-                    honors_pins=False)
+                    honors_pins=False, is_zero_copy=False)
 
     @pytest.fixture(autouse=True)
     def _master(self, shared_mooncake_master: MooncakeMaster) -> None:

@@ -341,7 +341,7 @@ class TestRedisContract(TierContract):
     """Redis evicts under its own maxmemory policy (see test_maxmemory_eviction_is_clean_misses) and a client
     cannot pin a key there: declared, and checked in that form."""
     declared = dict(is_trusted=False, is_read_only=False, is_persistent=True, is_shared=True, honors_capacity=False,
-                    honors_pins=False)
+                    honors_pins=False, is_zero_copy=False)
     is_cluster = False
 
     @pytest.fixture(autouse=True)

@@ -470,7 +470,7 @@ def test_pool_file_removed_under_a_running_process(pool_name: str) -> None:
 # ---- the shared tier contract (tests/tier_contract.py) -----------------------------------------------------
 class TestShmContract(TierContract):
     declared = dict(is_trusted=False, is_read_only=False, is_persistent=True, is_shared=True, honors_capacity=True,
-                    honors_pins=True)
+                    honors_pins=True, is_zero_copy=True)
 
     @pytest.fixture(autouse=True)
     def _pools(self) -> Iterator[None]:
@@ -545,3 +545,55 @@ def test_capabilities_get_into_and_prefetch(pool_name: str) -> None:
     assert tier.get_into(key_of(2), scratch) is None and tier.keys() == [key_of(1)]
     tier.close()
     assert tier.get_into(key_of(1), scratch) is None  # closed: a miss
+
+
+# ---- reads in place (get(in_place=True): the P/D decode instance's path) -----------------------------------
+def test_stack_reads_in_place_and_flags_a_reused_slot(pool_name: str) -> None:
+    tier = ShmTier(pool_name, 1 << 20)
+    blob = make_blob(key_of(1), 10_000, seed=1)
+    assert tier.put(key_of(1), blob)
+    stack = TierStack([tier])
+    hit = stack.get(key_of(1), promote=False, in_place=True)
+    assert hit is not None and hit.view is not None and bytes(hit.blob) == bytes(blob)
+    index = tier.arena.current  # the hit's bytes are the pool's own, not a copy
+    start = index.geo.data_offset + index.find(key_of(1)).offset
+    assert bytes(index.mm[start:start + 16]) == bytes(hit.blob[:16]) and hit.view.is_current()
+    assert tier.put(key_of(1), make_blob(key_of(1), 10_000, seed=2))  # a writer replaces it under the reader
+    assert not hit.view.is_current() and tier.counters["view_reused"] == 1
+    assert stack.get(key_of(1)).view is None  # a plain read copies, as before
+    stack.close()
+
+
+def test_a_corrupt_entry_read_in_place_is_dropped(pool_name: str) -> None:
+    tier = ShmTier(pool_name, 1 << 20)
+    assert tier.put(key_of(1), make_blob(key_of(1), 10_000, seed=1))
+    index = tier.arena.current
+    index.mm[index.geo.data_offset + index.find(key_of(1)).offset + 5000] ^= 0x55
+    stack = TierStack([tier])
+    assert stack.get(key_of(1), promote=False, in_place=True) is None
+    assert stack.counters["corrupt.shm"] == 1 and not tier.contains_many([key_of(1)])[0]
+    stack.close()
+
+
+def test_engine_read_chunk_in_place(pool_name: str) -> None:
+    import torch
+
+    from kvfabric import CacheEngine, Config, KVLayout
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
+    shm_cfg = ShmTierConfig(name=pool_name, capacity=8 << 20)
+    tokens = list(range(32))
+    kv = torch.randn(layout.shape(32), generator=torch.Generator().manual_seed(0))
+    with CacheEngine(Config(chunk_size=16, tiers=("shm",), shm=shm_cfg), layout, "m") as engine:
+        assert engine.store(tokens, kv) == 2
+        engine.flush()
+        key = engine.keys(tokens)[1]
+        hit = engine.read_chunk(key, promote=False, in_place=True)
+        assert torch.equal(hit.kv, kv[:, :, :, 16:]) and hit.view is not None and hit.is_intact()
+        copied = hit.kv.clone()
+        assert engine.delete(tokens)  # the slot goes back to the writers: what was copied may be torn now
+        assert not hit.is_intact() and torch.equal(copied, kv[:, :, :, 16:])
+        assert engine.read_chunk(key, promote=False, in_place=True).reason == "missing"
+        assert engine.store(tokens, kv) == 2
+        engine.flush()
+        assert engine.read_chunk(key).view is None  # without in_place: a copy, nothing to check afterwards

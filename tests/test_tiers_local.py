@@ -30,7 +30,7 @@ class PolicyContract(TierContract):
 
 class TestCpuTier(PolicyContract):
     declared = dict(is_trusted=True, is_read_only=False, is_persistent=False, is_shared=False, honors_capacity=True,
-                    honors_pins=True)
+                    honors_pins=True, is_zero_copy=False)
 
     def make_tier(self, capacity_bytes):
         return CpuTier(capacity_bytes, eviction=self.eviction)
@@ -41,7 +41,7 @@ class TestCpuTier(PolicyContract):
 
 class TestDiskTier(PolicyContract):
     declared = dict(is_trusted=False, is_read_only=False, is_persistent=True, is_shared=True, honors_capacity=True,
-                    honors_pins=True)
+                    honors_pins=True, is_zero_copy=False)
 
     @pytest.fixture(autouse=True)
     def _dir(self, tmp_path):

@@ -131,6 +131,53 @@ def test_async_load_of_a_partial_last_chunk(tmp_path):
     assert torch.equal(_paged_kv(layers, block_ids, 0, end), kv[:, :, :, :end])
 
 
+def test_async_load_from_the_shm_pool_is_in_place_and_a_slot_reused_mid_scatter_is_recomputed(monkeypatch):
+    """The P/D decode path: chunks are scattered straight out of the pool (no copy into a staging buffer). A
+    producer that rewrites chunk 1's slot while the loader scatters it makes the load stop there (torn)."""
+    import uuid
+
+    from kvfabric.connectors.vllm import loads
+    from kvfabric.tiers.shm import ShmTier
+
+    name = f"test-loads-{uuid.uuid4().hex[:8]}"
+    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["shm"], "shm": {"name": name, "capacity": "8MiB"}})
+    tokens = list(range(1, 4 * CHUNK + 1))
+    kv = torch.randn(LAYOUT.shape(len(tokens)), generator=torch.Generator().manual_seed(2))
+    producer = ShmTier(name, 8 << 20)  # another process's view of the same pool: the writer
+    try:
+        with CacheEngine(config, LAYOUT, "m") as engine:
+            assert engine.store(tokens, kv) == 4
+            engine.flush()
+            keys = engine.keys(tokens)
+            layers = [CpuPagedLayer(torch.zeros(10, 2, BLOCK, 16), BLOCK) for _ in range(LAYOUT.num_layers)]
+            loader = Loader(engine, Counters(), BLOCK, num_threads=1)  # one thread: chunks in order
+            loader.bind(layers)
+            block_ids = list(range(8))
+            loader.start_async(LoadSpec("a", keys, 0, 4 * CHUNK, block_ids, is_async=True))
+            (whole,) = _wait_async(loader)
+            assert whole.end == 4 * CHUNK and not whole.bad_blocks
+            assert torch.equal(_paged_kv(layers, block_ids, 0, 4 * CHUNK), kv)
+            assert loader.counters["load_torn_chunks"] == 0
+            calls = []
+            real_scatter = loads.scatter
+
+            def scatter_while_a_writer_reuses_chunk_1(layer, block_ids, lo, hi, src):
+                calls.append(lo)
+                if lo == CHUNK and calls.count(CHUNK) == 1:  # chunk 1's first layer: its slot is rewritten
+                    assert producer.put(keys[1], bytes(producer.get(keys[1])))
+                real_scatter(layer, block_ids, lo, hi, src)
+
+            monkeypatch.setattr(loads, "scatter", scatter_while_a_writer_reuses_chunk_1)
+            loader.start_async(LoadSpec("b", keys, 0, 4 * CHUNK, block_ids, is_async=True))
+            (torn,) = _wait_async(loader)
+            loader.stop()
+            assert torn.end == CHUNK and torn.bad_blocks == (2, 3, 4, 5, 6, 7) and torn.bad_key == keys[1]
+            assert loader.counters["load_torn_chunks"] == 1
+    finally:
+        producer.close()
+        ShmTier.destroy(name)
+
+
 @pytest.mark.parametrize("layered", [False, True])
 def test_hybrid_manager_load_uses_each_groups_table_and_window_layers_only_from_window_from(tmp_path, layered):
     """vLLM's hybrid manager: layer i's KV goes through its KV cache group's block table; window layers (0, 1:

@@ -25,7 +25,8 @@ from kvfabric.tiers.base import Scratch
 from kvfabric.tiers.stack import TierStack
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
-DECLARATIONS = ("is_trusted", "is_read_only", "is_persistent", "is_shared", "honors_capacity", "honors_pins")
+DECLARATIONS = ("is_trusted", "is_read_only", "is_persistent", "is_shared", "honors_capacity", "honors_pins",
+                "is_zero_copy")
 METHODS = ("contains_many", "get", "get_into", "prefetch", "file_of", "put", "delete", "keys", "usage", "pin",
            "unpin", "clear", "close")
 
@@ -81,6 +82,20 @@ class TierContract:
         path = tier.file_of(key(1))
         assert path is None or Path(path).read_bytes() == blob
         assert (key(1) in tier.keys()) != tier.is_read_only
+
+    def test_read_in_place(self, tier):
+        blob = make_blob(key(1), seed=1)
+        self.seed(tier, [(key(1), blob)])
+        if not tier.is_zero_copy:  # the stack never asks such a tier
+            with pytest.raises(NotImplementedError):
+                tier.get_view(key(1))
+            return
+        assert tier.get_view(key(99)) is None
+        view = tier.get_view(key(1))
+        assert view is not None and bytes(view.blob) == blob and view.is_current()
+        tier.delete(key(1))  # the writer reuses the entry: a reader that copied from the view must know
+        assert not view.is_current()
+        assert tier.get_view(key(1)) is None
 
     def test_missing_key_is_none(self, tier):
         assert tier.get(key(99)) is None

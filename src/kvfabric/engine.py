@@ -56,7 +56,7 @@ from kvfabric.events import ChunkEvents, EventPublisher
 from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
 from kvfabric.metrics import EngineCollector, Histograms, MetricsEndpoint, engine_registry
-from kvfabric.tiers.base import Blob, Scratch, Tier, TierUsage
+from kvfabric.tiers.base import Blob, Scratch, Tier, TierUsage, TierView
 from kvfabric.tiers.factory import build_tiers, codec_spec
 from kvfabric.tiers.policies import NO_META, AccessMeta, prefill_cost_s
 from kvfabric.tiers.stack import StackHit, TierStack
@@ -73,6 +73,12 @@ class ChunkHit:
     tier: str  # the tier that served it ("pending": a write still queued)
     num_bytes: int  # bytes of the blob read
     layers: tuple[int, ...] | None = None  # the layout's layers kv holds, in order (None: all of them)
+    view: TierView | None = None  # read in place (read_chunk(in_place=True)): see is_intact
+
+    def is_intact(self) -> bool:
+        """After copying kv elsewhere: whether it was still the stored chunk throughout (False only for a read in
+        place whose shared memory a writer reused meanwhile: the copy may be torn, throw it away)."""
+        return self.view is None or self.view.is_current()
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,7 +351,8 @@ class CacheEngine:
         return self._parts
 
     def read_chunk(self, key: bytes, out: torch.Tensor | None = None, *, num_tokens: int | None = None,
-                   scratch: Scratch | None = None, promote: bool = True, window: bool = True) -> ChunkHit | ChunkMiss:
+                   scratch: Scratch | None = None, promote: bool = True, window: bool = True,
+                   in_place: bool = False) -> ChunkHit | ChunkMiss:
         """One chunk by key. With `out` [L, 2, H, T, D] (any float dtype, T the chunk's tokens) it is decoded
         into `out`. Without, `kv` holds num_tokens (default chunk_size) tokens in the layout dtype: a raw chunk
         is a zero-copy view, over `scratch` when the first tier reads into it (valid until the caller reuses
@@ -353,11 +360,16 @@ class CacheEngine:
         `promote=False`: a chunk found below the first tier is not copied into the faster tiers, and every tier
         reads into `scratch` (no fresh allocation: for a caller that copies the KV elsewhere right away).
         `window=False` on a split layout: the full-attention part only, kv [Lf, 2, H, T, D] (`out` of that shape)
-        and `layers` = its layers; the window part is not read."""
+        and `layers` = its layers; the window part is not read.
+        `in_place=True` (with promote=False, no `out`): a raw chunk in a tier that reads in place (the shm pool)
+        is verified and viewed where it lies, with no copy at all; the caller copies kv where it goes and then
+        calls `hit.is_intact()`, which is False when a writer reused that memory meanwhile (a miss, after the
+        fact). The copy out of the pool into `scratch` is the one this saves: for P/D, a whole transfer's worth."""
         started = time.perf_counter()
         num_tokens = out.shape[3] if out is not None else num_tokens or self.chunk_size
         if self._parts is None:
-            result = self._take(key, self.stack.get(key, scratch, promote=promote), num_tokens, out)
+            found = self.stack.get(key, scratch, promote=promote, in_place=in_place and out is None)
+            result = self._take(key, found, num_tokens, out)
         elif not window:
             result = self._take(key, self.stack.get(key, scratch, promote=promote), num_tokens, out, self._parts.full)
             if isinstance(result, ChunkHit):
@@ -411,7 +423,7 @@ class CacheEngine:
             log.warning("dropping undecodable chunk %s from tier %s: %s", key.hex()[:16], found.tier, exc)
             self.stack.discard(key)
             return ChunkMiss("wrong_layout" if isinstance(exc, WrongLayoutError) else "corrupt")
-        return ChunkHit(kv, found.tier, len(found.blob))
+        return ChunkHit(kv, found.tier, len(found.blob), view=found.view)
 
     def retrieve(self, tokens: Tokens, out: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = len(tokens)

@@ -20,7 +20,11 @@ Contract for every tier (tests/tier_contract.py runs one suite on each implement
   a chunk when the tier keeps each chunk as an immutable file (the peer server sends it with sendfile).
   `new_blob(size)` is a buffer for a blob that will be put here (the cpu tier recycles the buffers of chunks it
   dropped once nothing else references them, so a store does not page-fault fresh memory in).
-  `TierBase` gives the defaults: get_into returns get(key), prefetch does nothing, file_of is None, new_blob is
+  `get_view(key)` (only where `is_zero_copy`: the shm pool) gives a `TierView`: the blob as a view of memory the
+  tier shares with other processes, no copy at all, and `is_current()`, which says whether the bytes are still
+  that entry's. A writer may reuse the memory at any time, so a caller copies what it needs out of the view and
+  then checks `is_current()`: False means the copy may be torn and must be thrown away.
+  `TierBase` gives the defaults: get_into returns get(key), get_view is None (`is_zero_copy` False), prefetch does nothing, file_of is None, new_blob is
   fresh memory, `is_policy_driven` is False, and the batch calls `put_many(items)` / `get_many_into(keys,
   scratches)` loop over put / get_into (a remote tier overrides them with one round trip).
 - `is_policy_driven` (a `PolicyTier`: cpu, disk): eviction and admission are pluggable policies; `get`,
@@ -77,12 +81,15 @@ class Tier(Protocol):
     is_shared: bool
     honors_capacity: bool
     honors_pins: bool
+    is_zero_copy: bool
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
 
     def get(self, key: bytes) -> Blob | None: ...
 
     def get_into(self, key: bytes, scratch: Scratch) -> Blob | None: ...
+
+    def get_view(self, key: bytes) -> TierView | None: ...
 
     def prefetch(self, keys: Sequence[bytes]) -> None: ...
 
@@ -105,12 +112,25 @@ class Tier(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class TierView:
+    """A blob read in place (`Tier.get_view`): `blob` is a view of shared memory, valid to read until a writer
+    reuses it; `is_current()` after the reader has copied what it needs says whether that happened meanwhile."""
+    blob: memoryview
+    is_current: Callable[[], bool]
+
+
 class TierBase:
     """Defaults for the optional methods of the Tier protocol; tiers override what they do better. (The
-    declarations have no defaults: every tier states each one; `is_policy_driven` is False unless the tier is a
-    `PolicyTier`.)"""
+    declarations have no defaults: every tier states each one; `is_policy_driven` and `is_zero_copy` are False
+    unless the tier is a `PolicyTier` / reads in place.)"""
 
     is_policy_driven = False
+    is_zero_copy = False
+
+    def get_view(self, key: bytes) -> TierView | None:
+        """Only on a tier that `is_zero_copy`."""
+        raise NotImplementedError(f"{type(self).__name__} does not read in place")
 
     def new_blob(self, size: int) -> bytearray:
         """A writable buffer of `size` bytes for a blob that will be put here; by default fresh memory (the cpu

@@ -9,6 +9,10 @@ Contract:
   placement moves it, write-through copies it). Reads below the first tier need a slow-read slot
   (`placement.max_slow_reads`): a load without one gets a miss there (counted `slow_read_refused`). `permit`
   (from `load_permit()`) lets the reads of one load share the slot it took; without, each read asks alone.
+  `get(..., in_place=True)` (with promote=False): a tier that `is_zero_copy` hands out a view of its shared
+  memory, verified there; the hit's `view.is_current()` tells its caller afterwards whether the bytes it copied
+  were still that entry's. A view that fails its checks while it is no longer current was reused under the
+  reader, not damaged: it is skipped (counted `view_reused`), never deleted.
 - Tiers with `is_read_only` (a peer) are read from but never written to.
 - `put(key, blob, per_level, meta)`: placement decides the tiers (`levels.store`: every writable tier, or the
   first one when exclusive); `per_level` gives some tiers (by index) their own encoding of the chunk (a
@@ -42,7 +46,7 @@ from dataclasses import dataclass, field
 from kvfabric.codec.format import ChunkFormatError, ChunkHeader, fill_checksums, parse
 from kvfabric.config import PlacementConfig
 from kvfabric.counters import Counters
-from kvfabric.tiers.base import Blob, Scratch, Tier
+from kvfabric.tiers.base import Blob, Scratch, Tier, TierView
 from kvfabric.tiers.placement import Levels, LoadPermit, PromotionCounter, SlowReads
 from kvfabric.tiers.policies import NO_META, AccessMeta
 
@@ -56,6 +60,7 @@ class StackHit:
     blob: Blob
     header: ChunkHeader
     tier: str
+    view: TierView | None = None  # a read in place (get(in_place=True)): check view.is_current() after use
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +128,7 @@ class TierStack:
         return self._slow_reads.permit()
 
     def get(self, key: bytes, scratch: Scratch | None = None, meta: AccessMeta = NO_META,
-            permit: LoadPermit | None = None, promote: bool = True) -> StackHit | None:
+            permit: LoadPermit | None = None, promote: bool = True, in_place: bool = False) -> StackHit | None:
         """The chunk's blob, its header and the tier's name, or None. With `scratch`, the first tier reads with
         `get_into` (no allocation where the tier can); a blob from a later tier is kept for promotion. With
         `promote=False` a hit below the first tier is not promoted, so every tier reads into `scratch` (a caller
@@ -131,7 +136,7 @@ class TierStack:
         trusted first tier (process memory), then writes still queued, then the other tiers."""
         if permit is None and self._slow_reads.limit and len(self.tiers) > 1:
             with self.load_permit() as own:
-                return self.get(key, scratch, meta, own, promote)
+                return self.get(key, scratch, meta, own, promote, in_place)
         for level, tier in enumerate(self.tiers):
             if level == int(self.tiers[0].is_trusted):  # right after process memory, before any slow tier
                 pending = self._pending.get(key)
@@ -141,12 +146,17 @@ class TierStack:
             if level > 0 and permit is not None and not permit.allows():
                 self.counters.add("slow_read_refused")
                 break
-            blob = self._read(level, tier, key, scratch if level == 0 or not promote else None, meta)
+            view = tier.get_view(key) if in_place and not promote and tier.is_zero_copy else None
+            blob = view.blob if view is not None else self._read(
+                level, tier, key, scratch if level == 0 or not promote else None, meta)
             if blob is None:
                 continue
             try:
                 header = parse(blob, key, is_trusted=tier.is_trusted)
             except ChunkFormatError as exc:
+                if view is not None and not view.is_current():  # rewritten while we checked it: not damage
+                    self.counters.add("view_reused")
+                    continue
                 log.warning("dropping damaged chunk %s from tier %s: %s", key.hex()[:16], tier.name, exc)
                 self.counters.add(f"corrupt.{tier.name}")
                 tier.delete(key)
@@ -155,7 +165,7 @@ class TierStack:
             self.counters.add(f"bytes_read.{tier.name}", len(blob))
             if level > 0 and promote:
                 self._promote(level, key, blob, meta)
-            return StackHit(blob, header, tier.name)
+            return StackHit(blob, header, tier.name, view)
         self.counters.add("miss")
         return None
 

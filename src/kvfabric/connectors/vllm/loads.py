@@ -14,14 +14,18 @@ Contract:
 - `start_async(spec)` (vLLM's WAITING_FOR_REMOTE_KVS path): the load's chunks are spread over the threads; a
   thread reads a chunk into its staging buffer (``CacheEngine.read_chunk(promote=False)``: checksums and layout
   verified, no copy into process memory: vLLM's own prefix cache will hold the KV) and scatters it into every
-  layer at once, so reading chunk i+1 overlaps scattering chunk i. `take_finished()` returns each finished load
+  layer at once, so reading chunk i+1 overlaps scattering chunk i. A chunk in the shm pool is not read at all:
+  it is verified and scattered where it lies (``read_chunk(in_place=True)``), and a chunk whose slot a writer
+  reused during the scatter (``ChunkHit.is_intact``, checked before the load is reported finished) fails like a
+  corrupt one: its blocks are recomputed. `take_finished()` returns each finished load
   once, as a ``LoadOutcome``; `wait_finished(timeout)` blocks until one is there (the worker calls it on steps
   that have nothing else to do, instead of letting vLLM poll in a tight loop).
 - `start_layered(specs)` (synchronous, layer-wise): a step's loads. All their chunks are read and verified
   first (raw chunks from process memory are zero-copy views; others land in a pool of buffers held until the
   step's loads are done), then scattered one layer at a time, so scattering layer l+1 overlaps the forward's
   layer l. `wait_layer(index)` returns once layer `index` of every load is in place; `finish_layered()` returns
-  the step's outcomes. Trade-off (chunks hold all layers): a load is verified before any of its KV is used,
+  the step's outcomes. (Not in place: the forward uses each layer as it lands, so its chunks are copied
+  out of the pool first and verified whole.) Trade-off (chunks hold all layers): a load is verified before any of its KV is used,
   and a failed chunk never costs a step, but the reads themselves are not overlapped with compute (layer 0
   needs every chunk); ranged per-layer reads would hide them at the price of verifying after the forward.
 - A missing or corrupt chunk ends that load there: its outcome's `end` is the first token not loaded and
@@ -226,12 +230,12 @@ class Loader:
                 else:
                     self._chunk_done(task[0], task[1], None)
 
-    def _read(self, job: _Job, i: int, scratch: Scratch) -> ChunkHit | None:
+    def _read(self, job: _Job, i: int, scratch: Scratch, in_place: bool = False) -> ChunkHit | None:
         started = time.perf_counter_ns()
         # a chunk wholly before window_from: no window row of it is loaded (hybrid manager), nor read
         window = not self.window_layers or job.chunk_span(i)[2] > job.spec.window_from
         found = self.engine.read_chunk(job.spec.keys[i], num_tokens=job.chunk_tokens(i), scratch=scratch,
-                                       promote=False, window=window)
+                                       promote=False, window=window, in_place=in_place)
         self.counters.add("load_chunk_read_ns", time.perf_counter_ns() - started)  # file read + checks
         if isinstance(found, ChunkMiss):
             self.counters.add(f"load_{found.reason}_chunks")
@@ -246,13 +250,21 @@ class Loader:
         if job.first_bad is not None and job.first_bad < i:  # a chunk before it failed: no use loading it
             self._chunk_done(job, i, None)
             return
-        hit = self._read(job, i, staging)
+        hit = self._read(job, i, staging, in_place=True)
         if hit is not None:
             started = time.perf_counter_ns()
             for index, layer in enumerate(self.layers):  # this chunk's part, [2, H, hi-lo, D] per layer
                 self._scatter(job, i, hit, index, layer)
             self.counters.add("load_scatter_ns", time.perf_counter_ns() - started)
+            hit = self._intact(hit)
         self._chunk_done(job, i, hit)
+
+    def _intact(self, hit: ChunkHit) -> ChunkHit | None:
+        """hit, or None when it was read in place and its memory was reused while we scattered it (torn)."""
+        if hit.is_intact():
+            return hit
+        self.counters.add("load_torn_chunks")
+        return None
 
     def _chunk_done(self, job: _Job, i: int, hit: ChunkHit | None) -> None:
         with self._cond:

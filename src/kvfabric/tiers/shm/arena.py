@@ -265,6 +265,12 @@ class Arena:
             blob[:] = arena[start:start + length]  # one memcpy into the caller's buffer
         return blob
 
+    def view(self, index: Index, ref: EntryRef) -> memoryview:
+        """The entry's bytes in place (read-only, no copy); the caller checks `index.is_current(ref)` after use."""
+        start = index.geo.data_offset + ref.offset
+        self.ops.invalidate(index.mm, start, ref.length)
+        return memoryview(index.mm)[start:start + ref.length].toreadonly()
+
     def close(self) -> None:
         """Unmap the pool; its contents stay for other and later processes."""
         with self._tlock:

@@ -5,6 +5,8 @@ Contract:
 - Reads take no lock: find the entry, copy its bytes out, and re-check the entry's seq; if it moved, the extent
   may have been reused and the read is retried (READ_RETRIES times) or is a miss, never a torn blob. `get`
   returns a private copy, `get_into` a view of the caller's scratch; `prefetch` has nothing to start early.
+  `get_view` copies nothing: the blob is a view of the pool, and its `is_current()` is that same re-check, for
+  the caller to run after it has copied what it needs out (a False means the copy may be torn).
 - A put or delete that cannot get the writers' lock within `lock_timeout_s` is dropped and counted, like a full
   write queue; `clear` waits longer and raises rather than pretend it emptied the pool.
 - A closed tier (or one whose pool cannot be reached) answers misses, False, [] and zero usage; clear is a no-op.
@@ -22,7 +24,7 @@ import numpy as np
 
 from kvfabric.config import ShmTierConfig
 from kvfabric.counters import Counters
-from kvfabric.tiers.base import Blob, Scratch, TierBase, TierUsage
+from kvfabric.tiers.base import Blob, Scratch, TierBase, TierUsage, TierView
 from kvfabric.tiers.shm.allocator import Allocator
 from kvfabric.tiers.shm.arena import DEFAULT_ROOT, Arena, ShmLockTimeout
 from kvfabric.tiers.shm.coherence import CacheOps, cache_ops
@@ -42,6 +44,7 @@ class ShmTier(TierBase):
     is_shared = True
     honors_capacity = True
     honors_pins = True
+    is_zero_copy = True
 
     def __init__(self, name: str = "kvfabric", capacity_bytes: int = 2**30, *, root: str | os.PathLike = DEFAULT_ROOT,
                  num_slots: int | None = None, lock_timeout_s: float = 2.0, coherent: bool = True,
@@ -82,6 +85,29 @@ class ShmTier(TierBase):
     def get_into(self, key: bytes, scratch: Scratch) -> memoryview | None:
         """Like `get`, but copy into `scratch` (no allocation, no page faults); valid until scratch is reused."""
         return self._read(key, scratch)  # type: ignore[return-value]
+
+    def get_view(self, key: bytes) -> TierView | None:
+        """The blob in place (no copy), with the re-check of its entry for after the caller has used it."""
+        if (index := self.arena.refresh()) is None:
+            return None
+        try:
+            ref = index.find(key)
+            if ref is None:
+                return None
+            view = self.arena.view(index, ref)
+        except ValueError:  # closed under us by close()
+            return None
+        index.touch(ref.slot)
+
+        def is_current() -> bool:
+            try:
+                if index.is_current(ref):
+                    return True
+            except ValueError:  # unmapped meanwhile: the view's bytes are no longer the pool's
+                pass
+            self.counters.add("view_reused")
+            return False
+        return TierView(view, is_current)
 
     def prefetch(self, keys: Sequence[bytes]) -> None:
         """Nothing to start early: a read is one copy out of memory."""
