@@ -23,3 +23,15 @@ def test_pair_config_is_a_valid_kvfabric_config(tmp_path):
         config = Config.from_dict(extra)
         assert config.tiers == (("redis",) if url else ("shm",)) and options["stats_path"].endswith("s.json")
         assert config.redis.url == url if url else config.shm.capacity == 64 << 20
+
+
+def test_p2p_pair_config_is_a_cluster_of_two_serving_process_memory(tmp_path):
+    configs = []
+    for name in ("prefill", "decode"):
+        extra = pd_extra("p", tmp_path / "s.json", "64MiB", controller_url="http://127.0.0.1:1", instance_id=name)
+        for k in ("model_id", "stats_path"):
+            extra.pop(k)
+        configs.append(Config.from_dict(extra))
+    assert all(c.tiers == ("cpu", "peer") and c.cpu.capacity == 64 << 20 for c in configs)
+    assert [c.cluster.instance_id for c in configs] == ["prefill", "decode"]
+    assert all(c.cluster.serve_tiers == ("cpu",) and not c.cluster.keep_fetched for c in configs)

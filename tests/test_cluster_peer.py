@@ -279,6 +279,22 @@ def test_engines_built_from_config_share_chunks_through_the_controller(controlle
         assert b.store(TOKENS, kv[:, :, :, :NUM_CHUNKS * CHUNK]) == 0  # kept locally on fetch
 
 
+def test_flush_to_peers_returns_once_a_peer_can_find_the_chunks(controller):
+    """A P/D prefill instance answers after flush(to_peers=True): the decode instance's lookup right after hits."""
+    from kvfabric.config import ClusterConfig
+    def config(name: str, interval_s: float) -> Config:
+        return Config(chunk_size=CHUNK, tiers=("cpu", "peer"), cluster=ClusterConfig(
+            controller_url=controller.url, token=TOKEN, instance_id=name, report_interval_s=interval_s,
+            lookup_ttl_s=0.0))
+    kv = torch.randn(LAYOUT.shape(NUM_CHUNKS * CHUNK))
+    # a report interval far longer than the test: only the flush can have told the controller
+    with CacheEngine(config("a", 600.0), LAYOUT, "m") as a, CacheEngine(config("b", 600.0), LAYOUT, "m") as b:
+        assert a.node.flush_reports()  # registered, nothing stored yet
+        assert a.store(TOKENS, kv) == NUM_CHUNKS
+        a.flush(to_peers=True)  # (a plain flush() here leaves b's lookup at 0 until the next report)
+        assert b.lookup(TOKENS) == NUM_CHUNKS * CHUNK
+
+
 def test_peer_tier_must_be_last_and_needs_a_controller():
     from kvfabric.config import ClusterConfig, ConfigError
     with pytest.raises(ConfigError, match="'peer' must come last"):

@@ -5,7 +5,10 @@ Contract:
   prompt when its partial last chunk is cached with `save_partial_chunk`). It does not read chunk data.
 - `store(tokens, kv, start=0)`: kv [L, 2, H, T, D] holds the KV of tokens[start:start+T] (start chunk-aligned);
   every whole chunk in that range not yet cached is encoded and stored. Returns the number of chunks stored.
-  It returns once the fastest tier holds the chunks; slower tiers are written in the background (`flush`).
+  It returns once the fastest tier holds the chunks; slower tiers are written in the background. `flush()`
+  waits for those writes; `flush(to_peers=True)` with tier "peer" also for the controller to know what the
+  served tiers hold (bounded by `cluster.fetch_timeout_s`), so that a peer's lookup right after finds it (a P/D
+  prefill instance over P2P answers only then).
 - `retrieve(tokens, out=None)`: KV of the longest retrievable prefix of `tokens`, [L, 2, H, m, D] with m <= the
   lookup; a chunk that vanished or fails its checks ends the prefix there (a miss), is counted and removed, and is
   never returned. With `out` ([L, 2, H, >= len(tokens), D], any float dtype), chunks are copied into place and
@@ -22,7 +25,8 @@ Contract:
   prefix only while those window parts are present. `read_chunk` / `store_chunk` take and give whole chunks;
   `read_chunk(key, window=False)` reads a split chunk's full-attention part only (its `ChunkHit.layers` name the
   layers it holds): for a caller that needs no window row of that chunk (vLLM's hybrid manager, window rows
-  before the window).
+  before the window). `read_chunk(key, promote=False, in_place=True)`: a chunk in the shm pool is verified and
+  viewed where it lies; `ChunkHit.is_intact()` after copying it out says whether a writer reused it meanwhile.
 - `delete(tokens)` removes a prompt's chunks from every tier; `tier_keys`, `tier_usage`, `clear_tier` address one
   tier by name; `stats()` is an `EngineStats` snapshot.
 - Observability (kvfabric.metrics, kvfabric.events): lookup / store / retrieve / read_chunk latencies and codec
@@ -539,8 +543,10 @@ class CacheEngine:
             self.events.removed(held)
         return len(held)
 
-    def flush(self) -> None:
+    def flush(self, *, to_peers: bool = False) -> None:
         self.stack.flush()
+        if to_peers and self.node is not None and not self.node.flush_reports(self.config.cluster.fetch_timeout_s):
+            log.warning("kvfabric: the controller does not know this instance's latest chunks yet")
 
     def _tier(self, name: str) -> Tier:
         for tier in self.stack.tiers:

@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -141,7 +142,9 @@ def bench_fetch(num_chunks: int, repeats: int, root: Path) -> list[dict]:
                  "chunk", chunks=num_chunks, path="served with sendfile from the page cache")]
 
 
-def _controller():
+def start_controller() -> tuple[Any, threading.Thread, str]:
+    """A controller (in-memory index, token TOKEN) on a free loopback port, served by a thread of this process:
+    (uvicorn server, its thread, url). Stop it with `server.should_exit = True; thread.join()`."""
     import uvicorn
 
     from kvfabric.cluster.controller_app import create_app
@@ -165,7 +168,7 @@ def bench_cluster(num_tokens: int, repeats: int, root: Path) -> list[dict]:
     from kvfabric.cluster.client import ControllerClient
     from kvfabric.cluster.worker import ClusterNode
 
-    server, thread, url = _controller()
+    server, thread, url = start_controller()
     engines: list[CacheEngine] = []
 
     def instance(name: str, tiers: tuple[str, ...], capacity: int) -> tuple[ClusterNode, CacheEngine]:

@@ -5,13 +5,17 @@ Paths (each started here, one after the other, never two pairs at once):
     colocated  one vLLM instance, no connector, both cores
     shm        a prefill instance (kv_role kv_producer) and a decode instance (kv_consumer), each on its own core,
                sharing KV through one shared-memory pool, behind `kvfabric pd-proxy` (ProxyThread)
+    p2p        the same pair as members of one cluster (a controller run by this process): the prefill instance
+               keeps KV in its process memory and serves it over kvfabric's P2P TCP protocol; the decode
+               instance finds it through the controller and fetches it (tier "peer")
     redis      the same pair sharing KV through a Redis server (`--redis-url`; skipped without)
-    (p2p, the cluster's peer-to-peer TCP path, is not in this bench yet)
 
 Per (path, prompt size, concurrency): TTFT mean and P99 measured on the client through the proxy (prefill + decode
 first token), `transfer_s`: the decode instance's mean KV load time per request (its connector's counters),
 `memcpy_s`: the same bytes copied in memory once, `socket_s`: the same bytes over a raw loopback socket, both
-measured in this run; `same_output`: greedy text equal to the colocated instance's on every prompt.
+measured in this run; `e2e_mean_s`: to the end of the answer's stream; `kv_bytes_per_token` (measured) and
+`copies` (of each of those bytes on the path, see COPIES); `same_output`: greedy text equal to the colocated
+instance's on every prompt.
 """
 from __future__ import annotations
 
@@ -24,13 +28,14 @@ import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
-from kvfabric.bench.cluster import RawClient, RawServer
+from kvfabric.bench.cluster import TOKEN, RawClient, RawServer, start_controller
 from kvfabric.bench.common import emit, paired
 from kvfabric.bench.serve import percentile, server_argv
 from kvfabric.bench.vllm_server import VllmServer, free_port
@@ -39,13 +44,28 @@ from kvfabric.tiers.shm import ShmTier
 
 CHUNK = 256
 CHUNK_BYTES = 1 << 20  # the raw socket baseline sends the bytes in pieces of this size
-PATHS = ("colocated", "shm", "redis")  # redis only with a server's URL; p2p: not yet
+PATHS = ("colocated", "shm", "p2p", "redis")  # redis only with a server's URL
+# Copies of each KV byte from the prefill instance's paged cache to the decode instance's, by path (counted from
+# the code, not measured): shm: the gather into a chunk blob, its write into the pool, the scatter straight out
+# of the pool (read in place); p2p: the gather (the blob process memory keeps), the kernel's copy into the
+# socket and out of it into the receive buffer, the scatter; redis: the gather, the client's send, the
+# server's receive, its reply, the client's receive, the scatter (Redis's own internal copies not counted).
+COPIES = {"shm": 3, "p2p": 4, "redis": 6}
 
 
-def pd_extra(pool: str, stats: Path, capacity: str = "2GiB", redis_url: str | None = None) -> dict[str, Any]:
-    """kv_connector_extra_config of both instances of a pair: one shm pool (or, with redis_url, one Redis)."""
-    tiers = {"tiers": ["redis"], "redis": {"url": redis_url, "timeout_s": 10.0}} if redis_url else \
-        {"tiers": ["shm"], "shm": {"name": pool, "capacity": capacity}}
+def pd_extra(pool: str, stats: Path, capacity: str = "2GiB", redis_url: str | None = None,
+             controller_url: str | None = None, instance_id: str = "") -> dict[str, Any]:
+    """kv_connector_extra_config of one instance of a pair: one shm pool; with redis_url, one Redis; with
+    controller_url, process memory served to the other member of the cluster (P2P)."""
+    if redis_url:
+        tiers: dict[str, Any] = {"tiers": ["redis"], "redis": {"url": redis_url, "timeout_s": 10.0}}
+    elif controller_url:
+        tiers = {"tiers": ["cpu", "peer"], "cpu": {"capacity": capacity},
+                 "cluster": {"controller_url": controller_url, "token": TOKEN, "instance_id": instance_id,
+                             "serve_tiers": ["cpu"], "keep_fetched": False, "report_interval_s": 0.05,
+                             "lookup_timeout_s": 5.0, "fetch_timeout_s": 60.0}}
+    else:
+        tiers = {"tiers": ["shm"], "shm": {"name": pool, "capacity": capacity}}
     return {"chunk_size": CHUNK, **tiers, "model_id": "kvfabric-bench-pd", "stats_path": str(stats)}
 
 
@@ -75,8 +95,23 @@ def prompts_of(num_tokens: int, count: int, seed: int) -> list[list[int]]:
     return [rng.integers(1000, 40000, num_tokens).tolist() for _ in range(count)]
 
 
-def ask(client: httpx.Client, model: str, prompt: list[int], max_tokens: int) -> tuple[float, str]:
-    """(time to the first streamed token, greedy text) of one completion, timed on the client."""
+@dataclass(frozen=True, slots=True)
+class Answer:
+    ttft_s: float  # to the first streamed token, on the client
+    e2e_s: float  # to the end of the stream
+    text: str  # greedy
+
+
+@dataclass(frozen=True, slots=True)
+class GroupResult:
+    """One path's (prompt size, concurrency) group: per request, and the decode instance's mean transfer."""
+    answers: list[Answer]
+    transfer_s: float  # the decode instance's KV load time per request (its connector's counters)
+    num_bytes: int  # KV bytes it loaded per request
+
+
+def ask(client: httpx.Client, model: str, prompt: list[int], max_tokens: int) -> Answer:
+    """One streamed completion, timed on the client."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
     started, first, parts = time.perf_counter(), None, []
     with client.stream("POST", "/v1/completions", json=body) as reply:
@@ -89,10 +124,10 @@ def ask(client: httpx.Client, model: str, prompt: list[int], max_tokens: int) ->
                 parts.append(text)
     if first is None:
         raise RuntimeError("no token streamed")
-    return first - started, "".join(parts)
+    return Answer(first - started, time.perf_counter() - started, "".join(parts))
 
 
-def drive(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[tuple[float, str]]:
+def drive(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[Answer]:
     with httpx.Client(base_url=url, timeout=1800) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]
         with ThreadPoolExecutor(concurrency) as pool:
@@ -124,10 +159,9 @@ def _loaded(stats: Path) -> tuple[int, int]:
 
 
 def run_path(path: str, python: str, model: str, work: Path, groups: list[tuple[int, int]], max_tokens: int,
-             max_len: int, log, redis_url: str | None = None) -> dict[tuple[int, int], list[Any]]:  # noqa: ANN001
-    """Start the path's instances, run every (prompt_tokens, concurrency) group, stop. Per group:
-    (ttfts, texts, transfer_s per request, bytes per request)."""
-    out: dict[tuple[int, int], list[Any]] = {}
+             max_len: int, log, redis_url: str | None = None) -> dict[tuple[int, int], GroupResult]:  # noqa: ANN001
+    """Start the path's instances, run every (prompt_tokens, concurrency) group, stop."""
+    out: dict[tuple[int, int], GroupResult] = {}
     kv_bytes = 2 << 30
     pool, stats = pool_name(), work / f"decode-{path}.json"
     with contextlib.ExitStack() as stack:
@@ -139,11 +173,18 @@ def run_path(path: str, python: str, model: str, work: Path, groups: list[tuple[
         else:
             stack.callback(ShmTier.destroy, pool)
             url_or_none = redis_url if path == "redis" else None
+            controller = None
+            if path == "p2p":
+                server, thread, controller = start_controller()
+                stack.callback(thread.join, 30)
+                stack.callback(setattr, server, "should_exit", True)
             prefill = stack.enter_context(start_instance(
                 python, model, work, f"prefill-{path}", "0", "kv_producer",
-                pd_extra(pool, work / f"prefill-{path}.json", "4GiB", url_or_none), max_len, kv_bytes))
-            decode = stack.enter_context(start_instance(python, model, work, f"decode-{path}", "1", "kv_consumer",
-                                                        pd_extra(pool, stats, "4GiB", url_or_none), max_len, kv_bytes))
+                pd_extra(pool, work / f"prefill-{path}.json", "4GiB", url_or_none, controller, "prefill"),
+                max_len, kv_bytes))
+            decode = stack.enter_context(start_instance(
+                python, model, work, f"decode-{path}", "1", "kv_consumer",
+                pd_extra(pool, stats, "4GiB", url_or_none, controller, "decode"), max_len, kv_bytes))
             prefill.wait_ready(900)
             decode.wait_ready(900)
             url = stack.enter_context(ProxyThread(prefill.base_url, decode.base_url, free_port())).url
@@ -154,10 +195,10 @@ def run_path(path: str, python: str, model: str, work: Path, groups: list[tuple[
             results = drive(url, prompts, concurrency, max_tokens)
             after = _loaded(stats)
             n = len(prompts)
-            out[(num_tokens, concurrency)] = [[r[0] for r in results], [r[1] for r in results],
-                                              (after[0] - before[0]) / 1e9 / n, (after[1] - before[1]) // n]
+            out[(num_tokens, concurrency)] = GroupResult(results, (after[0] - before[0]) / 1e9 / n,
+                                                         (after[1] - before[1]) // n)
             log(f"[bench pd] {path} {num_tokens} tokens x{concurrency}: ttft "
-                f"{statistics.fmean(out[(num_tokens, concurrency)][0]):.2f} s")
+                f"{statistics.fmean(a.ttft_s for a in results):.2f} s")
     return out
 
 
@@ -182,21 +223,25 @@ def run(sizes: list[int], concurrencies: list[int], as_json: bool = False, max_t
     rows = []
     for path in paths:
         for group in groups:
-            ttfts, texts, transfer_s, num_bytes = results[path][group]
-            base_ttfts, base_texts = results["colocated"][group][:2]
+            got, base = results[path][group], results["colocated"][group]
+            ttfts = [a.ttft_s for a in got.answers]
             is_pd = path != "colocated"
-            ttft = statistics.fmean(ttfts)
+            ttft, transfer_s, num_bytes = statistics.fmean(ttfts), got.transfer_s, got.num_bytes
             memcpy_s, socket_s = copy_baselines(num_bytes) if num_bytes else (None, None)
             rows.append({"path": path, "prompt_tokens": group[0], "concurrency": group[1], "requests": len(ttfts),
                          "ttft_mean_s": ttft, "ttft_p99_s": percentile(ttfts, 99),
-                         "ttft_vs_colocated": ttft / statistics.fmean(base_ttfts),
+                         "ttft_vs_colocated": ttft / statistics.fmean(a.ttft_s for a in base.answers),
+                         "e2e_mean_s": statistics.fmean(a.e2e_s for a in got.answers),
                          "transfer_s": transfer_s if is_pd else None,
                          "transfer_share": transfer_s / ttft if is_pd else None,
-                         "bytes_per_request": num_bytes, "memcpy_s": memcpy_s, "socket_s": socket_s,
+                         "bytes_per_request": num_bytes,
+                         "kv_bytes_per_token": num_bytes / group[0] if is_pd else None,
+                         "copies": COPIES.get(path), "memcpy_s": memcpy_s, "socket_s": socket_s,
                          "transfer_vs_memcpy": transfer_s / memcpy_s if memcpy_s else None,
                          "socket_gbps": num_bytes / socket_s / 1e9 if socket_s else None,
-                         "same_output": texts == base_texts if is_pd else None})
+                         "same_output": [a.text for a in got.answers] == [a.text for a in base.answers]
+                         if is_pd else None})
     emit(rows, as_json, "bench pd: prefill/decode disaggregation (TTFT on the client, through pd-proxy)",
-         ["path", "prompt_tokens", "concurrency", "ttft_mean_s", "ttft_p99_s", "ttft_vs_colocated", "transfer_s",
-          "memcpy_s", "socket_s", "transfer_vs_memcpy", "same_output"])
+         ["path", "prompt_tokens", "concurrency", "ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "transfer_s",
+          "memcpy_s", "socket_s", "transfer_vs_memcpy", "copies", "same_output"])
     return rows

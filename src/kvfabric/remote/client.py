@@ -394,8 +394,9 @@ class RemoteCache:
     def unpin(self, tokens: Tokens) -> int:
         return int(self._simple(P.UNPIN, {"keys": self.keys(tokens)}, {"chunks": 0}).get("chunks", 0))
 
-    def flush(self) -> None:
-        """Wait until the server has persisted this namespace's committed stores (slow tiers included)."""
+    def flush(self, *, to_peers: bool = False) -> None:
+        """Wait until the server has persisted this namespace's committed stores (slow tiers included); what the
+        server's own tiers announce to a cluster is the server's business (`to_peers`: as CacheEngine.flush)."""
         self._simple(P.FLUSH, {}, {}, timeout_s=max(30.0, self.settings.timeout_s))
 
     def is_connected(self) -> bool:

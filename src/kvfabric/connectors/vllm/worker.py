@@ -227,7 +227,8 @@ class WorkerSide:
             self._add_stats(spec.req_id, RequestStats(saved_tokens=spec.end - spec.start))
         if self.is_sync_store and self.saves:
             self.saver.join()  # the answer tells the proxy that the decode instance can load this KV ...
-            self.engine.flush()  # ... from every tier, the write-behind ones included
+            self.engine.flush(to_peers=True)  # ... from every tier, the write-behind ones included, and a peer
+            # finds it through the controller (P2P)
         if self.stats_path and self.meta is not None and self.meta.loads:
             self.write_stats()
         self.saves = []
