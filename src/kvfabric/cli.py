@@ -449,7 +449,7 @@ def bench_interference(as_json: bool, steps: int, b_tokens: int, links: str, eng
     if with_vllm:
         from kvfabric.bench.common import emit
         from kvfabric.bench.interference_vllm import run as run_vllm
-        row = run_vllm(vllm_python, num_tokens=b_tokens)
+        row = run_vllm(vllm_python, num_tokens=b_tokens, engine_cpu=engine_cpu, server_cpu=server_cpu)
         emit([row], as_json, "vLLM connector, mode: server: miss-path overhead (paired cold runs)",
              ["tokens", "num_pairs", "off_s", "ttft_s", "miss_overhead_paired", "target_met"])
 

@@ -7,6 +7,8 @@ with kvfabric switched off for that request (`kv_transfer_params`), one with it 
 worker's leased-slot gathers and commits); the order alternates between pairs so that drift cancels. Reported:
 the median TTFT of each side and the median, min and max of the per-pair overheads. TTFT = wall time of
 `generate(max_tokens=1)`. The engine runs in the Python that has vLLM (`--vllm-python`, default .venv-vllm).
+Placement as in set-up (c): the engine's threads on `engine_cpu`, the server on `server_cpu` (a server shares
+a host's spare cores, not the engine's); on a one-core machine both share it.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ CHUNK = 256
 MODEL_ID = "kvfabric-bench-interference"
 
 
-def run(python: str | None = None, num_tokens: int = 4096, num_pairs: int = 5, timeout: float = 1800) -> dict:
+def run(python: str | None = None, num_tokens: int = 4096, num_pairs: int = 5, timeout: float = 1800,
+        engine_cpu: int = 0, server_cpu: int = 1) -> dict:
     from kvfabric.bench.interference import _start_server
     from kvfabric.bench.vllm import find_python, make_prompts
     from kvfabric.engines.model import ensure_model
@@ -35,14 +38,15 @@ def run(python: str | None = None, num_tokens: int = 4096, num_pairs: int = 5, t
         prompts.write_text(json.dumps(make_prompts(model, [num_tokens], repeats=num_pairs)))  # disjoint texts
         server = {"tiers": ["cpu"], "chunk_size": CHUNK, "server": {
             "socket": f"{tmp}/server.sock", "pool_capacity": "256MiB", "slot_bytes": "12MiB"}}
-        proc = _start_server(server, Path(tmp) / "server.yaml", None)
+        if server_cpu not in os.sched_getaffinity(0):
+            server_cpu = engine_cpu
+        proc = _start_server(server, Path(tmp) / "server.yaml", server_cpu)
         spec = {"model": model, "prompts": str(prompts), "tokens": num_tokens, "num_pairs": num_pairs,
                 "out": f"{tmp}/result.json",
                 "config": {"chunk_size": CHUNK, "model_id": MODEL_ID, "mode": "server",
                            "server": {"socket": server["server"]["socket"], "timeout_s": 2.0}}}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "VLLM_CPU_OMP_THREADS_BIND": str(engine_cpu)}
         log = Path(tempfile.gettempdir()) / f"kvfabric-interference-vllm-{os.getpid()}.log"  # kept: vLLM's are long
         try:
             with open(log, "w") as out:
@@ -56,7 +60,8 @@ def run(python: str | None = None, num_tokens: int = 4096, num_pairs: int = 5, t
             proc.wait(60)
     overheads = [p["on_s"] / p["off_s"] - 1 for p in pairs]
     median = statistics.median(overheads)
-    return {"setup": "vllm_miss", "link_mbps": None, "ttft_s": statistics.median(p["on_s"] for p in pairs),
+    return {"setup": "vllm_miss", "link_mbps": None, "engine_cpu": engine_cpu, "server_cpu": server_cpu,
+            "ttft_s": statistics.median(p["on_s"] for p in pairs),
             "tokens": num_tokens, "num_pairs": len(pairs), "off_s": statistics.median(p["off_s"] for p in pairs),
             "miss_overhead_paired": median, "miss_overhead_paired_min": min(overheads),
             "miss_overhead_paired_max": max(overheads), "overheads": overheads,
