@@ -1,4 +1,4 @@
-"""vLLM's kv_role in the connector: a P/D producer stores and never loads, a consumer loads and never stores."""
+"""vLLM's kv_role in the connector: a P/D producer loads hits and stores, a consumer loads and never stores."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -30,11 +30,11 @@ def _scheduled(tokens: list[int]) -> SimpleNamespace:
         finished_req_ids=set(), total_num_scheduled_tokens=len(tokens))
 
 
-@pytest.mark.parametrize("kv_role, loads, saves", [("kv_both", True, True), ("kv_producer", False, True),
+@pytest.mark.parametrize("kv_role, loads, saves", [("kv_both", True, True), ("kv_producer", True, True),
                                                   ("kv_consumer", True, False)])
 def test_kv_role_decides_loads_and_saves(tmp_path, kv_role, loads, saves):
     config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
-    stored = list(range(2 * CHUNK + 5))  # two whole chunks held by the pool
+    stored = list(range(2 * CHUNK + 5))  # two whole chunks held by the pool (a producer's prefix cache too)
     with CacheEngine(config, LAYOUT, "m") as engine:
         engine.store(stored, torch.randn(LAYOUT.shape(2 * CHUNK)))
         engine.flush()

@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation with two real `vllm serve` processes sharing KV through a shared-memory pool,
 behind `kvfabric pd-proxy`: the decode instance loads the prompt's KV the prefill instance stored, and its
 greedy answer equals a single colocated instance's; with the prefill instance SIGKILLed, the decode instance
-computes the prompt itself and still answers the same.
+computes the prompt itself and still answers the same; a new prefill instance loads a stored prompt's KV from
+the pool (its prefix cache) instead of computing it.
 
 Needs vllm (the .venv-vllm venv; skips otherwise) and the SmolLM2 model (ensure_model).
 """
@@ -74,7 +75,15 @@ def test_pd_pair_answers_like_one_colocated_instance(tmp_path):
                 prefill.proc.wait(30)
                 after_kill, cached_after_kill = _ask(proxy.url, PROMPTS[2])
                 failures = httpx.get(f"{proxy.url}/pd/stats").json().get("prefill_failures", 0)
-        assert [text, streamed, after_kill] == expected
+            # a new prefill instance (its own cache empty): the pool is its prefix cache too
+            with start_instance(sys.executable, model, tmp_path, "prefill2", "0", "kv_producer",
+                                pd_extra(pool, tmp_path / "prefill2.json", "256MiB")) as prefill2:
+                prefill2.wait_ready()
+                with ProxyThread(prefill2.base_url, decode.base_url, free_port()) as proxy:
+                    again, _ = _ask(proxy.url, PROMPTS[0])
+            producer = json.loads((tmp_path / "prefill2.json").read_text())["connector"]
+        assert [text, streamed, after_kill, again] == [*expected, expected[0]]
+        assert producer.get("bytes_loaded.shm", 0) > 0  # the second producer loaded PROMPTS[0] from the pool
         assert cached >= 256  # the decode instance loaded the prompt's whole chunks from the pool
         assert stats["prefills"] == 2 and stats.get("prefill_failures", 0) == 0
         assert len(pool_keys) >= 2  # the producer stored both prompts' whole chunks (the consumer stores none)

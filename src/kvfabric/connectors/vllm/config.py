@@ -4,8 +4,9 @@ Contract:
 - `kv_transfer_config(extra, kv_role)` is the ``kv_transfer_config`` argument of ``vllm.LLM`` for this connector; vLLM
   loads the class by module path + name, so the path is this package (``kvfabric.connectors.vllm``), never a submodule.
 - `role_of(kv_role)`: what vLLM's ``kv_role`` lets the connector do (``Role``). ``kv_both`` (default): load hits and
-  store every request's KV; ``kv_producer`` (a prefill instance of a P/D pair): store, never load, and end each
-  step only once its KV is stored, so a request's answer means its KV is in the shared tiers; ``kv_consumer`` (a
+  store every request's KV; ``kv_producer`` (a prefill instance of a P/D pair): load hits too (the shared pool
+  is its prefix cache: a repeated prefix skips the prefill instance's work as well), store, and end each step
+  only once its KV is stored, so a request's answer means its KV is in the shared tiers; ``kv_consumer`` (a
   decode instance): load, never store.
 - `resolve_config(extra)` splits ``kv_connector_extra_config`` into (kvfabric ``Config``, connector options).
   The config keys (chunk_size, tiers, disk.path, ...) take precedence: extra config > ``KVFABRIC_*`` environment >
@@ -79,8 +80,7 @@ _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.flo
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Role:
-    """What vLLM's kv_role lets the connector do."""
-    can_load: bool
+    """What vLLM's kv_role lets the connector do (every role loads hits)."""
     can_store: bool
     is_sync_store: bool  # a step ends only once its saves are stored (a producer hands KV to another instance)
 
@@ -89,8 +89,7 @@ def role_of(kv_role: str | None) -> Role:
     kv_role = kv_role or "kv_both"
     if kv_role not in KV_ROLES:
         raise ConfigError(f"kv_role: {kv_role!r} is not one of {', '.join(KV_ROLES)}")
-    return Role(can_load=kv_role != "kv_producer", can_store=kv_role != "kv_consumer",
-                is_sync_store=kv_role == "kv_producer")
+    return Role(can_store=kv_role != "kv_consumer", is_sync_store=kv_role == "kv_producer")
 
 
 def kv_transfer_config(extra: dict[str, Any] | None = None, kv_role: str = "kv_both") -> dict[str, Any]:

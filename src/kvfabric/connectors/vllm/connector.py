@@ -22,8 +22,9 @@ Contract:
   ``wait_for_layer_load`` waits for one layer). The connector never delays a request's blocks
   (``request_finished`` answers False): it is a cache, so a dropped save is a future miss
   (``requires_kv_delivery`` is False).
-- vLLM's ``kv_role`` (``role_of``): a ``kv_producer`` (P/D prefill) stores and never loads, and ends each step only
-  once its KV is stored; a ``kv_consumer`` (P/D decode) loads and never stores; ``kv_both`` does both.
+- vLLM's ``kv_role`` (``role_of``): a ``kv_producer`` (P/D prefill) loads hits (the pool is its prefix cache too),
+  stores, and ends each step only once its KV is stored; a ``kv_consumer`` (P/D decode) loads and never stores;
+  ``kv_both`` loads and stores.
 - The scheduler instance writes the configured load_failure_policy into vLLM's ``kv_load_failure_policy``
   (vLLM reads it right after creating the connector).
 - Metrics and KV events go through vLLM's own channels (``metrics``): per-step ``KVFabricStats`` from both sides,

@@ -27,8 +27,7 @@ Contract:
   before the step); older chunks not yet stored are skipped (counted in `window_chunks_skipped`): their window
   rows are gone, and a chunk is stored with both parts or not at all.
 - Per request, ``kv_transfer_params["kvfabric"] = {"load": False, "store": False}`` turns loading or storing off;
-  the instance's kv_role (``Role``, config.py) can turn either off for every request (a P/D producer never loads,
-  a consumer never stores);
+  the instance's kv_role (``Role``, config.py) turns storing off for every request of a P/D consumer;
   each finished request's ``kv_transfer_params["kvfabric"]`` carries its stats (`finished`).
 """
 from __future__ import annotations
@@ -63,7 +62,7 @@ BOTH = role_of("kv_both")
 def _request_flags(request: Request, role: Role) -> tuple[bool, bool]:
     params = getattr(request, "kv_transfer_params", None) or {}
     ours = params.get(PARAMS_KEY) or {} if isinstance(params, dict) else {}
-    return role.can_load and bool(ours.get("load", True)), role.can_store and bool(ours.get("store", True))
+    return bool(ours.get("load", True)), role.can_store and bool(ours.get("store", True))
 
 
 @dataclass(frozen=True, slots=True)
