@@ -274,3 +274,21 @@ def test_heldout_passages_are_not_training_passages(tmp_path, monkeypatch):
     # questions 110-119: their own passage is new, the shared "t0" passage was trained on
     assert heldout_texts(FINETUNED_MODELS["smollm2-135m-musique"], 110, 10) == [f"t{i}\nx" for i in range(110, 120)]
 
+
+def test_cacheblend_over_a_siblings_kv_at_full_compute_is_the_full_prefill(tmp_path):
+    """bench droidspeak's `cacheblend` method: the sender's KV as the one cached passage; recomputing every
+    token-layer gives the receiver's own prefill, a smaller share loads the sender's KV and differs."""
+    from kvfabric.bench.droidspeak import blend_prefill
+    from kvfabric.blend.fusion import Blender
+    from kvfabric.blend.values import BlendConfig
+    a, b = LlamaRunner(tiny_model(1)), tiny_model(2)
+    context, question = list(range(3, 43)), [50, 51, 52, 53]
+    kv_a, _ = sender_prefill(a, context)
+    with Blender(b, model_id="a--b", config=disk_config(tmp_path), blend=BlendConfig(check_layers=(1, 2))) as blender:
+        blender.store.store(context, kv_a)
+        ref_kv = blender.runner.workspace(64)
+        ref = blender.runner.logits(blender.runner.forward(torch.tensor(context + question), ref_kv)[len(context):])
+        kv, logits, num_bytes = blend_prefill(blender, context, question, 1.0, 64)
+        assert logits.shape == ref.shape and torch.allclose(logits, ref, atol=1e-4)
+        _, part, part_bytes = blend_prefill(blender, context, question, 0.5, 64)
+        assert part_bytes > 0 and not torch.allclose(part, ref, atol=1e-3)
