@@ -9,11 +9,12 @@ Then, for the receiver, methods side by side:
 - ``reuse``: the sender's KV for every layer, nothing recomputed (only the question computed);
 - ``droidspeak``: the profiled block recomputed from the sender's hidden state, the sender's KV elsewhere, the load
   overlapped with the recompute; ``droidspeak@K``: the best profiled block of K layers (two other budgets);
-- ``cacheblend``: CacheBlend's token selection (``kvfabric.blend``, its default check layers and score) over the
-  sender's KV of the context, at the same compute as ``droidspeak``: it recomputes ``block / L`` of the context's
-  token-layers, a chosen share of the tokens on every layer instead of every token on a block of layers. The
-  sender's KV is stored once more, in the blend runner's own passage store (one passage: the whole context, at its
-  own offset, so nothing is re-rotated), on the same disk tier, and loaded layer by layer during the recompute.
+- ``cacheblend`` / ``cacheblend@K``: CacheBlend's token selection (``kvfabric.blend``, its default check layers and
+  score) over the sender's KV of the context, at the same compute as ``droidspeak`` / ``droidspeak@K``: it
+  recomputes ``block / L`` of the context's token-layers, a chosen share of the tokens on every layer instead of
+  every token on a block of layers (``recompute_frac`` in its rows). The sender's KV is stored once more, in the
+  blend runner's own passage store (one passage: the whole context, at its own offset, so nothing is re-rotated),
+  on the same disk tier, and loaded layer by layer during the recompute.
 TTFT = the load + recompute + the question's prefill up to its first token's logits. Quality vs ``full`` over every
 question row and the first ``answer_tokens`` of full's greedy answer (teacher-forced): mean KL(full || method),
 ``gap_closed`` = 1 - KL / KL(reuse) (all rows), ``gap_ans`` the same over the answer rows; top-1 agreement; answer F1
@@ -121,10 +122,15 @@ def run(pair: str = "finetuned", as_json: bool = False, limit: int = 3, start: i
     methods: list[tuple[str, Block | None]] = [("full", None), ("reuse", Block(0, 0)), ("droidspeak", chosen)]
     others = [table.nearest_of_size(k) for k in budgets]
     methods += [(f"droidspeak@{b.num_layers}", b) for b in dict.fromkeys(others) if b != chosen]
-    blend_frac = chosen.num_layers / table.num_layers  # droidspeak's compute, in token-layers of the context
-    # CacheBlend runs every token up to its first check layer: it cannot spend less than that
-    if blend and blend_frac >= (BlendConfig().check_layers[0] + 1) / table.num_layers:
-        methods.append(("cacheblend", None))
+    # CacheBlend at each DroidSpeak budget's compute (share of the context's token-layers recomputed); it runs every
+    # token up to its first check layer, so it cannot spend less than that
+    blend_fracs: dict[str, float] = {}
+    if blend:
+        floor = (BlendConfig().check_layers[0] + 1) / table.num_layers
+        for method, b in methods[2:]:
+            if b is not None and b.num_layers / table.num_layers >= floor:
+                blend_fracs[method.replace("droidspeak", "cacheblend")] = b.num_layers / table.num_layers
+        methods += [(name, None) for name in blend_fracs]
     sender, receiver = load_sibling(sender_name), load_sibling(receiver_name)
     check_pair(sender, receiver)
     runner, tok = receiver.runner, receiver.tokenizer
@@ -145,14 +151,14 @@ def run(pair: str = "finetuned", as_json: bool = False, limit: int = 3, start: i
                 kv_a, hidden_a = sender_prefill(sender.runner, context, capture)
                 out_store.store(context, kv_a, hidden_a)
                 del hidden_a
-                if any(m == "cacheblend" for m, _ in methods):
+                if blend_fracs:
                     blender.store.store(context, kv_a)
                 ref: Scored | None = None
                 for method, block in methods:
                     t0 = time.perf_counter()
                     num_bytes = 0
-                    if method == "cacheblend":
-                        kv, logits_q, num_bytes = blend_prefill(blender, context, question, blend_frac, cap)
+                    if method in blend_fracs:
+                        kv, logits_q, num_bytes = blend_prefill(blender, context, question, blend_fracs[method], cap)
                     elif block is None:
                         kv = runner.workspace(cap)
                         logits_q = runner.logits(runner.forward(torch.tensor(context + question), kv)[n:])
@@ -168,7 +174,7 @@ def run(pair: str = "finetuned", as_json: bool = False, limit: int = 3, start: i
                     ref = ref or scored
                     rows.append({"q": qi, "pair": pair, "method": method,
                                  "block": None if block is None else [block.start, block.stop],
-                                 **({"recompute_frac": round(blend_frac, 4)} if method == "cacheblend" else {}),
+                                 **({"recompute_frac": round(blend_fracs[method], 4)} if method in blend_fracs else {}),
                                  "context_tokens": n, "ttft_s": round(ttft, 4), **scored.fields,
                                  "bytes_per_token": round(num_bytes / n, 1)})
                 # how far the two models are apart here: the sender's own distributions vs the receiver's full
