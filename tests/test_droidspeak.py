@@ -5,6 +5,7 @@ model; the real fine-tuned pair is exercised by `kvfabric bench droidspeak`.
 """
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -243,3 +244,51 @@ def test_fp16_chunks_load_on_the_loader_thread(pair, tmp_path):
         got = droid_prefill(b, sibling, ids, Block(2, 3), 30, loader)
         assert got is not None
         assert torch.equal(got.kv[[0, 1, 3]], kv_a[[0, 1, 3]].half().float())
+
+
+def test_finetune_training_is_seeded_and_leaves_the_embedding_alone():
+    """`train`: the same recipe and windows give the same weights; the input embedding never moves, the layers do."""
+    from kvfabric.engines.finetune import FINETUNED_MODELS, train
+    recipe = dataclasses.replace(FINETUNED_MODELS["smollm2-135m-musique"], steps=3, warmup=1, seq_len=16, threads=1)
+    windows = torch.randint(0, 128, (5, 16), generator=torch.Generator().manual_seed(1))
+    base = tiny_model(0).state_dict()
+    runs = []
+    for _ in range(2):
+        model = tiny_model(0)
+        losses = train(model, windows, recipe)
+        assert len(losses) == 3 and not model.training
+        runs.append(model.state_dict())
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in base)
+    emb = "model.embed_tokens.weight"
+    assert torch.equal(runs[0][emb], base[emb])
+    assert not torch.equal(runs[0]["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_heldout_passages_are_not_training_passages(tmp_path, monkeypatch):
+    import json
+
+    from kvfabric.engines.finetune import FINETUNED_MODELS, heldout_texts
+    examples = [{"ctxs": [{"title": f"t{i}", "text": "x"}, {"title": "t0", "text": "x"}]} for i in range(150)]
+    (tmp_path / "musique_s.json").write_text(json.dumps(examples))
+    monkeypatch.setenv("KVFABRIC_DATA_DIR", str(tmp_path))
+    # questions 110-119: their own passage is new, the shared "t0" passage was trained on
+    assert heldout_texts(FINETUNED_MODELS["smollm2-135m-musique"], 110, 10) == [f"t{i}\nx" for i in range(110, 120)]
+
+
+def test_cacheblend_over_a_siblings_kv_at_full_compute_is_the_full_prefill(tmp_path):
+    """bench droidspeak's `cacheblend` method: the sender's KV as the one cached passage; recomputing every
+    token-layer gives the receiver's own prefill, a smaller share loads the sender's KV and differs."""
+    from kvfabric.bench.droidspeak import blend_prefill
+    from kvfabric.blend.fusion import Blender
+    from kvfabric.blend.values import BlendConfig
+    a, b = LlamaRunner(tiny_model(1)), tiny_model(2)
+    context, question = list(range(3, 43)), [50, 51, 52, 53]
+    kv_a, _ = sender_prefill(a, context)
+    with Blender(b, model_id="a--b", config=disk_config(tmp_path), blend=BlendConfig(check_layers=(1, 2))) as blender:
+        blender.store.store(context, kv_a)
+        ref_kv = blender.runner.workspace(64)
+        ref = blender.runner.logits(blender.runner.forward(torch.tensor(context + question), ref_kv)[len(context):])
+        kv, logits, num_bytes = blend_prefill(blender, context, question, 1.0, 64)
+        assert logits.shape == ref.shape and torch.allclose(logits, ref, atol=1e-4)
+        _, part, part_bytes = blend_prefill(blender, context, question, 0.5, 64)
+        assert part_bytes > 0 and not torch.allclose(part, ref, atol=1e-3)

@@ -8,14 +8,19 @@ Then, for the receiver, methods side by side:
 - ``full``: the receiver's own prefill of context + question (the TTFT baseline; KL 0 by definition);
 - ``reuse``: the sender's KV for every layer, nothing recomputed (only the question computed);
 - ``droidspeak``: the profiled block recomputed from the sender's hidden state, the sender's KV elsewhere, the load
-  overlapped with the recompute; ``droidspeak@K``: the best profiled block of K layers (two other budgets).
+  overlapped with the recompute; ``droidspeak@K``: the best profiled block of K layers (two other budgets);
+- ``cacheblend`` / ``cacheblend@K``: CacheBlend's token selection (``kvfabric.blend``, its default check layers and
+  score) over the sender's KV of the context, at the same compute as ``droidspeak`` / ``droidspeak@K``: it
+  recomputes ``block / L`` of the context's token-layers, a chosen share of the tokens on every layer instead of
+  every token on a block of layers (``recompute_frac`` in its rows). The sender's KV is stored once more, in the
+  blend runner's own passage store (one passage: the whole context, at its own offset, so nothing is re-rotated),
+  on the same disk tier, and loaded layer by layer during the recompute.
 TTFT = the load + recompute + the question's prefill up to its first token's logits. Quality vs ``full`` over every
 question row and the first ``answer_tokens`` of full's greedy answer (teacher-forced): mean KL(full || method),
 ``gap_closed`` = 1 - KL / KL(reuse) (all rows), ``gap_ans`` the same over the answer rows; top-1 agreement; answer F1
 (greedy, SQuAD-normalised) beside ``f1_full``; bytes fetched per context token (KV + hidden state). The ``full``
 row also carries ``model_kl``: KL(receiver's full || the sender's own full prefill) over the same rows, i.e. how far
 apart the two models are on this held-out text.
-CacheBlend token selection at the same compute is not run here (see the report).
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ from rich.console import Console
 
 from kvfabric.bench.blend import compare, f1_score
 from kvfabric.bench.common import emit, threads_note
+from kvfabric.blend.fusion import Blender
+from kvfabric.blend.values import BlendConfig
 from kvfabric.config import Config, DiskTierConfig
 from kvfabric.droidspeak.family import DroidStore
 from kvfabric.droidspeak.pair import check_pair, load_examples, load_sibling, musique_prompt, profile_pair
@@ -62,6 +69,18 @@ def _finish(runner, kv: torch.Tensor, n: int, question: list[int]) -> torch.Tens
     return runner.logits(runner.forward(torch.tensor(question), kv, start=n))
 
 
+@torch.inference_mode()
+def blend_prefill(blender: Blender, context: list[int], question: list[int], frac: float,
+                  capacity: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """CacheBlend over the context's KV in ``blender``'s store (another model's, stored under the context's
+    tokens), ``frac`` of its token-layers recomputed: (KV workspace, logits of the question rows, bytes loaded)."""
+    res = blender.prefill([context, question], mode="blend", recompute_frac=frac, logits_from=len(context),
+                          capacity=capacity)
+    if res.fallback:
+        raise RuntimeError(f"cacheblend fell back to a full prefill ({res.fallback})")
+    return res.kv, res.logits, res.load_bytes
+
+
 @dataclass(frozen=True, slots=True)
 class Scored:
     """One method's output on one question, against the reference method's (the first one scored)."""
@@ -90,7 +109,7 @@ def score(runner, tok, kv: torch.Tensor, logits_q: torch.Tensor, end: int, num_q
 @torch.inference_mode()  # every method alike: no autograd graph (a full prefill with one is ~2x slower)
 def run(pair: str = "finetuned", as_json: bool = False, limit: int = 3, start: int = 110, passages: int = 10,
         data: str | None = None, answer_tokens: int = 8, max_new_tokens: int = 16, threshold: float = 0.9,
-        profile_prompts: int = 3, progress: bool = True) -> list[dict]:
+        profile_prompts: int = 3, blend: bool = True, progress: bool = True) -> list[dict]:
     sender_name, receiver_name = PAIRS[pair]
     console = Console(stderr=True)
     table = load_table(sender_name, receiver_name)
@@ -103,6 +122,15 @@ def run(pair: str = "finetuned", as_json: bool = False, limit: int = 3, start: i
     methods: list[tuple[str, Block | None]] = [("full", None), ("reuse", Block(0, 0)), ("droidspeak", chosen)]
     others = [table.nearest_of_size(k) for k in budgets]
     methods += [(f"droidspeak@{b.num_layers}", b) for b in dict.fromkeys(others) if b != chosen]
+    # CacheBlend at each DroidSpeak budget's compute (share of the context's token-layers recomputed); it runs every
+    # token up to its first check layer, so it cannot spend less than that
+    blend_fracs: dict[str, float] = {}
+    if blend:
+        floor = (BlendConfig().check_layers[0] + 1) / table.num_layers
+        for method, b in methods[2:]:
+            if b is not None and b.num_layers / table.num_layers >= floor:
+                blend_fracs[method.replace("droidspeak", "cacheblend")] = b.num_layers / table.num_layers
+        methods += [(name, None) for name in blend_fracs]
     sender, receiver = load_sibling(sender_name), load_sibling(receiver_name)
     check_pair(sender, receiver)
     runner, tok = receiver.runner, receiver.tokenizer
@@ -112,8 +140,10 @@ def run(pair: str = "finetuned", as_json: bool = False, limit: int = 3, start: i
     with tempfile.TemporaryDirectory(prefix="kvfabric-droid-") as folder, ThreadPoolExecutor(1) as loader:
         config = Config(chunk_size=256, tiers=("disk",), disk=DiskTierConfig(path=folder))
         hidden_size = runner.config.hidden_size
+        blend_config = Config(chunk_size=256, tiers=("disk",), disk=DiskTierConfig(path=f"{folder}/blend"))
         with DroidStore(sender.member, sender_name, hidden_size, config) as out_store, \
-                DroidStore(receiver.member, sender_name, hidden_size, config) as in_store:
+                DroidStore(receiver.member, sender_name, hidden_size, config) as in_store, \
+                Blender(runner.model, model_id=f"{sender_name}--{receiver_name}", config=blend_config) as blender:
             _finish(runner, runner.workspace(96), 0, list(range(64)))  # warm-up outside the measurements
             for qi, example in enumerate(load_examples(data, start, limit), start):
                 context, question = musique_prompt(tok, example, passages)
@@ -121,11 +151,15 @@ def run(pair: str = "finetuned", as_json: bool = False, limit: int = 3, start: i
                 kv_a, hidden_a = sender_prefill(sender.runner, context, capture)
                 out_store.store(context, kv_a, hidden_a)
                 del hidden_a
+                if blend_fracs:
+                    blender.store.store(context, kv_a)
                 ref: Scored | None = None
                 for method, block in methods:
                     t0 = time.perf_counter()
                     num_bytes = 0
-                    if block is None:
+                    if method in blend_fracs:
+                        kv, logits_q, num_bytes = blend_prefill(blender, context, question, blend_fracs[method], cap)
+                    elif block is None:
                         kv = runner.workspace(cap)
                         logits_q = runner.logits(runner.forward(torch.tensor(context + question), kv)[n:])
                     else:
@@ -140,6 +174,7 @@ def run(pair: str = "finetuned", as_json: bool = False, limit: int = 3, start: i
                     ref = ref or scored
                     rows.append({"q": qi, "pair": pair, "method": method,
                                  "block": None if block is None else [block.start, block.stop],
+                                 **({"recompute_frac": round(blend_fracs[method], 4)} if method in blend_fracs else {}),
                                  "context_tokens": n, "ttft_s": round(ttft, 4), **scored.fields,
                                  "bytes_per_token": round(num_bytes / n, 1)})
                 # how far the two models are apart here: the sender's own distributions vs the receiver's full
@@ -194,6 +229,8 @@ def summarize(rows: list[dict], methods: list[str], baseline: str = "reuse") -> 
                     "top1": round(statistics.fmean(r["top1"] for r in mine), 3),
                     "f1": round(statistics.fmean(r["f1"] for r in mine), 3), "f1_full": round(f1_full, 3),
                     "bytes_per_token": mine[0]["bytes_per_token"]})
+        if "recompute_frac" in mine[0]:  # cacheblend: the share of the context's token-layers recomputed
+            out[-1]["recompute_frac"] = mine[0]["recompute_frac"]
         if method == "full" and "model_kl" in mine[0]:  # KL(receiver || the sender's own prefill): how far apart
             out[-1]["model_kl"] = round(statistics.fmean(r["model_kl"] for r in mine), 4)
     return out
