@@ -208,6 +208,32 @@ def test_finetune_text_is_the_first_questions_passages_once(tmp_path, monkeypatc
     assert text == "".join(f"t{i}\nsame\n\n" for i in range(100))  # questions 0-99, each passage once
 
 
+def test_a_sibling_built_by_an_older_recipe_is_rebuilt(tmp_path, monkeypatch):
+    """setup-model of a fine-tuned sibling: a folder built by today's recipe is reused, one whose recorded recipe
+    differs (e.g. the 24-step one) is rebuilt. The 25-minute build itself is replaced by a stand-in here."""
+    import json
+
+    from kvfabric.engines import finetune, model
+    from kvfabric.engines.finetune import FINETUNED_MODELS
+    monkeypatch.setenv("KVFABRIC_HOME", str(tmp_path))
+    monkeypatch.setattr(model, "ensure_model", lambda name=None: tmp_path / "base")
+    builds = []
+
+    def stand_in(name, base_dir, out):
+        builds.append(name)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+    monkeypatch.setattr(finetune, "build_finetuned", stand_in)
+    name = "smollm2-135m-musique"
+    dest = model._setup_finetuned(name)
+    assert builds == [name] and model._setup_finetuned(name) == dest and builds == [name]  # built once
+    meta = json.loads((dest / model.MARKER).read_text())
+    assert meta["recipe"]["steps"] == FINETUNED_MODELS[name].steps
+    meta["recipe"]["steps"] = 24  # as a folder built before the recipe changed records it
+    (dest / model.MARKER).write_text(json.dumps(meta))
+    assert model._setup_finetuned(name) == dest and builds == [name, name]
+
+
 @pytest.mark.slow
 def test_real_model_self_reuse_is_exact(tmp_path):
     """SmolLM2-135M reusing its own chunks through the family path: empty block == the plain hit, whole model ==

@@ -327,14 +327,18 @@ def _setup_finetuned(name: str) -> Path:
     from kvfabric.engines.finetune import FINETUNED_MODELS, build_finetuned
 
     recipe = FINETUNED_MODELS[name]
+    fields = {f: getattr(recipe, f) for f in recipe.__dataclass_fields__}
     models = kvfabric_home() / "models"
     dest = models / name
-    if _is_complete(dest):
+
+    def is_current() -> bool:  # built, and by today's recipe (a sibling of an older recipe is rebuilt)
+        return _is_complete(dest) and json.loads((dest / MARKER).read_text()).get("recipe") == fields
+    if is_current():
         return dest
     base_dir = ensure_model(recipe.base)
     models.mkdir(parents=True, exist_ok=True)
     with FileLock(str(models / f".{name}.lock")):
-        if _is_complete(dest):
+        if is_current():
             return dest
         for stale in models.glob(f".{name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
@@ -342,7 +346,7 @@ def _setup_finetuned(name: str) -> Path:
             out = Path(tmp) / "out"
             build_finetuned(name, base_dir, out)
             meta = {"name": name, "family": recipe.family, "dtype": "float32",
-                    "recipe": {f: getattr(recipe, f) for f in recipe.__dataclass_fields__},
+                    "recipe": fields,
                     "torch": torch.__version__}
             (out / MARKER).write_text(json.dumps(meta, indent=2))
             if dest.exists():
