@@ -19,8 +19,10 @@ CHUNK = 256
 
 
 def find_lmcache_python() -> str | None:
-    """The LMCache venv's Python (scripts/setup_lmcache_venv.sh), or None: the LMCache column is then skipped."""
-    candidate = Path(__file__).resolve().parents[3] / ".venv-lmcache" / "bin" / "python"
+    """The LMCache venv's Python (scripts/setup_lmcache_venv.sh; `$KVFABRIC_LMCACHE_VENV`, else the repository's
+    .venv-lmcache), or None: the LMCache column is then skipped."""
+    venv = os.environ.get("KVFABRIC_LMCACHE_VENV") or str(Path(__file__).resolve().parents[3] / ".venv-lmcache")
+    candidate = Path(venv) / "bin" / "python"
     if candidate.exists() and subprocess.run([str(candidate), "-c", "import lmcache, vllm"],
                                              capture_output=True).returncode == 0:
         return str(candidate)

@@ -56,12 +56,12 @@ def find_python(python: str | None = None) -> str:
         return python
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    repo = Path(__file__).resolve().parents[3]
-    candidate = repo / ".venv-vllm" / "bin" / "python"
+    venv = os.environ.get("KVFABRIC_VLLM_VENV") or str(Path(__file__).resolve().parents[3] / ".venv-vllm")
+    candidate = Path(venv) / "bin" / "python"
     if candidate.exists():
         return str(candidate)
-    raise SystemExit("vLLM is not importable here and .venv-vllm is missing: run scripts/setup_vllm_venv.sh "
-                     "or pass --python")
+    raise SystemExit(f"vLLM is not importable here and {venv} is missing: run scripts/setup_vllm_venv.sh, "
+                     "set KVFABRIC_VLLM_VENV or pass --python")
 
 
 TEXT_MODULES = ("argparse", "typing", "logging", "json.decoder", "json.encoder", "inspect", "dataclasses",
