@@ -3,7 +3,9 @@
 LMCache runs in its multi-process mode, the one that runs on CPU: `lmcache server` owns the KV cache (its L1 is
 process memory) and each vLLM engine connects to it with vLLM's own `LMCacheMPConnector`
 (`extra_config()` is that connector's `kv_connector_extra_config`). The server is given the chunk size the
-kvfabric runs use and both transfer modes ("auto": vLLM's adapter on CPU registers its KV cache engine-driven).
+kvfabric runs use and both transfer modes ("auto": vLLM's adapter on CPU registers its KV cache engine-driven),
+and a shared-memory segment (`--shm-name`): without one LMCache moves every chunk between vLLM and its server
+pickled over ZeroMQ ("pickle non-GPU transfer strategy" in its log), its slowest path; with it, through /dev/shm.
 """
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ CHUNK = 256
 
 
 def find_lmcache_python() -> str | None:
-    """The LMCache venv's Python (scripts/setup_lmcache_venv.sh), or None: the LMCache column is then skipped."""
-    candidate = Path(__file__).resolve().parents[3] / ".venv-lmcache" / "bin" / "python"
+    """The LMCache venv's Python (scripts/setup_lmcache_venv.sh; `$KVFABRIC_LMCACHE_VENV`, else the repository's
+    .venv-lmcache), or None: the LMCache column is then skipped."""
+    venv = os.environ.get("KVFABRIC_LMCACHE_VENV") or str(Path(__file__).resolve().parents[3] / ".venv-lmcache")
+    candidate = Path(venv) / "bin" / "python"
     if candidate.exists() and subprocess.run([str(candidate), "-c", "import lmcache, vllm"],
                                              capture_output=True).returncode == 0:
         return str(candidate)
@@ -39,7 +43,8 @@ class LMCacheServer:
             self.proc = subprocess.Popen(
                 [lmcache, "server", "--host", "127.0.0.1", "--port", str(self.port), "--chunk-size", str(CHUNK),
                  "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
-                 "--http-host", "127.0.0.1", "--http-port", str(http_port), "--disable-observability"],
+                 "--http-host", "127.0.0.1", "--http-port", str(http_port), "--disable-observability",
+                 "--shm-name", f"kvfabric-bench-lmcache-{self.port}"],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + 180
         while "cache server is running" not in self.log.read_text():

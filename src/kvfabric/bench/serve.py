@@ -16,7 +16,8 @@ are token ids (the completions API takes them), so every system gets exactly the
 Per (system, workload): TTFT mean / p50 / p90 / p99 (time to the first streamed token), inter-token latency
 (p50 and mean over all gaps between streamed tokens), throughput (requests/s and generated tokens/s over the
 workload's wall time), and hit tokens (vLLM's `prompt_tokens_details.cached_tokens`: its own prefix cache plus
-what the connector loaded). `--json`: one object per (system, workload); `--plot FILE.png`: TTFT and throughput.
+what the connector loaded), and the machine's 1-minute load average before and after. `--json`: one object per
+(system, workload); `--plot FILE.png`: TTFT and throughput.
 """
 from __future__ import annotations
 
@@ -157,8 +158,12 @@ def run_system(system: str, workloads: Sequence[Workload], model: str, work: Pat
             server.wait_ready(900)
             for workload in workloads:
                 log(f"[bench serve] {system}: {workload.name} ({workload.num_requests} requests) ...")
+                load_before = os.getloadavg()[0]
                 timings, wall = drive(server.base_url, workload)
-                rows.append(summarize(system, workload, timings, wall))
+                # the machine's 1-minute load average before and after: the systems run one after the other, so a
+                # busier machine during one of them skews the comparison
+                rows.append({**summarize(system, workload, timings, wall),
+                             "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]})
                 log(f"[bench serve] {system}: {workload.name}: {json.dumps(rows[-1])}")
     finally:
         if lmcache is not None:
@@ -211,7 +216,8 @@ def run(systems: Sequence[str] = SYSTEMS, workload_names: Sequence[str] = ("docq
         table = [{"workload": r["workload"], "system": r["system"], "requests": r["requests"],
                   "TTFT mean": r["ttft_mean_s"], "p50": r["ttft_p50_s"], "p90": r["ttft_p90_s"], "p99": r["ttft_p99_s"],
                   "ITL p50": r["itl_p50_s"], "req/s": r["throughput_rps"], "tok/s": r["tokens_per_s"],
-                  "hit tokens": f"{r['hit_tokens']}/{r['prompt_tokens']}"} for r in rows]
+                  "hit tokens": f"{r['hit_tokens']}/{r['prompt_tokens']}",
+                  "load": "{:.1f}-{:.1f}".format(*r["loadavg_1m"])} for r in rows]
         if table:
             emit(table, False, f"bench serve (KV budget {kv_tokens} tokens; seconds)", list(table[0]))
         print(f"work dir: {work}", file=sys.stderr)

@@ -7,15 +7,18 @@ For each prompt size (default 1k / 4k / 8k tokens, distinct texts so that no pro
     miss paired in the kvfabric engine, `--repeats` pairs of same-size prompts, kvfabric switched off for the first
                 of each pair (kv_transfer_params): the miss-path overhead without engine-to-engine noise, as the
                 median and [min, max] of on/off - 1
-    floor       vLLM's own prefix-cache hit: the same prompt again in the no-connector engine
+    floor       vLLM's own prefix-cache hit: the same prompt again in the no-connector engine (median of
+                `--repeats` hits)
     kvf hit     a FRESH engine with kvfabric on the same cache: cross-process reuse (async load)  -> ratio vs floor
+                (median over the measured prompt and the `--repeats - 1` "on" prompts, each new to that engine)
                 (kvfabric runs with save_partial_chunk: an exact repeat reuses all but one token, so a prompt
                 that is not a multiple of the chunk size computes 1 token where vLLM recomputes its last block)
     load/copy   kvfabric's load time / (bytes loaded / the throughput of reading the same chunk files from the page
                 cache into a buffer and copying them into a tensor, measured in the same process)
     lmc hit     `--compare lmcache` (the default): vLLM + LMCache (its LMCacheMPConnector and a standalone `lmcache
                 server`, LMCache's multi-process mode, the one that runs on CPU): a cold engine stores, a fresh one
-                hits. Skipped, with a note, where .venv-lmcache is absent (scripts/setup_lmcache_venv.sh)
+                hits (median over the same prompts as kvf hit). Skipped, with a note, where .venv-lmcache is
+                absent (scripts/setup_lmcache_venv.sh)
 
 plus the tokens and bytes kvfabric loaded per tier, the tokens each hit reused (vLLM's own hit recomputes the
 prompt's last block), and the inter-token latency of a decoding request while a cached prompt of the largest size
@@ -56,12 +59,12 @@ def find_python(python: str | None = None) -> str:
         return python
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    repo = Path(__file__).resolve().parents[3]
-    candidate = repo / ".venv-vllm" / "bin" / "python"
+    venv = os.environ.get("KVFABRIC_VLLM_VENV") or str(Path(__file__).resolve().parents[3] / ".venv-vllm")
+    candidate = Path(venv) / "bin" / "python"
     if candidate.exists():
         return str(candidate)
-    raise SystemExit("vLLM is not importable here and .venv-vllm is missing: run scripts/setup_vllm_venv.sh "
-                     "or pass --python")
+    raise SystemExit(f"vLLM is not importable here and {venv} is missing: run scripts/setup_vllm_venv.sh, "
+                     "set KVFABRIC_VLLM_VENV or pass --python")
 
 
 TEXT_MODULES = ("argparse", "typing", "logging", "json.decoder", "json.encoder", "inspect", "dataclasses",
@@ -191,21 +194,30 @@ def _row(results: dict[str, Any], size: int, repeats: int, lmcache_note: str) ->
     median, low, high = _median_spread(overheads)
     load_s, copy_bps = hit.get("load_s", 0.0), hit.get("pagecache_copy_bps", 0.0)
     bytes_loaded = sum(hit.get("bytes_loaded", {}).values())
+    # medians over the repeated samples (vLLM's own hit: the same prompt again; kvfabric's and LMCache's: distinct
+    # same-size prompts, each the first time its fresh engine sees it); load figures are the first sample's
+    floors, kvf_hits = plain.get("hits", [plain["hit"]]), hit.get("hits", [hit["cold"]])
+    floor, kvf_hit = statistics.median(floors), statistics.median(kvf_hits)
     floor_s = bytes_loaded / copy_bps if copy_bps else 0.0
     row = {
         "tokens": size, "cold_s": plain["cold"], "kvf_cold_s": cold["on"][0], "miss_overhead": cold["on"][0] /
         plain["cold"] - 1, "miss_overhead_paired": median, "miss_overhead_paired_min": low,
         "miss_overhead_paired_max": high, "paired_runs": len(overheads),
-        "floor_s": plain["hit"], "floor_reused": plain["hit_cached"],
-        "kvf_hit_s": hit["cold"], "hit_vs_floor": hit["cold"] / plain["hit"], "kvf_reused": hit["cold_cached"],
+        "floor_s": floor, "floor_samples_s": floors, "floor_reused": plain["hit_cached"],
+        "kvf_hit_s": kvf_hit, "kvf_hit_samples_s": kvf_hits, "hit_vs_floor": kvf_hit / floor,
+        "kvf_reused": hit["cold_cached"], "kvf_reused_samples": hit.get("hits_cached", [hit["cold_cached"]]),
         "loaded_tokens": hit.get("loaded_tokens", 0), "bytes_loaded": hit.get("bytes_loaded", {}),
         "load_s": load_s, "load_chunk_read_s": hit.get("load_chunk_read_s"), "load_scatter_s":
         hit.get("load_scatter_s"), "pagecache_copy_MBps": copy_bps / 1e6, "load_vs_copy": load_s / floor_s if floor_s else None,
     }
     if "lmcache-hit" in results:
         lm_hit = results["lmcache-hit"]["ttft"][key]
-        row.update({"lmcache_cold_s": results["lmcache-cold"]["ttft"][key]["cold"], "lmcache_hit_s": lm_hit["cold"],
-                    "lmcache_reused": lm_hit["cold_cached"], "kvf_vs_lmcache": hit["cold"] / lm_hit["cold"]})
+        lm_hits = lm_hit.get("hits", [lm_hit["cold"]])
+        lm_median = statistics.median(lm_hits)
+        row.update({"lmcache_cold_s": results["lmcache-cold"]["ttft"][key]["cold"], "lmcache_hit_s": lm_median,
+                    "lmcache_hit_samples_s": lm_hits, "lmcache_reused": lm_hit["cold_cached"],
+                    "lmcache_reused_samples": lm_hit.get("hits_cached", [lm_hit["cold_cached"]]),
+                    "lmcache_vs_floor": lm_median / floor, "kvf_vs_lmcache": kvf_hit / lm_median})
     else:
         row["lmcache_note"] = lmcache_note
     return row
@@ -219,11 +231,13 @@ def _table(rows: list[dict[str, Any]]) -> None:
         line = {"tokens": row["tokens"], "cold": row["cold_s"], "kvf cold": row["kvf_cold_s"],
                 "miss paired": f"{row['miss_overhead_paired']:+.1%} [{row['miss_overhead_paired_min']:+.1%}, "
                                f"{row['miss_overhead_paired_max']:+.1%}]",
-                "floor": row["floor_s"], "kvf hit": row["kvf_hit_s"], "hit/floor": f"{row['hit_vs_floor']:.2f}x",
+                "floor": row["floor_s"], "kvf hit": row["kvf_hit_s"], "hit/floor": f"{row['hit_vs_floor']:.2f}x "
+                f"[{min(row['kvf_hit_samples_s']) / row['floor_s']:.2f}, {max(row['kvf_hit_samples_s']) / row['floor_s']:.2f}]",
                 "load/copy": f"{row['load_vs_copy']:.2f}x" if row["load_vs_copy"] else "-",
                 "reused floor/kvf": f"{row['floor_reused']}/{row['kvf_reused']}"}
         if "lmcache_hit_s" in row:
-            line.update({"lmc hit": row["lmcache_hit_s"], "kvf/lmc": f"{row['kvf_vs_lmcache']:.2f}x"})
+            line.update({"lmc hit": row["lmcache_hit_s"], "lmc/floor": f"{row['lmcache_vs_floor']:.2f}x",
+                         "kvf/lmc": f"{row['kvf_vs_lmcache']:.2f}x"})
         table.append(line)
     emit(table, False, "vLLM + kvfabric TTFT (s); miss paired: median [min, max] of kvfabric on/off - 1",
          list(table[0]))
