@@ -45,22 +45,15 @@ class CpuPagedLayer:
         self.layouts = (key_layout, value_layout)
         # .view (never reshape): writes must land in the engine's buffer; raises if the layer is not viewable.
         regions = kv.view(num_blocks, num_heads, 2, block_size * head_dim)
-        self._regions = [
+        by_kind = [
             regions[:, :, i].view(num_blocks, num_heads, block_size, head_dim) if layout == "td"
             else regions[:, :, i].view(num_blocks, num_heads, head_dim, block_size)
             for i, layout in enumerate(self.layouts)
         ]
-        # the same regions as numpy views, token-major [num_blocks, H, B, D] (for scatter)
+        # the K and V regions as numpy views, token-major [num_blocks, H, B, D] (for gather and scatter)
         self.arrays = [_array(region) if layout == "td" else _array(region).transpose(0, 1, 3, 2)
-                       for region, layout in zip(self._regions, self.layouts)]
+                       for region, layout in zip(by_kind, self.layouts)]
 
-    def blocks(self, which: int, block: int, num_blocks: int, lo: int, hi: int) -> torch.Tensor:
-        """A [num_blocks, H, hi-lo, D] view of K (which=0) or V (which=1) of offsets [lo, hi) of blocks
-        block .. block+num_blocks-1 (consecutive ids: one copy moves them all)."""
-        region = self._regions[which][block:block + num_blocks]
-        if self.layouts[which] == "td":
-            return region[:, :, lo:hi, :]
-        return region[:, :, :, lo:hi].transpose(2, 3)
 
 def segments(block_ids: Sequence[int], block_size: int, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
     """(first block id, number of blocks, offset lo, offset hi, position of lo relative to start) for tokens
@@ -82,16 +75,26 @@ def segments(block_ids: Sequence[int], block_size: int, start: int, end: int) ->
         pos += n * (hi - lo)
 
 
-def _tokens(kv: torch.Tensor, at: int, num_blocks: int, num_tokens: int) -> torch.Tensor:
-    """kv [H, T, D], tokens [at, at + num_blocks*num_tokens) as [num_blocks, H, num_tokens, D] (a view)."""
-    return kv[:, at:at + num_blocks * num_tokens, :].unflatten(1, (num_blocks, num_tokens)).transpose(0, 1)
-
-
 def gather(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int, out: torch.Tensor) -> None:
-    """Copy the KV of tokens [start, end) of one layer into out [2, H, end-start, D]."""
+    """Copy the KV of tokens [start, end) of one layer into out [2, H, end-start, D].
+
+    By numpy, for the reason `scatter` gives: the save path gathers on the engine's own thread right after each
+    layer's attention, and torch's copy_ of a segment this large forks its intra-op OpenMP team, whose join
+    waits for a core another process or thread holds (the save gathers of `bench serve` ran at 110-410 MB/s on
+    the loaded 2-core machine; numpy in one thread moves the same bytes at 3 GB/s, 1.5x torch's 1-thread copy).
+    An `out` of another float dtype gets the values converted (through a buffer of the cache's dtype)."""
+    if out.dtype != layer.dtype:
+        same = torch.empty(out.shape, dtype=layer.dtype)
+        gather(layer, block_ids, start, end, same)
+        out.copy_(same)
+        return
+    kv = _array(out)
+    num_heads, head_dim = kv.shape[1], kv.shape[3]
     for block, n, lo, hi, at in segments(block_ids, layer.block_size, start, end):
-        for which in (0, 1):
-            _tokens(out[which], at, n, hi - lo).copy_(layer.blocks(which, block, n, lo, hi))
+        num_tokens = hi - lo
+        for which in (0, 1):  # [H, n*m, D] viewed as [n, H, m, D] (tokens are contiguous rows)
+            part = kv[which, :, at:at + n * num_tokens, :].reshape(num_heads, n, num_tokens, head_dim)
+            np.copyto(part.transpose(1, 0, 2, 3), layer.arrays[which][block:block + n, :, lo:hi, :])
 
 
 def scatter(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int, src: torch.Tensor) -> None:
