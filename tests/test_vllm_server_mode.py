@@ -39,3 +39,41 @@ def test_scheduler_sees_worker_stores_through_the_server(tmp_path):
     assert scheduler.lookup.prefix(keys).num_chunks == 0  # server gone: a miss, not an error
     worker.close()
     scheduler.lookup.close()
+
+
+def test_the_loader_loads_through_the_server(tmp_path):
+    """The worker's background loads (connectors.vllm.loads) with mode: server: every keyword the loader passes
+    to read_chunk is accepted, and the KV lands in the paged cache."""
+    pytest.importorskip("vllm")
+    from kvfabric.connectors.paged import CpuPagedLayer, gather
+    from kvfabric.connectors.vllm.loads import Loader
+    from kvfabric.connectors.vllm.metadata import LoadSpec
+    from kvfabric.counters import Counters
+
+    data = server_config(tmp_path)
+    tokens, kv = tokens_of(2 * CHUNK, 2), random_kv(2 * CHUNK, 2)
+    block = 16
+    with server_in_thread(tmp_path, data), RemoteCache(client_config(data), LAYOUT, "m") as engine:
+        keys = engine.keys(tokens)
+        for i in (0, 1):
+            payload = engine.new_payload()
+            payload.kv.copy_(kv[:, :, :, i * CHUNK:(i + 1) * CHUNK, :])
+            assert engine.store_chunk(keys[i], payload)
+        heads, dim = kv.shape[2], kv.shape[4]
+        layers = [CpuPagedLayer(torch.zeros(2 * CHUNK // block, heads, block, 2 * dim, dtype=kv.dtype), block)
+                  for _ in range(LAYOUT.num_layers)]
+        loader = Loader(engine, Counters(), block, num_threads=2)
+        loader.bind(layers)
+        block_ids = list(range(2 * CHUNK // block))
+        loader.start_async(LoadSpec("r", keys, 0, 2 * CHUNK, block_ids, is_async=True))
+        outcomes = []
+        while loader.num_async:
+            loader.wait_finished(1.0)
+            outcomes += loader.take_finished()
+        loader.stop()
+    (outcome,) = outcomes
+    assert outcome.end == 2 * CHUNK and not outcome.bad_blocks and loader.counters["load_missing_chunks"] == 0
+    for index, layer in enumerate(layers):
+        got = torch.empty(2, heads, 2 * CHUNK, dim, dtype=kv.dtype)
+        gather(layer, block_ids, 0, 2 * CHUNK, got)
+        assert torch.equal(got, kv[index]), index

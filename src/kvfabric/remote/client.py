@@ -241,9 +241,12 @@ class RemoteCache:
         return copied, str(reply.get("miss", ""))
 
     def read_chunk(self, key: bytes, out: torch.Tensor | None = None, *, num_tokens: int | None = None,
-                   scratch: Scratch | None = None, promote: bool = True) -> ChunkHit | ChunkMiss:
-        """CacheEngine.read_chunk through the server. `promote` is accepted for the same call shape; the server's
-        own engine decides promotion between its tiers."""
+                   scratch: Scratch | None = None, promote: bool = True, window: bool = True,
+                   in_place: bool = False) -> ChunkHit | ChunkMiss:
+        """CacheEngine.read_chunk through the server, with its call shape (the vLLM loader passes every keyword):
+        the server's own engine decides promotion between its tiers; `window=False` still gets the whole chunk
+        (every layer: a superset of what the caller needs); `in_place` is moot, the slot is already a view of
+        the server's pool that this process holds until it lets the slot go."""
         num_tokens = out.shape[3] if out is not None else num_tokens or self.chunk_size
         if scratch is not None:
             self._drop_view(scratch)
