@@ -146,9 +146,12 @@ class TierStack:
             if level > 0 and permit is not None and not permit.allows():
                 self.counters.add("slow_read_refused")
                 break
-            view = tier.get_view(key) if in_place and not promote and tier.is_zero_copy else None
-            blob = view.blob if view is not None else self._read(
-                level, tier, key, scratch if level == 0 or not promote else None, meta)
+            view = None
+            if in_place and not promote and tier.is_zero_copy:  # the view or a miss: never a second read
+                view = tier.get_view(key)
+                blob = None if view is None else view.blob
+            else:
+                blob = self._read(level, tier, key, scratch if level == 0 or not promote else None, meta)
             if blob is None:
                 continue
             try:

@@ -17,17 +17,18 @@ Contract:
   layer at once, so reading chunk i+1 overlaps scattering chunk i. A chunk in the shm pool is not read at all:
   it is verified and scattered where it lies (``read_chunk(in_place=True)``), and a chunk whose slot a writer
   reused during the scatter (``ChunkHit.is_intact``, checked before the load is reported finished) fails like a
-  corrupt one: its blocks are recomputed. `take_finished()` returns each finished load
-  once, as a ``LoadOutcome``; `wait_finished(timeout)` blocks until one is there (the worker calls it on steps
+  corrupt one: its blocks are recomputed. `take_finished()` returns each finished load once, as a
+  ``LoadOutcome``; `wait_finished(timeout)` blocks until one is there (the worker calls it on steps
   that have nothing else to do, instead of letting vLLM poll in a tight loop).
 - `start_layered(specs)` (synchronous, layer-wise): a step's loads. All their chunks are read and verified
   first (raw chunks from process memory are zero-copy views; others land in a pool of buffers held until the
   step's loads are done), then scattered one layer at a time, so scattering layer l+1 overlaps the forward's
   layer l. `wait_layer(index)` returns once layer `index` of every load is in place; `finish_layered()` returns
-  the step's outcomes. (Not in place: the forward uses each layer as it lands, so its chunks are copied
-  out of the pool first and verified whole.) Trade-off (chunks hold all layers): a load is verified before any of its KV is used,
-  and a failed chunk never costs a step, but the reads themselves are not overlapped with compute (layer 0
-  needs every chunk); ranged per-layer reads would hide them at the price of verifying after the forward.
+  the step's outcomes. (Not in place: the forward uses each layer as it lands, so its chunks are copied out of
+  the pool first and verified whole.) Trade-off (chunks hold all layers): a load is verified before any of its
+  KV is used, and a failed chunk never costs a step, but the reads themselves are not overlapped with compute
+  (layer 0 needs every chunk); ranged per-layer reads would hide them at the price of verifying after the
+  forward.
 - A missing or corrupt chunk ends that load there: its outcome's `end` is the first token not loaded and
   `bad_blocks` the blocks from there to the load's end (vLLM recomputes them). Nothing here raises for a bad
   cache entry; a bug in a job is logged and fails that load whole, never the process.
