@@ -3,6 +3,8 @@ tensors laid out as vLLM's CPU cache: async loads spread over threads, layer-wis
 chunks. Needs vllm importable (the .venv-vllm venv); skips otherwise."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -99,15 +101,14 @@ def test_layered_load_waits_per_layer_and_reports_a_missing_chunk(setup):
     assert loader.finish_layered() == []
 
 
-def test_load_threads_yield_to_a_running_forward(setup):
+def test_load_threads_run_niced_so_a_running_forward_keeps_most_of_the_cores(setup):
     import os
 
     _, loader, *_ = setup
     assert len(loader._tids) == 2
-    loader.set_busy(True)
-    assert {os.sched_getscheduler(tid) for tid in loader._tids} == {os.SCHED_IDLE}
-    loader.set_busy(False)
-    assert {os.sched_getscheduler(tid) for tid in loader._tids} == {os.SCHED_OTHER}
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert [os.getpriority(os.PRIO_PROCESS, tid) for tid in loader._tids] == [min(19, base + loader.nice)] * 2
+    assert base == os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # the caller's thread is untouched
 
 
 def test_async_load_of_a_partial_last_chunk(tmp_path):

@@ -31,7 +31,10 @@ Contract:
     load_mode            "async" (default): a request with a hit waits in vLLM's WAITING_FOR_REMOTE_KVS state while
                          background threads load its KV and the other requests keep running; "layerwise": loads
                          run within the step that computes the request, scattered one layer ahead of the forward
-    load_threads         background load threads (default 2; niced, so a running forward keeps the cores first)
+    load_threads         background load threads (default 2)
+    load_nice            their niceness, 0-19 (default 15): the share of the cores an asynchronous load takes from
+                         forwards that run meanwhile (0: an equal share, the load ends soonest, the other requests'
+                         decode slows most; 19: almost none)
 
 - `layout_from_vllm` / `model_id_from_vllm`: the KVLayout (layer groups from the model config, as kvfabric's HF
   engine has them: Gemma 3's window layers, so both engines' keys agree) and key namespace; anything the connector
@@ -70,9 +73,10 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 CONNECTOR_KEYS = ("model_id", "config_file", "load_failure_policy", "stats_path", "save_queue_bytes", "key_mode",
-                  "load_mode", "load_threads")
+                  "load_mode", "load_threads", "load_nice")
 KEY_MODES = ("tokens", "vllm")
 LOAD_MODES = ("async", "layerwise")
+DEFAULT_LOAD_NICE = 15
 PARAMS_KEY = "kvfabric"  # our entry in a request's kv_transfer_params
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -127,6 +131,9 @@ def resolve_config(extra: dict[str, Any] | None) -> tuple[Config, dict[str, Any]
     threads = options.setdefault("load_threads", 2)
     if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 64:
         raise ConfigError(f"load_threads: {threads!r} is not an integer in [1, 64]")
+    nice = options.setdefault("load_nice", DEFAULT_LOAD_NICE)
+    if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= 19:
+        raise ConfigError(f"load_nice: {nice!r} is not an integer in [0, 19]")
     base = Config.load(options.get("config_file"), environ=_config_environ())  # YAML + KVFABRIC_* env
     return Config.from_dict(_merge(base.to_dict(), extra)), options
 

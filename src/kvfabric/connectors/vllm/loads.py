@@ -7,10 +7,13 @@ Contract:
   ordered by layer index, each one's KV cache group (whose block table it uses: ``LoadSpec.table``) and, under
   vLLM's hybrid manager, the window layers, which get only rows from ``LoadSpec.window_from`` (a chunk wholly
   before it is read without its window part: ``CacheEngine.read_chunk(window=False)``).
-- `set_busy(True)` while a forward runs that does not wait for these threads (the worker calls it per step): the
-  threads then run under SCHED_IDLE, on CPU time the forward leaves unused, so an asynchronous load does not
-  slow the requests that keep decoding; `set_busy(False)` gives them normal priority again (nothing to compete
-  with: the engine is only waiting for loads).
+- The threads run niced (`nice`: the connector's ``load_nice``, default 15) for their whole life: where the
+  forward keeps the cores busy, an asynchronous load gets the share of CPU time its weight gives it (at nice 15
+  a few percent of a core against one forward thread; more in practice: a niced thread that holds the GIL
+  also holds up the forward), so the requests that keep decoding slow by about that much and the load still
+  progresses. (SCHED_IDLE, used before, starved a load whenever another request decoded: seconds of TTFT
+  under a steady decode. A priority that changes from step to step would need CAP_SYS_NICE to raise again; a
+  constant niceness needs no privilege.)
 - `start_async(spec)` (vLLM's WAITING_FOR_REMOTE_KVS path): the load's chunks are spread over the threads; a
   thread reads a chunk into its staging buffer (``CacheEngine.read_chunk(promote=False)``: checksums and layout
   verified, no copy into process memory: vLLM's own prefix cache will hold the KV) and scatters it into every
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field
 from vllm.logger import init_logger
 
 from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, scatter
+from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE
 from kvfabric.connectors.vllm.metadata import LoadSpec, RequestStats
 from kvfabric.counters import Counters
 from kvfabric.engine import CacheEngine, ChunkHit, ChunkMiss
@@ -104,13 +108,14 @@ class _Layered:
 
 
 class Loader:
-    def __init__(self, engine: CacheEngine, counters: Counters, block_size: int, num_threads: int = 2) -> None:
+    def __init__(self, engine: CacheEngine, counters: Counters, block_size: int, num_threads: int = 2,
+                 nice: int = DEFAULT_LOAD_NICE) -> None:
         self.engine = engine
         self.counters = counters
         self.block_size = block_size
         self.chunk_size = engine.chunk_size
-        self._tids: list[int] = []  # native ids of the threads, for their scheduling policy
-        self._is_busy = False
+        self.nice = nice
+        self._tids: list[int] = []  # native ids of the threads
         self.layers: list[CpuPagedLayer] = []
         self.groups: list[int] = []
         self.window_layers: frozenset[int] = frozenset()
@@ -125,6 +130,8 @@ class Loader:
                                           daemon=True) for i in range(num_threads)]
         for thread in self._threads:
             thread.start()
+        with self._cond:  # ready (niced, buffers touched) before the first load
+            self._cond.wait_for(lambda: len(self._tids) == num_threads)
 
     def bind(self, layers: Sequence[CpuPagedLayer], groups: Sequence[int] | None = None,
              window_layers: set[int] | frozenset[int] = frozenset()) -> None:
@@ -142,17 +149,6 @@ class Loader:
         if row is None or lo >= hi:
             return
         scatter(layer, job.spec.table(self.groups[index]), lo, hi, hit.kv[row, :, :, lo - first:hi - first, :])
-
-    def set_busy(self, is_busy: bool) -> None:
-        if is_busy == self._is_busy or not hasattr(os, "SCHED_IDLE"):
-            return
-        self._is_busy = is_busy
-        policy = os.SCHED_IDLE if is_busy else os.SCHED_OTHER
-        for tid in self._tids:
-            try:
-                os.sched_setscheduler(tid, policy, os.sched_param(0))
-            except OSError:  # not permitted here: loads then share the cores with the forward
-                pass
 
     # ---- async ----------------------------------------------------------------------------------------------
     def start_async(self, spec: LoadSpec) -> None:
@@ -206,13 +202,16 @@ class Loader:
 
     # ---- threads --------------------------------------------------------------------------------------------
     def _run(self, blob_bytes: int) -> None:
-        with self._cond:
-            self._tids.append(threading.get_native_id())
-            if self._is_busy:  # set_busy ran before this thread was there
-                self._is_busy = False
-                self.set_busy(True)
+        tid = threading.get_native_id()
+        try:  # per thread on Linux (each thread has its own nice value); raising it needs no privilege
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.nice))
+        except OSError:  # not permitted here: loads then share the cores equally with the forward
+            pass
         staging = Scratch()
         staging.view(blob_bytes)  # allocated and touched now, not during a request's load
+        with self._cond:
+            self._tids.append(tid)
+            self._cond.notify_all()
         while (task := self._tasks.get()) is not None:
             try:
                 if isinstance(task, _Layered):

@@ -76,7 +76,7 @@ class WorkerSide:
         self.region_layouts: tuple[str, str] | None = None  # (K, V), measured on first use
         self.counters = Counters()
         self.stats_path = options.get("stats_path")
-        self.loader = Loader(self.engine, self.counters, block_size, int(options.get("load_threads") or 2))
+        self.loader = Loader(self.engine, self.counters, block_size, options["load_threads"], options["load_nice"])
         # the scheduler mirrors the keys stored in our process-memory tier (it cannot see that tier)
         self.saver = Saver(self.engine, self.counters, int(options.get("save_queue_bytes") or 2**30),
                            track_stored=self.mirrored,
@@ -138,8 +138,6 @@ class WorkerSide:
         self.failed_reqs = set()
         if self.meta is None:
             return
-        # a forward that does not wait for the load threads: they take only the CPU time it leaves unused
-        self.loader.set_busy(not self.meta.is_idle and all(spec.is_async for spec in self.meta.loads))
         for spec in self.meta.loads:
             if spec.is_async:
                 self._tier_touched = True

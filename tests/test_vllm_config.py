@@ -1,0 +1,26 @@
+"""The connector's configuration (kvfabric.connectors.vllm.config): options split from kvfabric's config keys,
+their defaults, and a clear error for a bad value. Needs vllm importable (the .venv-vllm venv); skips otherwise."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvfabric.config import ConfigError  # noqa: E402
+from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE, resolve_config  # noqa: E402
+
+
+def test_options_are_split_from_config_keys_and_get_their_defaults(tmp_path):
+    config, options = resolve_config({"chunk_size": 64, "tiers": ["disk"], "disk": {"path": str(tmp_path)},
+                                      "load_threads": 3})
+    assert config.chunk_size == 64 and tuple(config.tiers) == ("disk",)
+    assert options["load_threads"] == 3 and options["load_nice"] == DEFAULT_LOAD_NICE
+    assert options["load_mode"] == "async" and options["key_mode"] == "tokens"
+
+
+@pytest.mark.parametrize("bad", [{"load_nice": 20}, {"load_nice": -1}, {"load_nice": True}, {"load_threads": 0},
+                                 {"load_mode": "sync"}, {"key_mode": "hash"}, {"load_failure_policy": "ignore"}])
+def test_a_bad_option_is_a_clear_error(bad):
+    name = next(iter(bad))
+    with pytest.raises(ConfigError, match=name):
+        resolve_config(bad)
