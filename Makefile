@@ -10,8 +10,8 @@ demo:
 test:
 	bash scripts/setup.sh --test
 	.venv/bin/python -m pytest -q
-	.venv/bin/python -m pytest -q -m slow
-	.venv-vllm/bin/python -m pytest -q -m "slow or not slow" tests/test_vllm_connector.py tests/test_vllm_config.py tests/test_vllm_loads.py \
+	.venv/bin/python -m pytest -q -m slow --durations=15
+	.venv-vllm/bin/python -m pytest -q --durations=10 -m "slow or not slow" tests/test_vllm_connector.py tests/test_vllm_config.py tests/test_vllm_loads.py \
 		tests/test_vllm_serve.py tests/test_vllm_observability.py tests/test_vllm_server_mode.py tests/test_vllm_gemma.py
 	.venv-vllm/bin/python -m pytest -q -m "slow or not slow" tests/test_pd_roles.py tests/test_pd_vllm.py
 	.venv-sglang/bin/python -m pytest -q -m "slow or not slow" tests/test_sglang_backend.py

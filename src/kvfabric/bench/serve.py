@@ -130,7 +130,8 @@ def server_argv(python: str, model: str, port: int, kv_bytes: int, max_len: int)
 
 
 def run_system(system: str, workloads: Sequence[Workload], model: str, work: Path, kv_bytes: int, max_len: int,
-               log, python: str, store_gb: float = STORE_GB) -> list[dict[str, Any]]:  # noqa: ANN001
+               log, python: str, store_gb: float = STORE_GB,  # noqa: ANN001
+               load_nice: int | None = None) -> list[dict[str, Any]]:
     """Start the system's server once (`python`: one with vllm, and lmcache for that system), run every workload
     on it (each with its own prompts), stop it."""
     port = free_port()
@@ -142,8 +143,8 @@ def run_system(system: str, workloads: Sequence[Workload], model: str, work: Pat
             "kv_connector": "KVFabricConnector", "kv_connector_module_path": "kvfabric.connectors.vllm",
             "kv_role": "kv_both", "kv_connector_extra_config": {
                 "chunk_size": 256, "tiers": ["cpu"], "cpu": {"capacity": f"{store_gb}GiB"},
-                "model_id": "kvfabric-bench-serve",
-                "stats_path": str(work / "stats-kvfabric.json")}})]
+                "model_id": "kvfabric-bench-serve", "stats_path": str(work / "stats-kvfabric.json"),
+                **({} if load_nice is None else {"load_nice": load_nice})}})]
     elif system == "lmcache":
         lmcache = LMCacheServer(python, work, l1_gb=store_gb)
         argv += ["--kv-transfer-config", json.dumps({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
@@ -175,7 +176,7 @@ def run(systems: Sequence[str] = SYSTEMS, workload_names: Sequence[str] = ("docq
         plot: str | None = None, model: str | None = None, workdir: str | None = None, kv_tokens: int = 6144,
         max_len: int = 4096, docs: int = 4, doc_tokens: int = 1800, questions: int = 3, users: int = 2,
         sessions: int = 6, trace: str | None = None, python: str | None = None,
-        store_gb: float = STORE_GB) -> list[dict[str, Any]]:
+        store_gb: float = STORE_GB, load_nice: int | None = None) -> list[dict[str, Any]]:
     if model is None:
         from kvfabric.engines.model import ensure_model
         model = str(ensure_model())
@@ -202,14 +203,16 @@ def run(systems: Sequence[str] = SYSTEMS, workload_names: Sequence[str] = ("docq
             notes.append("lmcache skipped: no .venv-lmcache with lmcache and vllm (scripts/setup_lmcache_venv.sh)")
             continue
         try:
-            rows += run_system(system, workloads, model, work, kv_bytes, max_len, log, system_python, store_gb)
+            rows += run_system(system, workloads, model, work, kv_bytes, max_len, log, system_python, store_gb,
+                               load_nice)
         except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
             notes.append(f"{system} failed: {str(exc)[:500]} (logs in {work})")
     for note in notes:  # also with --json: a system that did not run must never pass silently
         print(f"[bench serve] {note}", file=sys.stderr, flush=True)
     if as_json:
         for row in rows:
-            print(json.dumps({**row, "kv_budget_tokens": kv_tokens}), flush=True)
+            nice = {"load_nice": load_nice} if row["system"] == "kvfabric" else {}  # None: the connector's default
+            print(json.dumps({**row, "kv_budget_tokens": kv_tokens, **nice}), flush=True)
     else:
         from kvfabric.bench.common import emit
 
@@ -261,13 +264,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--questions", type=int, default=3)
     ap.add_argument("--users", type=int, default=2)
     ap.add_argument("--sessions", type=int, default=6, help="chat sessions taken from the trace")
+    ap.add_argument("--load-nice", type=int, default=None,
+                    help="kvfabric's load_nice (niceness of its load threads; default: the connector's)")
     ap.add_argument("--trace", default=None, help="conversation trace (default ../shared/data/mooncake_conversation_"
                                                   "trace.jsonl)")
     args = ap.parse_args(argv)
     run([s for s in args.systems.split(",") if s], [w for w in args.workloads.split(",") if w], args.json,
         args.plot, args.model, args.workdir, args.kv_tokens, docs=args.docs, doc_tokens=args.doc_tokens,
         questions=args.questions, users=args.users, sessions=args.sessions, trace=args.trace, python=args.python,
-        store_gb=args.store_gb)
+        store_gb=args.store_gb, load_nice=args.load_nice)
     return 0
 
 
