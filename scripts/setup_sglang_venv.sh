@@ -35,7 +35,8 @@ PIP=("$VENV/bin/python" -m pip)
 # kvfabric itself, editable, with its light deps (torch comes from above)
 "${PIP[@]}" install -q numpy pyyaml xxhash blake3 click rich redis filelock "pytest>=8" "pytest-timeout>=2.3" \
   "hypothesis>=6.100"
-"${PIP[@]}" install -q --no-deps -e "$ROOT"
+# under a lock: setup.sh builds both venvs at once, and an editable build writes into the checkout
+flock "${TMPDIR:-/tmp}/kvfabric-editable.lock" "${PIP[@]}" install -q --no-deps -e "$ROOT"
 
 "$VENV/bin/python" - <<PY
 $CHECK

@@ -45,7 +45,8 @@ fi
 # controller in tests, openai (also a vllm dependency) for the `vllm serve` tests
 "${PIP[@]}" install -q numpy pyyaml xxhash blake3 click rich "msgpack>=1.0" redis openai httpx \
   "pytest>=8" "pytest-timeout>=2.3"
-"${PIP[@]}" install -q --no-deps -e "$ROOT"
+# under a lock: setup.sh builds both venvs at once, and an editable build writes into the checkout
+flock "${TMPDIR:-/tmp}/kvfabric-editable.lock" "${PIP[@]}" install -q --no-deps -e "$ROOT"
 
 "$VENV/bin/python" - <<'PY'
 import torch, vllm, kvfabric
