@@ -32,21 +32,26 @@ def test_near_ties_are_told_apart():
 def row(method: str, budget: float, top1: float, kl: float, **extra: float) -> dict:
     return {"method": method, "budget": budget, "top1": top1, "kl_mean": kl, "tpot_ratio": 1.1,
             "bytes_moved_per_step": 1e6, "manage_ms_per_step": extra.pop("manage", 10.0),
-            "moved_kb_per_step": 100.0, "stable_promotions_per_step": extra.pop("stable", 50.0), **extra}
+            "moved_kb_per_step": 100.0, "stable_promotions_per_step": extra.pop("stable", 50.0),
+            "stable_rerank_ms_per_step": extra.pop("stable_rerank", 8.0), "rerank_ms_per_step": 9.0,
+            "radar_ms_per_step": extra.pop("radar", 3.0), **extra}
 
 
 def test_summary_judges_each_target_from_the_rows():
     heads = HeadTable("m", np.array([[0.1, 0.9]], np.float32), threshold=0.5)
-    rows = [row("flexicache", 0.3, 0.995, 0.004, manage=4.0, stable=5.0), row("quest", 0.3, 0.99, 0.006),
+    rows = [row("flexicache", 0.3, 0.995, 0.004, manage=4.0, stable=5.0, stable_rerank=2.0, radar=9.0),
+            row("quest", 0.3, 0.99, 0.006),
             row("shuffled", 0.3, 0.98, 0.012), row("flexicache@rerank1", 0.3, 0.995, 0.004, manage=10.0)]
     out = summary(rows, heads)
     assert out["unstable_heads"] == 1 and out["target_quality_met"] and out["beats_every_baseline_at_30"]
     assert out["shuffled_kl_over_flexicache"] == pytest.approx(3.0)
     assert out["rerank16_over_rerank1"] == pytest.approx(0.4) and out["target_rerank_cost_met"]
+    assert out["rerank16_over_rerank1_stable_rerank"] == pytest.approx(0.25)  # the target: stable heads' CPU time
+    assert out["rerank16_over_rerank1_radar_and_rerank"] == pytest.approx(18 / 12)
     assert out["rerank16_over_rerank1_stable_moves"] == pytest.approx(0.1)
     assert out["target_tpot_met"]
     rows[1] = row("quest", 0.3, 0.999, 0.003)  # a baseline with lower KL: flexicache no longer beats it
-    rows[0] = row("flexicache", 0.3, 0.98, 0.004, manage=6.0)
+    rows[0] = row("flexicache", 0.3, 0.98, 0.004, manage=6.0, stable_rerank=5.0)
     out = summary(rows, heads)
     assert not out["beats_every_baseline_at_30"] and not out["target_quality_met"]
     assert not out["target_rerank_cost_met"]

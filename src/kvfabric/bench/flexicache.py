@@ -13,15 +13,17 @@ step of each method's decode, so both see the same machine load; `dense_drift` i
 step time after all methods with before).
 Methods at each budget: flexicache, quest (top-K pages of every head, re-ranked every step), streaming (sink +
 recent window), h2o (heavy hitters + recent, one-token pages), shuffled (flexicache's split on random heads). At
-30 % the bench also runs flexicache with stable heads re-ranked every step (`flexicache@rerank1`: the cost of
-re-ranking, measured: `rerank16_over_rerank1` compares the time spent ranking, radar-checking and moving per step,
-all heads together; `rerank16_over_rerank1_stable_moves` the pages promoted into the stable heads per step) and with the heads kept whole chosen by stability alone (`flexicache@stability`, the
-published criterion; the default orders them by retention, see engines/flexicache/heads.py).
+30 % also flexicache with stable heads re-ranked every step (`flexicache@rerank1`) and with the heads kept whole
+chosen by stability alone (`flexicache@stability`, the published criterion; the default orders them by retention,
+engines/flexicache/heads.py). The re-rank cost compares the two cadences in CPU time per step (engine stats):
+`rerank16_over_rerank1_stable_rerank` the stable heads' selection + moves (the target), `..._rerank` every due
+head's, `..._radar` the radar's (scoring every page + its promotions), `rerank16_over_rerank1` all page
+management in wall time. `tpot_cpu_ratio` is `tpot_ratio` in CPU time; `by_prompt` each prompt's figures.
 `--study` runs the head study instead (engines.flexicache.study) and prints its figures.
 """
 from __future__ import annotations
 
-import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -33,12 +35,9 @@ from rich.console import Console
 
 from kvfabric.bench.common import emit, emit_summary, save_figure, subplots, threads_note
 from kvfabric.config import FlexiCacheConfig
-from kvfabric.data import demo_document, find_musique
 from kvfabric.engines.flexicache import PagedKV, load_table, make_plan
 from kvfabric.engines.flexicache.probe import AttentionProbe
-from kvfabric.engines.flexicache.study import (
-    DOC_QUESTIONS, SYSTEM_DOC, SYSTEM_QA, banned_ids, chat_ids, musique_user, report, run_study,
-)
+from kvfabric.engines.flexicache.study import banned_ids, bench_prompts, report, run_study
 from kvfabric.engines.model import DEFAULT_MODEL
 from kvfabric.engines.runtime import BufferCache, layout_for, load_for_inference
 
@@ -51,26 +50,13 @@ COLUMNS = ["method", "budget", "resident_frac", "top1", "top1_clear", "kl_mean",
 
 
 @dataclass(frozen=True, slots=True)
-class Prompt:
-    name: str
-    ids: list[int]
-
-
-@dataclass(frozen=True, slots=True)
 class Decode:
     logprobs: torch.Tensor  # [steps, vocab]
     tokens: list[int]
     step_s: float  # median
     dense_s: float = 0.0  # median of the dense KV steps interleaved with these (0: none)
-
-
-def bench_prompts(tok: Any, data: str | None, num_musique: int, first_musique: int = 100) -> list[Prompt]:
-    user = f"Document:\n{demo_document()}\n\nQuestion: {DOC_QUESTIONS[2]}"
-    prompts = [Prompt("doc:q2", chat_ids(tok, SYSTEM_DOC, user))]
-    examples = json.loads(find_musique(data).read_text()) if num_musique else []
-    prompts += [Prompt(f"musique:{i}", chat_ids(tok, SYSTEM_QA, musique_user(examples[i])))
-                for i in range(first_musique, first_musique + num_musique)]
-    return prompts
+    step_cpu_s: float = 0.0  # the same medians in CPU time of this thread (what a loaded machine does not inflate)
+    dense_cpu_s: float = 0.0
 
 
 @torch.inference_mode()
@@ -89,20 +75,22 @@ def decode(model: Any, cache: Any, start: int, first: int, steps: int, feed: lis
     """`steps` one-token forwards from position `start`: greedy (banned ids never picked) or fed `feed`.
     With `dense` (the prompt's dense KV buffer, holding the reference's tokens too), every DENSE_EVERY-th step
     also runs the same token on dense KV, timed apart: the TPOT baseline under the same machine load."""
-    logprobs, tokens, times, dense_times = [], [], [], []
+    logprobs, tokens, times, dense_times, cpu, dense_cpu = [], [], [], [], [], []
     token = first
     for step in range(steps):
         position = torch.tensor([[start + step]])
         if dense is not None and step % DENSE_EVERY == 0:
             side = BufferCache(dense, start + step)  # writes the same K/V the reference wrote there
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             model(input_ids=torch.tensor([[token]]), position_ids=position, cache=side, use_cache=True,
                   logits_to_keep=1)
             dense_times.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+            dense_cpu.append(time.thread_time() - c0)
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = model(input_ids=torch.tensor([[token]]), position_ids=position, cache=cache,
                     use_cache=True, logits_to_keep=1, **hooks)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
         logits = out.logits[0, -1].float()
         logprobs.append(torch.log_softmax(logits, -1))
         if feed is None:
@@ -112,7 +100,8 @@ def decode(model: Any, cache: Any, start: int, first: int, steps: int, feed: lis
             token = feed[step]
         tokens.append(token)
     return Decode(torch.stack(logprobs), tokens, statistics.median(times),
-                  statistics.median(dense_times) if dense_times else 0.0)
+                  statistics.median(dense_times) if dense_times else 0.0, statistics.median(cpu),
+                  statistics.median(dense_cpu) if dense_cpu else 0.0)
 
 
 def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -139,28 +128,44 @@ def run_method(model: Any, buf: torch.Tensor, n: int, mass: torch.Tensor, first:
         kv.close()
 
 
-def _aggregate(method: str, budget: float, results: list[tuple[np.ndarray, np.ndarray, float, Any, np.ndarray]]
-               ) -> dict:
-    top1 = np.concatenate([r[0] for r in results])
-    kl = np.concatenate([r[1] for r in results])
-    clear = np.concatenate([r[4] for r in results])
-    stats = [r[3] for r in results]
+@dataclass(frozen=True, slots=True)
+class PromptResult:
+    """One (method, budget) on one prompt."""
+    prompt: str
+    top1: np.ndarray  # bool [steps]
+    kl: np.ndarray  # [steps]
+    clear: np.ndarray  # bool [steps]: not a near-tie
+    tpot_ratio: float  # median step / median interleaved dense step, wall
+    tpot_cpu_ratio: float  # the same in CPU time of the decoding thread
+    stats: Any  # DecodeMemoryStats
+
+
+def _aggregate(method: str, budget: float, results: list[PromptResult]) -> dict:
+    top1, kl = np.concatenate([r.top1 for r in results]), np.concatenate([r.kl for r in results])
+    clear = np.concatenate([r.clear for r in results])
+    stats = [r.stats for r in results]
+
+    def mean(name: str, scale: float = 1.0) -> float:
+        return scale * float(np.mean([getattr(s, name) for s in stats]))
     return {
-        "method": method, "budget": budget, "resident_frac": float(np.mean([s.resident_frac for s in stats])),
+        "method": method, "budget": budget, "resident_frac": mean("resident_frac"),
         "top1": float(top1.mean()), "kl_mean": float(kl.mean()), "kl_p99": float(np.quantile(kl, 0.99)),
         "top1_clear": float(top1[clear].mean()), "tie_steps": float(1.0 - clear.mean()),
-        "tpot_ratio": float(np.mean([r[2] for r in results])),
+        "tpot_ratio": float(np.mean([r.tpot_ratio for r in results])),
+        "tpot_cpu_ratio": float(np.mean([r.tpot_cpu_ratio for r in results])),
         "resident_bytes_peak": max(s.resident_bytes_peak for s in stats),
         "resident_mb_peak": max(s.resident_bytes_peak for s in stats) / 2**20,
         "full_kv_bytes": max(s.full_kv_bytes for s in stats), "radar_bytes": max(s.radar_bytes for s in stats),
-        "moves_per_step": float(np.mean([s.moves_per_step for s in stats])),
-        "stable_promotions_per_step": float(np.mean([s.stable_promotions_per_step for s in stats])),
-        "bytes_moved_per_step": float(np.mean([s.bytes_moved_per_step for s in stats])),
-        "moved_kb_per_step": float(np.mean([s.bytes_moved_per_step for s in stats])) / 1024,
-        "manage_ms_per_step": 1000 * float(np.mean([s.manage_s_per_step for s in stats])),
-        "transfer_ms_per_step": 1000 * float(np.mean([s.transfer_s_per_step for s in stats])),
-        "first_step_moves": float(np.mean([s.first_step_moves for s in stats])),
+        "moves_per_step": mean("moves_per_step"), "stable_promotions_per_step": mean("stable_promotions_per_step"),
+        "bytes_moved_per_step": mean("bytes_moved_per_step"), "moved_kb_per_step": mean("bytes_moved_per_step", 1 / 1024),
+        "manage_ms_per_step": mean("manage_s_per_step", 1000), "transfer_ms_per_step": mean("transfer_s_per_step", 1000),
+        "radar_ms_per_step": mean("radar_s_per_step", 1000), "rerank_ms_per_step": mean("rerank_s_per_step", 1000),
+        "stable_rerank_ms_per_step": mean("stable_rerank_s_per_step", 1000),
+        "first_step_moves": mean("first_step_moves"),
         "num_full_heads": stats[0].num_full_heads, "prompts": len(results), "steps": int(top1.size),
+        "by_prompt": {r.prompt: {"top1": float(r.top1.mean()), "wrong_steps": int((~r.top1).sum()),
+                                 "wrong_clear_steps": int((~r.top1 & r.clear).sum()), "kl_mean": float(r.kl.mean()),
+                                 "tpot_ratio": r.tpot_ratio, "tpot_cpu_ratio": r.tpot_cpu_ratio} for r in results},
     }
 
 
@@ -172,6 +177,7 @@ def run(as_json: bool = False, plot: str | None = None, data: str | None = None,
     config = config or FlexiCacheConfig()
     console = Console(stderr=True, emoji=False, highlight=False)
     say = log or (lambda msg: console.print(f"[dim]{msg}[/]"))
+    load = os.getloadavg()  # at the start and (in the summary) at the end: timing figures need it
     model, tok = load_for_inference(model_name)
     layout = layout_for(model.config)
     table = load_table(model_name, layout.num_layers, layout.num_kv_heads, config.head_table)
@@ -195,20 +201,22 @@ def run(as_json: bool = False, plot: str | None = None, data: str | None = None,
             plan = make_plan(name.split("@")[0], budget, layout.num_layers, layout.num_kv_heads, cfg, table)
             got, stats = run_method(model, buf, n, mass, prompt.ids[-1], ref, plan, config.slow_pool)
             top1, kl = compare(ref.logprobs, got.logprobs)
-            done.append((name, budget, top1, kl, got.step_s / got.dense_s, stats))
+            done.append((name, budget, top1, kl, got, stats))
             say(f"  {name:>18} @ {budget:.0%}: top1 {top1.mean():.3f} kl {kl.mean():.4f} "
                 f"resident {stats.resident_frac:.3f} step {got.step_s * 1000:.0f} ms (dense {got.dense_s * 1000:.0f})")
         again = decode(model, BufferCache(buf, n), n, prompt.ids[-1], steps, feed=ref.tokens)
         say(f"  dense step {ref.step_s * 1000:.0f} / {again.step_s * 1000:.0f} ms (before / after)")
         clear = clear_steps(ref.logprobs)
-        for name, budget, top1, kl, tpot_ratio, stats in done:
-            runs.setdefault((name, budget), []).append((top1, kl, tpot_ratio, stats, clear))
+        for name, budget, top1, kl, got, stats in done:
+            runs.setdefault((name, budget), []).append(PromptResult(
+                prompt.name, top1, kl, clear, got.step_s / got.dense_s, got.step_cpu_s / got.dense_cpu_s, stats))
         runs.setdefault(("full", 1.0), []).append((np.ones(steps, bool), np.zeros(steps), again.step_s / ref.step_s,
                                                    None))
         del buf, mass
     rows = [_full_row(runs.pop(("full", 1.0)), layout, steps)] + [_aggregate(m, b, r) for (m, b), r in runs.items()]
     emit(rows, as_json, f"FlexiCache vs baselines, {steps} teacher-forced steps ({threads_note()})", COLUMNS)
-    emit_summary(summary(rows, table), as_json, "FlexiCache targets")
+    emit_summary({**summary(rows, table), "load_average": [round(x, 2) for x in (*load, *os.getloadavg())]}, as_json,
+                 "FlexiCache targets")
     if plot:
         write_plot(rows, plot)
     return rows
@@ -216,8 +224,7 @@ def run(as_json: bool = False, plot: str | None = None, data: str | None = None,
 
 def _full_row(results: list, layout: Any, steps: int) -> dict:
     return {"method": "full", "budget": 1.0, "resident_frac": 1.0, "top1": 1.0, "top1_clear": 1.0, "kl_mean": 0.0,
-            "kl_p99": 0.0,
-            "tpot_ratio": 1.0, "dense_drift": float(np.mean([r[2] for r in results])),  # after / before
+            "kl_p99": 0.0, "tpot_ratio": 1.0, "dense_drift": float(np.mean([r[2] for r in results])),  # after / before
             "moves_per_step": 0.0, "bytes_moved_per_step": 0.0, "prompts": len(results), "steps": steps * len(results)}
 
 
@@ -233,6 +240,7 @@ def summary(rows: list[dict], table: Any) -> dict:
                 "beats_every_baseline_at_30": all(flexi["kl_mean"] < r["kl_mean"] and flexi["top1"] >= r["top1"]
                                                   for r in rivals),
                 "tpot_ratio_at_30": flexi["tpot_ratio"], "target_tpot_met": flexi["tpot_ratio"] <= 1.2,
+                "tpot_cpu_ratio_at_30": flexi.get("tpot_cpu_ratio"),
                 "bytes_moved_per_step_at_30": flexi["bytes_moved_per_step"]})
     shuffled = by.get(("shuffled", 0.3))
     if shuffled is not None:
@@ -243,13 +251,18 @@ def summary(rows: list[dict], table: Any) -> dict:
                     "stability_order_kl_mean_at_30": published["kl_mean"]})
     every = by.get(("flexicache@rerank1", 0.3))
     if every is not None:
-        out.update({"rerank16_manage_ms": flexi["manage_ms_per_step"], "rerank1_manage_ms": every["manage_ms_per_step"],
-                    "rerank16_over_rerank1": flexi["manage_ms_per_step"] / max(every["manage_ms_per_step"], 1e-9),
-                    "rerank16_moved_kb": flexi["moved_kb_per_step"], "rerank1_moved_kb": every["moved_kb_per_step"],
-                    "rerank16_over_rerank1_stable_moves": flexi["stable_promotions_per_step"]
-                    / max(every["stable_promotions_per_step"], 1e-9),
-                    "rerank1_top1": every["top1"], "rerank1_kl_mean": every["kl_mean"]})
-        out["target_rerank_cost_met"] = out["rerank16_over_rerank1"] < 0.5
+        pair = {"manage_ms": "manage_ms_per_step", "moved_kb": "moved_kb_per_step",  # wall time, bytes
+                "rerank_ms": "rerank_ms_per_step", "stable_rerank_ms": "stable_rerank_ms_per_step",  # CPU time
+                "radar_ms": "radar_ms_per_step", "stable_moves": "stable_promotions_per_step"}
+        for part, key in pair.items():
+            a, b = flexi.get(key, 0.0), every.get(key, 0.0)
+            out.update({f"rerank16_{part}": a, f"rerank1_{part}": b,
+                        f"rerank16_over_rerank1_{part.removesuffix('_ms')}": a / max(b, 1e-9)})
+        out["rerank16_over_rerank1"] = out.pop("rerank16_over_rerank1_manage")  # the name it had
+        out["rerank16_over_rerank1_radar_and_rerank"] = ((out["rerank16_radar_ms"] + out["rerank16_rerank_ms"]) /
+                                                         max(out["rerank1_radar_ms"] + out["rerank1_rerank_ms"], 1e-9))
+        out.update({"rerank1_top1": every["top1"], "rerank1_kl_mean": every["kl_mean"],
+                    "target_rerank_cost_met": out["rerank16_over_rerank1_stable_rerank"] < 0.5})  # stable heads'
     return out
 
 
@@ -263,8 +276,8 @@ def write_plot(rows: list[dict], path: str) -> None:
             ax2.plot([p[0] for p in pts], [max(p[2], 1e-6) for p in pts], style, label=method)
     ax1.set(xlabel="resident KV / dense KV", ylabel="top-1 agreement with dense KV", title="agreement")
     ax2.set(xlabel="resident KV / dense KV", ylabel="mean KL(dense || method)", yscale="log", title="KL")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
+    ax1.grid(alpha=0.3)
+    ax2.grid(alpha=0.3)
     ax1.legend(fontsize=8)
     save_figure(fig, path, 120)
 

@@ -55,6 +55,12 @@ class DecodeMemoryStats:
     ingest_bytes: int  # the prompt's pages copied to the slow pool at the start
     transfer_s_per_step: float  # time in copies between the pools, per step after the first
     manage_s_per_step: float  # time in ranking, radar and moves (transfers included), per step after the first
+    # CPU time of the decoding thread per step after the first (unlike the wall times above, what other work on the
+    # machine does not inflate): radar = scoring every page + its hits' moves; rerank = the due heads' selection
+    # and moves; stable_rerank = the part of rerank spent on the heads the split calls stable
+    radar_s_per_step: float = 0.0
+    rerank_s_per_step: float = 0.0
+    stable_rerank_s_per_step: float = 0.0
 
 
 class PagedLayer(CacheLayerMixin):
@@ -204,7 +210,9 @@ class PagedKV(Cache):
             stable_promotions_per_step=(c.stable_promotions - c1.stable_promotions) / later,
             bytes_moved_per_step=(t.to_fast_bytes + t.to_slow_bytes - t1.to_fast_bytes - t1.to_slow_bytes) / later,
             ingest_bytes=t0.to_fast_bytes + t0.to_slow_bytes, transfer_s_per_step=(t.seconds - t1.seconds) / later,
-            manage_s_per_step=(self._manage_s - m1) / later)
+            manage_s_per_step=(self._manage_s - m1) / later, radar_s_per_step=(c.radar_s - c1.radar_s) / later,
+            rerank_s_per_step=(c.rerank_s - c1.rerank_s) / later,
+            stable_rerank_s_per_step=(c.stable_rerank_s - c1.stable_rerank_s) / later)
 
     def close(self) -> None:
         if self.slow is not None:

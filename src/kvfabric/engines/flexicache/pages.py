@@ -10,12 +10,12 @@ Contract (`LayerPages`, one per layer, driven by PagedKV):
 - `append(k, v)` writes one token ``[H, D]`` into the tail; opening a new page first evicts down to the plan's cap
   (TOPK: lowest last score; WINDOW: oldest after the sink; HEAVY: lightest outside the recent half), so resident
   blocks never exceed the budget. A TOPK page is copied to the slow pool once, when it is full.
-- `select(q, step, scaling)`: TOPK heads score every page with the radar bound; a head due (step 0, then every
-  `interval` steps, staggered) re-ranks: its resident set becomes the sink, the recent pages and the top pages by
-  bound; a head not due promotes only offloaded pages whose bound beats its K-th resident page by `radar_margin`
-  (at most `radar_promotions` a step, the best first), each in place of its lowest. Only pages whose residency
-  changes move; evicted TOPK pages still have their slow copy, so eviction is freeing a block. Moves are counted
-  in `counts`.
+- `select(q, step, scaling)`: rerank.select: TOPK heads score every page with the radar bound; a head due (step 0,
+  then every `interval` steps, staggered) re-ranks: its resident set becomes the sink, the recent pages and the top
+  pages by bound; a head not due promotes only offloaded pages whose bound beats its K-th resident page by
+  `radar_margin` (at most `radar_promotions` a step, the best first), each in place of its lowest. Only pages whose
+  residency changes move (`demote`, `promote`); evicted TOPK pages still have their slow copy, so eviction is
+  freeing a block. Moves and the CPU time of radar and re-rank are counted in `counts`.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ import torch
 
 from kvfabric.engines.flexicache.plan import BudgetError, HeadPlan, Role
 from kvfabric.engines.flexicache.pools import FastPool, SlowPool
-from kvfabric.engines.flexicache.radar import page_bounds, summarize, update_summary
+from kvfabric.engines.flexicache.radar import summarize, update_summary
+from kvfabric.engines.flexicache.rerank import Schedule, select
 
 
 @dataclass(slots=True)
@@ -38,6 +39,9 @@ class MoveCounts:
     radar_hits: int = 0  # (head, step) promotions triggered by the radar between re-ranks
     stable_promotions: int = 0  # promotions into the heads the split calls stable (plan.stable)
     stable_reranks: int = 0  # (head, step) re-ranks of those heads
+    radar_s: float = 0.0  # CPU time (this thread) scoring pages, detecting and moving radar hits
+    rerank_s: float = 0.0  # CPU time in the due heads' re-rank: selection and moves
+    stable_rerank_s: float = 0.0  # the part of rerank_s spent on the stable heads
 
 
 class LayerPages:
@@ -60,6 +64,8 @@ class LayerPages:
         self.intervals = torch.from_numpy(plan.intervals[layer].astype("int64"))[topk]
         self.phase = (layer * num_heads + topk) % self.intervals  # stagger re-ranks over steps
         self.stable = torch.from_numpy(plan.stable[layer])[topk]  # [R]: the heads the split calls stable
+        self.rows_topk = topk
+        self.schedule = Schedule(self.intervals, self.phase, self.stable)
         self.summary = torch.empty(topk.numel(), 2 * head_dim, max_pages)  # radar of TOPK heads [R, 2D, pages]
         self.score = torch.zeros(topk.numel(), max_pages)  # last bound of every page
         self.mass = torch.zeros(self.rows[Role.HEAVY].numel(), max_pages)  # HEAVY heads' accumulated attention
@@ -70,7 +76,7 @@ class LayerPages:
     def num_pages(self) -> int:
         return -(-self.num_tokens // self.page_size)
 
-    def _cap(self, num_pages: int) -> int:
+    def cap(self, num_pages: int) -> int:
         cap = self.plan.cap(num_pages)
         if self.plan.num_paged and cap < min(num_pages, self.plan.min_cap()):
             raise BudgetError(f"kv budget {self.plan.budget:.3f} leaves {cap} pages per paged head at {num_pages} "
@@ -93,7 +99,7 @@ class LayerPages:
         heads, num_tokens, dim = k.shape  # k / v [H, T, D]
         size = self.page_size
         num_pages = -(-num_tokens // size)
-        cap = self._cap(num_pages)
+        cap = self.cap(num_pages)
         kp = torch.zeros(heads, num_pages * size, dim)
         vp = torch.zeros(heads, num_pages * size, dim)
         kp[:, :num_tokens], vp[:, :num_tokens] = k, v
@@ -113,7 +119,7 @@ class LayerPages:
             grid_h, grid_p = topk.repeat_interleave(num_pages), every.repeat(topk.numel())
             self.slow.write(self.layer, grid_h, grid_p, kp[grid_h, grid_p], vp[grid_h, grid_p])
             self.summary[:, :, :num_pages] = summarize(k[topk], num_tokens, size)
-            keep[Role.TOPK] = self._pinned(num_pages).nonzero().flatten()
+            keep[Role.TOPK] = self.pinned(num_pages).nonzero().flatten()
         keep[Role.WINDOW] = torch.cat([every[:1], every[max(1, num_pages - cap + 1):]])
         for role in (Role.TOPK, Role.WINDOW):
             rows = self.rows[role]
@@ -159,7 +165,7 @@ class LayerPages:
         k = self.fast.k.index_select(0, blocks).view(heads, -1, dim)[:, :self.num_tokens]
         return k, self.fast.v.index_select(0, blocks).view(heads, -1, dim)[:, :self.num_tokens]
 
-    def _pinned(self, num_pages: int) -> torch.Tensor:
+    def pinned(self, num_pages: int) -> torch.Tensor:
         """bool [num_pages]: the sink page and the recent_pages newest (resident in every TOPK head). Cached: it
         changes once per page."""
         if self._pinned_mask.numel() != num_pages:
@@ -189,11 +195,11 @@ class LayerPages:
     def _open(self, page: int) -> None:
         """Evict down to cap - 1 pages in every non-FULL head, then give every head a block for `page`."""
         num_pages = page + 1
-        cap = self._cap(num_pages)
+        cap = self.cap(num_pages)
         pos = torch.arange(page)
         topk, window, heavy = self.rows[Role.TOPK], self.rows[Role.WINDOW], self.rows[Role.HEAVY]
         if topk.numel():
-            evictable = ~self._pinned(num_pages)[:page] & (self.block[topk, :page] >= 0)
+            evictable = ~self.pinned(num_pages)[:page] & (self.block[topk, :page] >= 0)
             self._evict(topk, evictable, self.score[:, :page], cap - 1)
         if window.numel():
             old = (pos >= 1) & (pos < num_pages - cap + 1)
@@ -230,45 +236,21 @@ class LayerPages:
                 self.counts.dropped += r.numel()
 
     def select(self, q: torch.Tensor, step: int, scaling: float) -> None:
-        """q [H, G, D] (this step's queries by KV head): re-rank due TOPK heads, radar-check the others, move.
-        Bounds are in logits (q.k * scaling), so `radar_margin` is in nats."""
-        topk = self.rows[Role.TOPK]
-        if not topk.numel():
-            return
-        num_pages = self.num_pages
-        bounds = page_bounds(q[topk], self.summary[:, :, :num_pages]) * scaling  # [R, n]
-        self.score[:, :num_pages] = bounds
-        resident = self.block[topk, :num_pages] >= 0
-        free = ~self._pinned(num_pages)  # [n] pages open to ranking
-        due = (self.phase + step) % self.intervals == 0 if step else torch.ones_like(topk, dtype=torch.bool)
-        open_res = resident & free
-        kth = torch.where(open_res, bounds, float("inf")).amin(1)  # [R] the K-th (lowest) resident page's bound
-        hits = ~resident & free & ~due[:, None] & (bounds > (kth + self.plan.radar_margin)[:, None])
-        any_due, any_hit = bool(due.any()), bool(hits.any())
-        if any_hit and self.plan.radar_promotions < hits.shape[1]:  # only the best few hits of each head
-            best = torch.topk(torch.where(hits, bounds, float("-inf")), self.plan.radar_promotions, dim=1)
-            hits = torch.zeros_like(hits).scatter_(1, best.indices, best.values > float("-inf"))
-        if not (any_due or any_hit):
-            return  # the common step of a stable head: nothing to move
-        self.counts.reranks += int(due.sum())
-        self.counts.stable_reranks += int((due & self.stable).sum())
-        self.counts.radar_hits += int(hits.any(1).sum())
-        cand = free & (due[:, None] | open_res | hits)
-        num_sel = min(self._cap(num_pages) - int((~free).sum()), int(free.sum()))
-        want = torch.zeros_like(resident)
-        if num_sel > 0:
-            vals, idx = torch.topk(torch.where(cand, bounds, float("-inf")), num_sel, dim=1)
-            want.scatter_(1, idx, vals > float("-inf"))
-        want |= ~free  # pinned pages stay
-        r, p = (resident & ~want).nonzero(as_tuple=True)
-        if r.numel():
-            self._free(topk[r], p)
-            self.counts.demotions += r.numel()
-        r, p = (want & ~resident).nonzero(as_tuple=True)
-        if r.numel():
-            heads = topk[r]
-            blocks = self.fast.alloc(r.numel())
-            self.block[heads, p] = blocks
-            self.slow.read(self.layer, heads, p, self.fast, blocks)
-            self.counts.promotions += r.numel()
-            self.counts.stable_promotions += int(self.stable[r].sum())
+        """q [H, G, D] (this step's queries by KV head): radar for every TOPK head, re-rank the due ones, move
+        (rerank.select). Bounds are in logits (q.k * scaling), so `radar_margin` is in nats."""
+        if self.rows_topk.numel():
+            select(self, q, step, scaling)
+
+    def demote(self, r: torch.Tensor, p: torch.Tensor) -> None:
+        """Free the blocks of TOPK rows r (indices into rows[TOPK]), pages p: their slow copy stays."""
+        self._free(self.rows_topk[r], p)
+        self.counts.demotions += r.numel()
+
+    def promote(self, r: torch.Tensor, p: torch.Tensor) -> None:
+        """Copy pages p of TOPK rows r back from the slow pool into fresh blocks."""
+        heads = self.rows_topk[r]
+        blocks = self.fast.alloc(r.numel())
+        self.block[heads, p] = blocks
+        self.slow.read(self.layer, heads, p, self.fast, blocks)
+        self.counts.promotions += r.numel()
+        self.counts.stable_promotions += int(self.stable[r].sum())

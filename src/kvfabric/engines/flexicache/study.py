@@ -9,6 +9,7 @@ Contract:
   method keeps resident anyway (int32 [steps, L, H, top_k]); and `miss` [L, H]: the mean share of the head's
   attention that falls outside the pages the radar would keep at `share` of its pages (sink + recent + the best by
   min/max bound): how much a top-K resident set leaks even before time moves its focus.
+- `bench_prompts(tok, data, num_musique)`: `kvfabric bench flexicache`'s prompts, none of them the study's.
 - `overlap(tops, lag)`: float [L, H]: mean over t of |top(t) ∩ top(t + lag)| / top_k.
 - `run_study(...)` -> `Study` (per-prompt overlaps and misses); `Study.table(threshold)` -> HeadTable; `profile(...)`
   measures and saves the table (default: over the shipped one of the model). Deterministic (greedy, no sampling).
@@ -67,6 +68,17 @@ def study_prompts(tok: Any, data: str | Path | None = None, doc_questions: Seque
         examples = json.loads(find_musique(data).read_text())
         prompts += [StudyPrompt("musique", f"musique:{i}", tuple(chat_ids(tok, SYSTEM_QA, musique_user(examples[i]))))
                     for i in musique]
+    return prompts
+
+
+def bench_prompts(tok: Any, data: str | Path | None, num_musique: int, first: int = 100) -> list[StudyPrompt]:
+    """The bench's prompts, held out from the study: the document with a question it did not use, MuSiQue from
+    question `first` on."""
+    prompts = study_prompts(tok, data, doc_questions=(2,), musique=())
+    if num_musique:
+        examples = json.loads(find_musique(data).read_text())
+        prompts += [StudyPrompt("musique", f"musique:{i}", tuple(chat_ids(tok, SYSTEM_QA, musique_user(examples[i]))))
+                    for i in range(first, first + num_musique)]
     return prompts
 
 
