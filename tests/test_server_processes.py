@@ -96,8 +96,8 @@ def test_kill9_of_the_server_mid_retrieve_is_a_shorter_prefix_then_a_reconnect(t
         real = SlotPool.tensor
         calls = []
 
-        def kill_after_first_chunk(pool, slot, layout, num_tokens):  # the server dies while chunk 0 is copied,
-            # after answering the first batch (chunks 0 and 1) and before the second
+        def kill_after_first_chunk(pool, slot, layout, num_tokens):  # the server dies while chunk 0 is copied:
+            # its answer for chunk 1 (and the end of the first batch) may or may not be sent by then
             calls.append(slot)
             if len(calls) == 1:
                 server.kill()
@@ -107,7 +107,8 @@ def test_kill9_of_the_server_mid_retrieve_is_a_shorter_prefix_then_a_reconnect(t
         started = time.monotonic()
         got = cache.retrieve(tokens)
         assert time.monotonic() - started < 5.0
-        assert got.shape[3] == 2 * CHUNK and torch.equal(got, kv[:, :, :, :2 * CHUNK])  # what arrived, exact
+        # what arrived, exact: chunk 0, and chunk 1 when its answer beat the kill (never the second batch)
+        assert got.shape[3] in (CHUNK, 2 * CHUNK) and torch.equal(got, kv[:, :, :, :got.shape[3]])
         monkeypatch.setattr(SlotPool, "tensor", real)
         assert cache.lookup(tokens) == 0 and cache.store(tokens, kv) == 0  # down: misses, no errors
         server = start_server(tmp_path, data)  # restarted: the disk tier still holds the chunks

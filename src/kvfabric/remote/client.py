@@ -53,6 +53,12 @@ class _Down(Exception):
     """The server cannot serve this call: the caller answers a miss."""
 
 
+@dataclass(slots=True)
+class _Copied:
+    """A retrieve's progress: chunks copied into its buffer so far (mutable: a failing call must not lose it)."""
+    num_chunks: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class StreamFetch:
     num_chunks: int  # leading chunks that arrived as KV, now decoded in the server's pool and stored in its tiers
@@ -197,29 +203,30 @@ class RemoteCache:
         num_tokens = len(tokens)
         keys = self.keys(tokens)
         out = retrieve_buffer(self.layout, num_tokens, out)
-        num_done = 0  # chunks copied into out
+        done = _Copied()  # chunks copied into out; kept when the server goes away mid-call
         try:
-            while num_done < len(keys):
+            while done.num_chunks < len(keys):
                 with self._session() as conn:
-                    batch = keys[num_done:num_done + max(1, self._room(conn))]
-                    got, stop = self._read_into(conn, batch, num_done, num_tokens, out)
-                num_done += got
+                    batch = keys[done.num_chunks:done.num_chunks + max(1, self._room(conn))]
+                    got, stop = self._read_into(conn, batch, num_tokens, out, done)
                 if got < len(batch) and not (got and stop in ("pool_full", "busy")):
                     break  # a miss; a pool short of slots (others hold them) only shrinks the batch
         except _Down:
-            pass
+            pass  # what was copied stays: each chunk was whole in its slot when the server answered it
+        num_done = done.num_chunks
         end = self._span(num_done - 1, num_tokens)[1] if num_done else 0
         self._counters.add("retrieves")
         self._counters.add("tokens_retrieved", end)
         self.histograms.observe("kvfabric_retrieve_seconds", time.perf_counter() - started, "retrieve")
         return out[:, :, :, :end, :]
 
-    def _read_into(self, conn: Connection, keys: Sequence[bytes], first: int, num_tokens: int,
-                   out: torch.Tensor) -> tuple[int, str]:
-        """RETRIEVE `keys` (chunks first, first + 1, ...) and copy each slot into `out` as its answer arrives: the
-        chunks copied, and why the server stopped."""
+    def _read_into(self, conn: Connection, keys: Sequence[bytes], num_tokens: int, out: torch.Tensor,
+                   done: _Copied) -> tuple[int, str]:
+        """RETRIEVE `keys` (chunks done.num_chunks, ... of the request) and copy each slot into `out` as its answer
+        arrives, counting it in `done` at once (a call that fails later keeps it): the chunks copied, and why the
+        server stopped."""
         leased: list[int] = []
-        copied = 0
+        first, copied = done.num_chunks, 0
 
         def on_chunk(body: dict) -> None:
             nonlocal copied
@@ -230,6 +237,7 @@ class RemoteCache:
             s, e = self._span(first + copied, num_tokens)
             out[:, :, :, s:e, :].copy_(self._pool.tensor(slot, self.layout, e - s))  # type: ignore[union-attr]
             copied += 1
+            done.num_chunks += 1
 
         try:
             reply = conn.call(P.RETRIEVE, {"keys": list(keys), "tokens": self._counts(first, len(keys), num_tokens)},
