@@ -241,12 +241,12 @@ def test_frames_of_another_size_or_count_are_refused():
 
 @pytest.mark.slow
 def test_bench_video_smoke():
-    """`kvfabric bench video --quick --json` on the real model: every setting has the issue's fields, the lossless
+    """`kvfabric bench video --quick --docs 1 --json` on the real model: every setting has the issue's fields, the lossless
     modes are exact, and the video modes decode a 2k-token context with a small share of its size."""
     from click.testing import CliRunner
 
     from kvfabric.cli import main
-    result = CliRunner().invoke(main, ["bench", "video", "--quick", "--json"])
+    result = CliRunner().invoke(main, ["bench", "video", "--quick", "--docs", "1", "--json"])
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     fields = {"codec", "mode", "ratio", "top1", "kl_mean", "enc_mbps", "dec_mbps", "dec_mbps_1t", "peak_mem_mb",
