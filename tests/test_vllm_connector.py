@@ -508,7 +508,7 @@ def test_hybrid_manager_failed_load_is_a_failed_receive_not_block_ids(tmp_path):
     layout = KVLayout.from_layer_types(["sliding_attention", "full_attention"], 1, 4, 512, "float32")
     failed = LoadOutcome("r", 256, (3, 4), b"k" * 32, RequestStats(loaded_tokens=256, failed_tokens=256))
     for groups, blocks, receives in ((KVGroups(128, 2, {}, 512), set(), {"r"}), (KVGroups(128), {3, 4}, set())):
-        side = WorkerSide(config, layout, "m", 128, {"load_threads": 1, "load_nice": 10}, groups=groups)
+        side = WorkerSide(config, layout, "m", 128, {"load_threads": 1}, groups=groups)
         side._apply(failed)
         assert side.take_invalid_blocks() == blocks and side.take_failed_loads() == receives
         assert side.take_failed_loads() == set()  # reported once
