@@ -226,17 +226,15 @@ class RemoteCache:
         arrives, counting it in `done` at once (a call that fails later keeps it): the chunks copied, and why the
         server stopped."""
         leased: list[int] = []
-        first, copied = done.num_chunks, 0
+        first = done.num_chunks
 
         def on_chunk(body: dict) -> None:
-            nonlocal copied
             slot = P.int_of(body, "slot")
             leased.append(slot)
-            if P.int_of(body, "i") != copied:
+            if P.int_of(body, "i") != done.num_chunks - first:
                 raise ProtocolError("chunks out of order")
-            s, e = self._span(first + copied, num_tokens)
+            s, e = self._span(done.num_chunks, num_tokens)
             out[:, :, :, s:e, :].copy_(self._pool.tensor(slot, self.layout, e - s))  # type: ignore[union-attr]
-            copied += 1
             done.num_chunks += 1
 
         try:
@@ -246,7 +244,7 @@ class RemoteCache:
             conn.release(leased)
             with contextlib.suppress(OSError):
                 conn.flush_releases()
-        return copied, str(reply.get("miss", ""))
+        return done.num_chunks - first, str(reply.get("miss", ""))
 
     def read_chunk(self, key: bytes, out: torch.Tensor | None = None, *, num_tokens: int | None = None,
                    scratch: Scratch | None = None, promote: bool = True, window: bool = True,

@@ -25,8 +25,9 @@ Contract for every tier (tests/tier_contract.py runs one suite on each implement
   that entry's. A writer may reuse the memory at any time, so a caller copies what it needs out of the view and
   then checks `is_current()`: False means the copy may be torn and must be thrown away.
   `TierBase` gives the defaults: get_into returns get(key), get_view raises (`is_zero_copy` is False), prefetch
-  does nothing, file_of is None, new_blob is fresh memory, `is_policy_driven` is False, and the batch calls `put_many(items)` / `get_many_into(keys,
-  scratches)` loop over put / get_into (a remote tier overrides them with one round trip).
+  does nothing, file_of is None, new_blob is fresh memory, `is_policy_driven` is False, and the batch calls
+  `put_many(items)` / `get_many_into(keys, scratches)` loop over put / get_into (a remote tier overrides them
+  with one round trip).
 - `is_policy_driven` (a `PolicyTier`: cpu, disk): eviction and admission are pluggable policies; `get`,
   `get_into` and `put` take a keyword `meta` (`AccessMeta`: the chunk's position in its prompt, its miss cost),
   `put` may refuse a chunk its admission policy rejects (False), and `set_evict_listener` hands evicted chunks

@@ -99,11 +99,10 @@ def select(pages: LayerPages, q: torch.Tensor, step: int, scaling: float) -> Non
         r, p = (want & ~res).nonzero(as_tuple=True)
         if r.numel():
             pages.promote(rows[r], p)
-        counts.reranks += rows.numel()
-        if stable:
-            counts.stable_reranks += rows.numel()
         end = clock()
+        counts.reranks += rows.numel()
         counts.rerank_s += end - now
         if stable:
+            counts.stable_reranks += rows.numel()
             counts.stable_rerank_s += end - now
         now = end
