@@ -30,7 +30,9 @@ def test_near_ties_are_told_apart():
 
 
 def row(method: str, budget: float, top1: float, kl: float, **extra: float) -> dict:
-    return {"method": method, "budget": budget, "top1": top1, "kl_mean": kl, "tpot_ratio": 1.1,
+    prompts = extra.pop("prompts", {"a": (top1, kl)})
+    return {"method": method, "budget": budget, "top1": top1, "kl_mean": kl, "tpot_ratio": 1.1, "radar_frac": 0.09,
+            "by_prompt": {name: {"top1": t, "kl_mean": k} for name, (t, k) in prompts.items()},
             "bytes_moved_per_step": 1e6, "manage_ms_per_step": extra.pop("manage", 10.0),
             "moved_kb_per_step": 100.0, "stable_promotions_per_step": extra.pop("stable", 50.0),
             "stable_rerank_ms_per_step": extra.pop("stable_rerank", 8.0), "rerank_ms_per_step": 9.0,
@@ -41,9 +43,12 @@ def test_summary_judges_each_target_from_the_rows():
     heads = HeadTable("m", np.array([[0.1, 0.9]], np.float32), threshold=0.5)
     rows = [row("flexicache", 0.3, 0.995, 0.004, manage=4.0, stable=5.0, stable_rerank=2.0, radar=9.0),
             row("quest", 0.3, 0.99, 0.006),
-            row("shuffled", 0.3, 0.98, 0.012), row("flexicache@rerank1", 0.3, 0.995, 0.004, manage=10.0)]
+            row("shuffled", 0.3, 0.98, 0.012), row("flexicache@rerank1", 0.3, 0.995, 0.004, manage=10.0),
+            row("quest@mid", 0.3, 0.999, 0.001)]  # a variant, not a baseline: reported, not judged against
     out = summary(rows, heads)
     assert out["unstable_heads"] == 1 and out["target_quality_met"] and out["beats_every_baseline_at_30"]
+    assert not out["beats_quest_mid_at_30"] and out["quest_mid_kl_mean_at_30"] == 0.001
+    assert out["radar_frac_at_30"] == 0.09 and out["min_prompt_top1_at_30"] == 0.995
     assert out["shuffled_kl_over_flexicache"] == pytest.approx(3.0)
     assert out["rerank16_over_rerank1"] == pytest.approx(0.4) and out["target_rerank_cost_met"]
     assert out["rerank16_over_rerank1_stable_rerank"] == pytest.approx(0.25)  # the target: stable heads' CPU time
@@ -55,3 +60,6 @@ def test_summary_judges_each_target_from_the_rows():
     out = summary(rows, heads)
     assert not out["beats_every_baseline_at_30"] and not out["target_quality_met"]
     assert not out["target_rerank_cost_met"]
+    rows[0] = row("flexicache", 0.3, 0.995, 0.004, prompts={"a": (1.0, 0.002), "b": (0.986, 0.006)})
+    out = summary(rows, heads)  # met over both prompts' steps, not on prompt b: not met
+    assert not out["target_quality_met"] and out["min_prompt_top1_at_30"] == 0.986

@@ -15,7 +15,7 @@ from kvfabric.engines.flexicache import BudgetError, HeadTable, HeadTableError, 
 from kvfabric.engines.flexicache.heads import read_table, save_table
 from kvfabric.engines.flexicache.plan import Role
 from kvfabric.engines.flexicache.pools import FastPool, PoolFull, SlowPool
-from kvfabric.engines.flexicache.radar import page_bounds, summarize
+from kvfabric.engines.flexicache.radar import page_bounds, page_scores, summarize, update_summary
 
 
 @dataclasses.dataclass
@@ -106,13 +106,47 @@ def test_slow_pool_round_trip_is_exact_and_counted(kind):
 def test_page_bound_is_an_upper_bound_of_every_logit_in_the_page():
     gen = torch.Generator().manual_seed(1)
     keys = torch.randn(3, 37, 16, generator=gen)  # [H, T, D], the last page partial
-    summary = summarize(keys, 37, 8)  # [H, 2D, pages]
+    summary = summarize(keys, 37, 8)  # [H, 3D, pages]
     q = torch.randn(3, 2, 16, generator=gen)  # [H, G, D]
     bounds = page_bounds(q, summary)  # [H, pages]
     logits = torch.einsum("hgd,htd->hgt", q, keys).amax(1)  # [H, T]: best over the group
     for page in range(bounds.shape[1]):
         best = logits[:, page * 8:(page + 1) * 8].amax(1)
         assert torch.all(bounds[:, page] >= best - 1e-5)
+
+
+def test_summaries_built_at_once_and_key_by_key_agree_and_hold_each_pages_mean():
+    gen = torch.Generator().manual_seed(2)
+    keys = torch.randn(2, 21, 4, generator=gen)  # [H, T, D]: pages of 8, the tail holds 5 keys
+    summary = summarize(keys, 21, 8)  # [H, 3D, 3]
+    running = torch.empty(2, 12, 3)
+    for t in range(21):
+        update_summary(running[:, :, t // 8], keys[:, t], t % 8)
+    assert torch.allclose(running, summary, atol=1e-6)
+    for page, (lo, hi) in enumerate([(0, 8), (8, 16), (16, 21)]):
+        chunk = keys[:, lo:hi]
+        assert torch.equal(summary[:, :4, page], chunk.amax(1)) and torch.equal(summary[:, 4:8, page], chunk.amin(1))
+        assert torch.allclose(summary[:, 8:, page], chunk.mean(1), atol=1e-6)  # the tail's repeats left out
+
+
+def test_mid_score_is_the_groups_logsumexp_of_bound_and_centroid_midpoints():
+    gen = torch.Generator().manual_seed(4)
+    keys = torch.randn(3, 32, 8, generator=gen)
+    summary = summarize(keys, 32, 8)
+    q = torch.randn(3, 2, 8, generator=gen)  # [H, G, D]
+    per_head_bound = torch.einsum("hgd,hdn->hgn", q.clamp(min=0), summary[:, :8]) + \
+        torch.einsum("hgd,hdn->hgn", q.clamp(max=0), summary[:, 8:16])
+    centroid = torch.einsum("hgd,hdn->hgn", q, summary[:, 16:])
+    assert torch.allclose(page_scores(q, summary), ((per_head_bound + centroid) / 2).logsumexp(1), atol=1e-5)
+    assert torch.equal(page_scores(q, summary, "bound"), page_bounds(q, summary))
+    # one key far out in q's direction tops the bound, a page of many good keys the mid score
+    q1 = torch.zeros(1, 1, 8)
+    q1[0, 0, 0] = 1.0
+    pages = torch.zeros(1, 16, 8)
+    pages[0, :8, 0] = torch.tensor([4.0, -3, -3, -3, -3, -3, -3, -3])  # page 0: one outlier
+    pages[0, 8:, 0] = 2.0  # page 1: eight keys at 2
+    two = summarize(pages, 16, 8)
+    assert page_scores(q1, two, "bound").argmax() == 0 and page_scores(q1, two).argmax() == 1
 
 
 # ---- plans -------------------------------------------------------------------------------------------------
@@ -144,7 +178,7 @@ def test_config_section_is_typed_and_validated():
     cfg = Config.from_dict({"flexicache": {"kv_budget": "0.3", "rerank_interval": "8", "slow_pool": "shm"}})
     assert cfg.flexicache.kv_budget == 0.3 and cfg.flexicache.rerank_interval == 8
     for bad in ({"kv_budget": 1.5}, {"page_size": 0}, {"slow_pool": "disk"}, {"max_full_share": 0},
-                {"radar_margin": -1}, {"pages": 3}):
+                {"radar_margin": -1}, {"radar_score": "max"}, {"pages": 3}):
         with pytest.raises(ConfigError):
             Config.from_dict({"flexicache": bad})
     env = Config.load(environ={"KVFABRIC_FLEXICACHE__KV_BUDGET": "0.25"})
@@ -248,7 +282,7 @@ def test_offloaded_and_promoted_pages_hold_their_original_values():
     assert dec.paged.stats().promotions > 100 and len(promoted_once) > 60  # many pages went out and came back
 
 
-def test_radar_promotes_the_page_whose_bound_beats_the_resident_kth():
+def test_radar_promotes_the_page_whose_score_beats_the_resident_kth():
     dim, size = 16, 4
     kv = torch.randn(1, 2, 1, 80, dim, generator=torch.Generator().manual_seed(3)) * 0.1
     kv[0, 0, 0, :, 0] = -1.0  # every key points away from e0 ...

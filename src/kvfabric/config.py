@@ -195,8 +195,9 @@ class FlexiCacheConfig:
     recent_pages: int = 2  # the newest pages of every paged head stay resident (the one being written and before)
     max_full_share: float = 0.25  # heads kept whole take at most this share of the budget
     head_order: Literal["retention", "stability"] = "retention"  # which heads are kept whole first (heads.py)
-    radar_margin: float = 0.0  # between re-ranks, promote a page whose logit bound beats the K-th resident by this
-    radar_promotions: int = 1  # ... at most this many per head and step (the best first)
+    radar_margin: float = 0.0  # between re-ranks, promote a page whose radar score beats the K-th resident by this
+    radar_promotions: int = 3  # ... at most this many per head and step (the best first)
+    radar_score: Literal["mid", "bound"] = "mid"  # pages rank by (bound + centroid) / 2, or Quest's bound alone
     slow_pool: Literal["memory", "shm"] = "memory"  # where offloaded pages live: process memory or /dev/shm
     head_table: str = ""  # a head table file; "" = the one shipped for the model (kvfabric profile flexicache)
 

@@ -2,13 +2,13 @@
 
 Attention heads differ in how stable the pages they attend to are from one decode step to the next. Unstable
 heads keep every page resident; stable heads keep only their top-K pages (K from the budget) in the fast pool, the
-rest live in a slower pool (a real copy, never dropped), per-page min/max keys stay resident as a radar that
-promotes an offloaded page when its bound beats the resident K-th page, and stable heads re-rank every N steps.
+rest live in a slower pool (a real copy, never dropped), per-page min/max/mean keys stay resident as a radar that
+promotes an offloaded page when its score beats the resident K-th page, and stable heads re-rank every N steps.
 
 Modules (each states its contract): `heads` (the per-model head table, shipped in `tables/`), `study` (the offline
 profiler behind `kvfabric profile flexicache` and `kvfabric bench flexicache --study`), `probe` (attention with its
 probabilities recorded), `plan` (roles and budget per method: flexicache and the baselines), `pools` (fast blocks,
-slow pages), `radar` (min/max page bounds), `pages` (one layer's residency and moves), `rerank` (its per-step radar
+slow pages), `radar` (page summaries: bounds and scores), `pages` (one layer's residency and moves), `rerank` (its per-step radar
 and re-rank of the due heads), `attention` (exact attention over resident pages), `paged` (PagedKV: the
 transformers Cache that ties them together, and its stats).
 

@@ -27,6 +27,7 @@ from kvfabric.engines.flexicache.attention import attend, attend_with_mass, gath
 from kvfabric.engines.flexicache.pages import LayerPages, MoveCounts
 from kvfabric.engines.flexicache.plan import BudgetError, HeadPlan, Role
 from kvfabric.engines.flexicache.pools import FP32, FastPool, SlowPool, Transfers
+from kvfabric.engines.flexicache.radar import ROWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +42,7 @@ class DecodeMemoryStats:
     resident_bytes_mean: float
     resident_frac: float  # mean over steps of resident / full-KV blocks at that step
     full_kv_bytes: int  # the same KV dense, at the last step
-    radar_bytes: int  # per-page min/max keys, resident too (not in resident_bytes)
+    radar_bytes: int  # per-page min/max/mean keys of the TOPK heads, resident too (not in resident_bytes)
     fast_pool_bytes: int  # what was reserved up front
     promotions: int
     demotions: int
@@ -112,7 +113,7 @@ class PagedKV(Cache):
                       for i in range(num_layers)]
         super().__init__(layers=[PagedLayer(p) for p in self.pages])
         self.step = 0
-        self._radar_bytes = int((plan.roles == Role.TOPK).sum()) * max_pages * 2 * head_dim * FP32
+        self._radar_bytes = int((plan.roles == Role.TOPK).sum()) * max_pages * ROWS * head_dim * FP32
         self._resident: list[int] = []  # used blocks after each step
         self._full: list[int] = []  # full-KV blocks at each step
         self._manage_s = 0.0

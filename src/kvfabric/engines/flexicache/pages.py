@@ -10,9 +10,9 @@ Contract (`LayerPages`, one per layer, driven by PagedKV):
 - `append(k, v)` writes one token ``[H, D]`` into the tail; opening a new page first evicts down to the plan's cap
   (TOPK: lowest last score; WINDOW: oldest after the sink; HEAVY: lightest outside the recent half), so resident
   blocks never exceed the budget. A TOPK page is copied to the slow pool once, when it is full.
-- `select(q, step, scaling)`: rerank.select: TOPK heads score every page with the radar bound; a head due (step 0,
-  then every `interval` steps, staggered) re-ranks: its resident set becomes the sink, the recent pages and the top
-  pages by bound; a head not due promotes only offloaded pages whose bound beats its K-th resident page by
+- `select(q, step, scaling)`: rerank.select: TOPK heads score every page with the radar (radar.page_scores); a head due
+  (step 0, then every `interval` steps, staggered) re-ranks: its resident set becomes the sink, the recent pages and
+  the top pages by score; a head not due promotes only offloaded pages whose score beats its K-th resident page by
   `radar_margin` (at most `radar_promotions` a step, the best first), each in place of its lowest. Only pages whose
   residency changes move (`demote`, `promote`); evicted TOPK pages still have their slow copy, so eviction is
   freeing a block. Moves and the CPU time of radar and re-rank are counted in `counts`.
@@ -25,7 +25,7 @@ import torch
 
 from kvfabric.engines.flexicache.plan import BudgetError, HeadPlan, Role
 from kvfabric.engines.flexicache.pools import FastPool, SlowPool
-from kvfabric.engines.flexicache.radar import summarize, update_summary
+from kvfabric.engines.flexicache.radar import ROWS, summarize, update_summary
 from kvfabric.engines.flexicache.rerank import Schedule, select
 
 
@@ -66,8 +66,8 @@ class LayerPages:
         self.stable = torch.from_numpy(plan.stable[layer])[topk]  # [R]: the heads the split calls stable
         self.rows_topk = topk
         self.schedule = Schedule(self.intervals, self.phase, self.stable)
-        self.summary = torch.empty(topk.numel(), 2 * head_dim, max_pages)  # radar of TOPK heads [R, 2D, pages]
-        self.score = torch.zeros(topk.numel(), max_pages)  # last bound of every page
+        self.summary = torch.empty(topk.numel(), ROWS * head_dim, max_pages)  # radar of TOPK heads [R, 3D, pages]
+        self.score = torch.zeros(topk.numel(), max_pages)  # last radar score of every page
         self.mass = torch.zeros(self.rows[Role.HEAVY].numel(), max_pages)  # HEAVY heads' accumulated attention
         self._pinned_mask = torch.zeros(0, dtype=torch.bool)
         self._query_rows: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -187,7 +187,7 @@ class LayerPages:
         self.num_tokens += 1
         topk = self.rows[Role.TOPK]
         if topk.numel():
-            update_summary(self.summary[:, :, page], k[topk], first=slot == 0)
+            update_summary(self.summary[:, :, page], k[topk], slot)
             if slot == self.page_size - 1:  # full: its one copy to the slow pool
                 tail = blocks[topk]
                 self.slow.write(self.layer, topk, torch.full_like(topk, page), self.fast.k[tail], self.fast.v[tail])

@@ -48,6 +48,7 @@ class HeadPlan:
     recent_pages: int
     radar_margin: float
     radar_promotions: int
+    radar_score: str  # radar.page_scores: "mid" or "bound"
     roles: np.ndarray  # int8 [L, H] of Role
     intervals: np.ndarray  # int32 [L, H]: TOPK heads re-rank every this many steps
     stable: np.ndarray  # bool [L, H]: TOPK heads the split calls stable (re-ranked every rerank_interval steps)
@@ -114,5 +115,6 @@ def make_plan(method: str, budget: float, num_layers: int, num_heads: int, confi
         stable = roles == Role.TOPK
         stable.reshape(-1)[every_step] = False
     return HeadPlan(method=method, budget=budget, page_size=page_size, recent_pages=config.recent_pages,
-                    radar_margin=config.radar_margin, radar_promotions=config.radar_promotions, roles=roles,
+                    radar_margin=config.radar_margin, radar_promotions=config.radar_promotions,
+                    radar_score=config.radar_score, roles=roles,
                     intervals=intervals, stable=stable)

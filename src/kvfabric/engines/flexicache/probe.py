@@ -6,8 +6,8 @@ queries in chunks of CHUNK so a 6k-token prefill never holds a [T, T] matrix) fr
 the same output sdpa would (up to float rounding). It records, per layer:
 - `page_mass[layer]`: after a one-token (decode) forward, float32 [H, pages]: the attention probability each KV
   page of `page_size` tokens receives, summed over the query heads of its group;
-- `page_bound[layer]` (with `record_bounds=True`): after a decode forward, float32 [H, pages]: the radar's score
-  of every page for this query (radar.page_bounds over the pages' min/max keys), what a paged head ranks by;
+- `page_bound[layer]` (with `record_bounds=True`): after a decode forward, float32 [H, pages]: Quest's bound of
+  every page for this query (radar.page_bounds over the pages' min/max keys; the study ranks by it);
 - `prompt_mass[layer]` (with `record_prompt=True`): float32 [H, T]: the attention each key received from every
   query of a multi-token (prefill) forward, summed over queries and group heads (H2O's accumulated score).
 """

@@ -2,12 +2,12 @@
 (only the heads due). Called through `LayerPages.select` before the layer attends.
 
 Contract (`select(pages, q, step, scaling)`, q ``[H, G, D]`` this step's queries by KV head):
-- radar: every TOPK head's pages are scored with this step's query (radar.page_bounds, in logits: q is scaled
-  first), the bounds kept in `pages.score` (what eviction ranks by). A head not due promotes up to
-  `radar_promotions` offloaded pages, the best first, each whose bound beats the K-th (lowest) resident page's by
+- radar: every TOPK head's pages are scored with this step's query (radar.page_scores, in logits: q is scaled
+  first), the scores kept in `pages.score` (what eviction ranks by). A head not due promotes up to
+  `radar_promotions` offloaded pages, the best first, each whose score beats the K-th (lowest) resident page's by
   `radar_margin` and the resident page it replaces (the j-th best offloaded against the j-th lowest resident).
 - re-rank: the heads due (step 0: every head; then `Schedule`) keep the sink, the recent pages and the top pages by
-  bound. Only pages whose residency changes move (pages.demote / pages.promote).
+  score. Only pages whose residency changes move (pages.demote / pages.promote).
 - `Schedule(intervals, phase, stable)`: the due heads of each step, precomputed per group (the heads the split
   calls stable, and the others) as index tensors, so a group with no head due costs a step nothing and a due group
   selects over its due heads only.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvfabric.engines.flexicache.radar import page_bounds
+from kvfabric.engines.flexicache.radar import page_scores
 
 if TYPE_CHECKING:
     from kvfabric.engines.flexicache.pages import LayerPages
@@ -64,7 +64,7 @@ def select(pages: LayerPages, q: torch.Tensor, step: int, scaling: float) -> Non
     clock, counts, plan = time.thread_time, pages.counts, pages.plan
     start = clock()
     num_pages = pages.num_pages
-    bounds = page_bounds(q[topk] * scaling, pages.summary[:, :, :num_pages])  # [R, n] logits' upper bounds
+    bounds = page_scores(q[topk] * scaling, pages.summary[:, :, :num_pages], plan.radar_score)  # [R, n] logits
     pages.score[:, :num_pages] = bounds
     resident = pages.block[topk, :num_pages] >= 0  # [R, n]
     pinned = pages.pinned(num_pages)  # [n]
