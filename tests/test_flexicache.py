@@ -305,6 +305,27 @@ def test_radar_promotes_the_page_whose_score_beats_the_resident_kth():
     assert torch.equal(dec.paged.fast.k[block], kv[0, 0, 0, target * size:(target + 1) * size])
 
 
+@pytest.mark.parametrize("promotions", [1, 2, 3])
+def test_radar_promotes_at_most_radar_promotions_pages_a_step_the_best_first(promotions):
+    dim, size = 16, 4
+    kv = torch.randn(1, 2, 1, 80, dim, generator=torch.Generator().manual_seed(3)) * 0.1
+    kv[0, 0, 0, :, 0] = -1.0
+    targets = {9: 3.0, 11: 2.5}  # two pages that turn important at step 1, page 9 the more
+    for page, value in targets.items():
+        kv[0, 0, 0, page * size:(page + 1) * size, 0] = value
+    dec = Decoder("flexicache", 0.5, kv, 64, 4, group=2, heads_table=table(1, 1), page_size=size, recent_pages=1,
+                  rerank_interval=16, radar_promotions=promotions)
+    e0 = torch.nn.functional.one_hot(torch.tensor(0), dim).expand(1, 2, dim).float()
+    dec.step(-2 * e0)  # step 0 re-ranks: both targets score lowest and go out
+    pages = dec.paged.pages[0]
+    before = set((pages.block[0, :pages.num_pages] >= 0).nonzero().flatten().tolist())
+    assert not before & set(targets)
+    dec.step(2 * e0)  # step 1: the radar alone
+    after = set((pages.block[0, :pages.num_pages] >= 0).nonzero().flatten().tolist())
+    assert after - before == ({9} if promotions == 1 else set(targets))  # only pages that beat a resident one
+    assert len(after) == len(before)  # each promotion replaced a resident page
+
+
 def test_stable_heads_re_rank_and_move_only_at_their_interval():
     """The same decode with stable heads re-ranked every 16 steps and every step: the stable heads' re-ranks
     (and so their promotions) drop to about 1 in 16; the unstable head re-ranks every step in both."""
