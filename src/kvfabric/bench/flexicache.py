@@ -15,7 +15,9 @@ Methods at each budget: flexicache, quest (top-K pages of every head, re-ranked 
 recent window), h2o (heavy hitters + recent, one-token pages), shuffled (flexicache's split on random heads). At
 30 % also flexicache with stable heads re-ranked every step (`flexicache@rerank1`) and with the heads kept whole
 chosen by stability alone (`flexicache@stability`, the published criterion; the default orders them by retention,
-engines/flexicache/heads.py). The re-rank cost compares the two cadences in CPU time per step (engine stats):
+engines/flexicache/heads.py), and quest ranking by flexicache's mid score instead of its bound (`quest@mid`: what
+the score alone gives; `quest` is Quest as published). `radar_frac`: the radar's bytes over dense KV's, resident
+besides the budget. `target_quality_met` wants every prompt at top-1 >= 0.99 and mean KL <= 0.01. The re-rank cost compares the two cadences in CPU time per step (engine stats):
 `rerank16_over_rerank1_stable_rerank` the stable heads' selection + moves (the target), `..._rerank` every due
 head's, `..._radar` the radar's (scoring every page + its promotions), `rerank16_over_rerank1` all page
 management in wall time. `tpot_cpu_ratio` is `tpot_ratio` in CPU time; `by_prompt` each prompt's figures.
