@@ -64,16 +64,16 @@ def select(pages: LayerPages, q: torch.Tensor, step: int, scaling: float) -> Non
     clock, counts, plan = time.thread_time, pages.counts, pages.plan
     start = clock()
     num_pages = pages.num_pages
-    bounds = page_scores(q[topk] * scaling, pages.summary[:, :, :num_pages], plan.radar_score)  # [R, n] logits
-    pages.score[:, :num_pages] = bounds
+    scores = page_scores(q[topk] * scaling, pages.summary[:, :, :num_pages], plan.radar_score)  # [R, n] logits
+    pages.score[:, :num_pages] = scores
     resident = pages.block[topk, :num_pages] >= 0  # [R, n]
     pinned = pages.pinned(num_pages)  # [n]
     schedule = pages.schedule
     if step and not schedule.every_step:  # radar: heads not due this step
         wait = ~schedule.due_mask[step % schedule.period]  # [R]
         many = min(plan.radar_promotions, num_pages)
-        low = torch.topk(bounds.masked_fill(~resident | pinned, POS), many, dim=1, largest=False)  # [R, m] asc.
-        best = torch.topk(bounds.masked_fill(resident | pinned, NEG), many, dim=1)  # [R, m] offloaded, desc.
+        low = torch.topk(scores.masked_fill(~resident | pinned, POS), many, dim=1, largest=False)  # [R, m] asc.
+        best = torch.topk(scores.masked_fill(resident | pinned, NEG), many, dim=1)  # [R, m] offloaded, desc.
         hit = (best.values > low.values[:, :1] + plan.radar_margin) & (best.values > low.values) & wait[:, None]
         if bool(hit.any()):
             r, j = hit.nonzero(as_tuple=True)
@@ -90,7 +90,7 @@ def select(pages: LayerPages, q: torch.Tensor, step: int, scaling: float) -> Non
     for stable, rows in due:
         want = pinned.expand(rows.numel(), num_pages).clone()  # [d, n]: pinned pages stay
         if num_sel > 0:
-            idx = torch.topk(bounds[rows].masked_fill(pinned, NEG), num_sel, dim=1).indices
+            idx = torch.topk(scores[rows].masked_fill(pinned, NEG), num_sel, dim=1).indices
             want.scatter_(1, idx, True)
         res = resident[rows]
         r, p = (res & ~want).nonzero(as_tuple=True)
