@@ -241,8 +241,8 @@ def test_frames_of_another_size_or_count_are_refused():
 
 @pytest.mark.slow
 def test_bench_video_smoke():
-    """`kvfabric bench video --quick --docs 1 --json` on the real model: every setting has the issue's fields, the lossless
-    modes are exact, and the video modes decode a 2k-token context with a small share of its size."""
+    """`kvfabric bench video --quick --docs 1 --json` on the real model: every setting has the issue's fields, the
+    lossless modes are exact, and the video modes decode a 2k-token context with a small share of its size."""
     from click.testing import CliRunner
 
     from kvfabric.cli import main

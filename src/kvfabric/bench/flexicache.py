@@ -17,9 +17,9 @@ recent window), h2o (heavy hitters + recent, one-token pages), shuffled (flexica
 chosen by stability alone (`flexicache@stability`, the published criterion; the default orders them by retention,
 engines/flexicache/heads.py), and quest ranking by flexicache's mid score instead of its bound (`quest@mid`: what
 the score alone gives; `quest` is Quest as published). `radar_frac`: the radar's bytes over dense KV's, resident
-besides the budget. `target_quality_met` wants every prompt at top-1 >= 0.99 and mean KL <= 0.01. The re-rank cost compares the two cadences in CPU time per step (engine stats):
-`rerank16_over_rerank1_stable_rerank` the stable heads' selection + moves (the target), `..._rerank` every due
-head's, `..._radar` the radar's (scoring every page + its promotions), `rerank16_over_rerank1` all page
+besides the budget. `target_quality_met` wants every prompt at top-1 >= 0.99 and mean KL <= 0.01. The re-rank cost
+compares the two cadences in CPU time per step (engine stats): `rerank16_over_rerank1_stable_rerank` the stable
+heads' selection + moves (the target), `..._rerank` every due head's, `..._radar` the radar's (scoring every page + its promotions), `rerank16_over_rerank1` all page
 management in wall time. `tpot_cpu_ratio` is `tpot_ratio` in CPU time; `by_prompt` each prompt's figures.
 `--study` runs the head study instead (engines.flexicache.study) and prints its figures.
 """
@@ -186,6 +186,7 @@ def run(as_json: bool = False, plot: str | None = None, data: str | None = None,
     table = load_table(model_name, layout.num_layers, layout.num_kv_heads, config.head_table)
     banned = banned_ids(model, tok)
     runs: dict[tuple[str, float], list] = {}
+    published = replace(config, radar_score="bound")  # Quest ranks by its bound alone
     prompts = [p for p in bench_prompts(tok, data, num_musique) if not only or p.name in only]
     if not prompts:
         raise ValueError(f"no bench prompt named {', '.join(only)}")
@@ -195,7 +196,6 @@ def run(as_json: bool = False, plot: str | None = None, data: str | None = None,
         buf, mass = prefill_with_mass(model, prompt.ids[:n], n + steps + 1)
         say(f"{prompt.name}: {n + 1} tokens, prefill {time.perf_counter() - t0:.0f} s")
         ref = decode(model, BufferCache(buf, n), n, prompt.ids[-1], steps, banned=banned)
-        published = replace(config, radar_score="bound")  # Quest ranks by its bound alone
         cases = [(m, b, published if m == "quest" else config) for b in budgets for m in methods]
         if variants and "flexicache" in methods and 0.3 in budgets:  # re-rank cost; the published head order
             cases += [("flexicache@rerank1", 0.3, replace(config, rerank_interval=1)),

@@ -76,6 +76,7 @@ CONNECTOR_KEYS = ("model_id", "config_file", "load_failure_policy", "stats_path"
                   "load_mode", "load_threads", "load_nice")
 KEY_MODES = ("tokens", "vllm")
 LOAD_MODES = ("async", "layerwise")
+DEFAULT_LOAD_THREADS = 2
 DEFAULT_LOAD_NICE = 15
 PARAMS_KEY = "kvfabric"  # our entry in a request's kv_transfer_params
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
@@ -128,7 +129,7 @@ def resolve_config(extra: dict[str, Any] | None) -> tuple[Config, dict[str, Any]
         raise ConfigError(f"key_mode: {options['key_mode']!r} is not one of {', '.join(KEY_MODES)}")
     if options.setdefault("load_mode", "async") not in LOAD_MODES:
         raise ConfigError(f"load_mode: {options['load_mode']!r} is not one of {', '.join(LOAD_MODES)}")
-    threads = options.setdefault("load_threads", 2)
+    threads = options.setdefault("load_threads", DEFAULT_LOAD_THREADS)
     if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 64:
         raise ConfigError(f"load_threads: {threads!r} is not an integer in [1, 64]")
     nice = options.setdefault("load_nice", DEFAULT_LOAD_NICE)

@@ -43,7 +43,7 @@ from vllm.logger import init_logger
 
 from kvfabric.config import Config
 from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather
-from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE, KVGroups, detect_cpu_kv_layout
+from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE, DEFAULT_LOAD_THREADS, KVGroups, detect_cpu_kv_layout
 from kvfabric.connectors.vllm.loads import Loader, LoadOutcome
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, RequestStats
 from kvfabric.connectors.vllm.saver import ActiveSave, Saver
@@ -76,7 +76,7 @@ class WorkerSide:
         self.region_layouts: tuple[str, str] | None = None  # (K, V), measured on first use
         self.counters = Counters()
         self.stats_path = options.get("stats_path")
-        self.loader = Loader(self.engine, self.counters, block_size, options.get("load_threads", 2),
+        self.loader = Loader(self.engine, self.counters, block_size, options.get("load_threads", DEFAULT_LOAD_THREADS),
                              options.get("load_nice", DEFAULT_LOAD_NICE))
         # the scheduler mirrors the keys stored in our process-memory tier (it cannot see that tier)
         self.saver = Saver(self.engine, self.counters, int(options.get("save_queue_bytes") or 2**30),

@@ -8,9 +8,9 @@ promotes an offloaded page when its score beats the resident K-th page, and stab
 Modules (each states its contract): `heads` (the per-model head table, shipped in `tables/`), `study` (the offline
 profiler behind `kvfabric profile flexicache` and `kvfabric bench flexicache --study`), `probe` (attention with its
 probabilities recorded), `plan` (roles and budget per method: flexicache and the baselines), `pools` (fast blocks,
-slow pages), `radar` (page summaries: bounds and scores), `pages` (one layer's residency and moves), `rerank` (its per-step radar
-and re-rank of the due heads), `attention` (exact attention over resident pages), `paged` (PagedKV: the
-transformers Cache that ties them together, and its stats).
+slow pages), `radar` (page summaries: bounds and scores), `pages` (one layer's residency and moves), `rerank`
+(its per-step radar and re-rank of the due heads), `attention` (exact attention over resident pages), `paged`
+(PagedKV: the transformers Cache that ties them together, and its stats).
 
 `paged_kv(model_config, model_id, config, max_tokens, ...)` builds a PagedKV for a HF decoder from a
 FlexiCacheConfig; the engine then runs ``model(..., cache=kv, kv_attention=kv)`` one token at a time.

@@ -26,8 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvfabric.engines.flexicache.attention import attend, attend_with_mass, gather
 from kvfabric.engines.flexicache.pages import LayerPages, MoveCounts
 from kvfabric.engines.flexicache.plan import BudgetError, HeadPlan, Role
-from kvfabric.engines.flexicache.pools import FP32, FastPool, SlowPool, Transfers
-from kvfabric.engines.flexicache.radar import ROWS
+from kvfabric.engines.flexicache.pools import FastPool, SlowPool, Transfers
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +112,7 @@ class PagedKV(Cache):
                       for i in range(num_layers)]
         super().__init__(layers=[PagedLayer(p) for p in self.pages])
         self.step = 0
-        self._radar_bytes = int((plan.roles == Role.TOPK).sum()) * max_pages * ROWS * head_dim * FP32
+        self._radar_bytes = sum(p.summary.numel() * p.summary.element_size() for p in self.pages)
         self._resident: list[int] = []  # used blocks after each step
         self._full: list[int] = []  # full-KV blocks at each step
         self._manage_s = 0.0
