@@ -213,7 +213,9 @@ def test_maxmemory_eviction_is_clean_misses(redis_server_factory) -> None:
     for key, blob in zip(keys, blobs):
         assert tier.put(key, blob)  # the server evicts, it never refuses
     present = tier.contains_many(keys)
-    assert not all(present[:10]) and all(present[-5:])
+    # 40 MB into 20 MB: much is gone. Which keys is up to Redis: its LRU is sampled and its clock ticks once a
+    # second, so keys written within one second tie and any may go; only the last write is sure to stay
+    assert sum(present) <= 20 and present[-1]
     for key, blob, hit in zip(keys, blobs, present):
         got = stack.get(key)
         if hit:
