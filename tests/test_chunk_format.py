@@ -82,4 +82,4 @@ def test_random_overwrites_are_detected(seed, patch, data):
 
 
 def test_header_size_is_stable():
-    assert HEADER_BYTES == 92
+    assert HEADER_BYTES == 128  # version 2: 92 bytes in version 1, before the block layout field

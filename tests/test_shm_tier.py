@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvfabric.codec.format import ChunkFormatError, parse
+from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, parse
 from kvfabric.config import ShmTierConfig
 from kvfabric.tiers.base import Scratch
 from kvfabric.tiers.shm import ShmPoolError, ShmTier
@@ -159,7 +159,7 @@ def test_round_trip_across_processes(pool_name: str) -> None:
     assert isinstance(got, bytes)  # a private copy, not a view into the arena
     assert sorted(tier.keys()) == sorted([key_of(1), key_of(2)])
     assert tier.contains_many([key_of(1), key_of(2), key_of(3)]) == [True, True, False]
-    assert tier.usage().num_chunks == 2 and tier.usage().num_bytes == len(blob) + 50_000 + 92
+    assert tier.usage().num_chunks == 2 and tier.usage().num_bytes == len(blob) + 50_000 + HEADER_BYTES
     tier.close()
 
 

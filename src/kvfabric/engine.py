@@ -19,6 +19,13 @@ Contract:
   that copies the KV elsewhere at once pays no allocation); `chunk_blob_bytes()` sizes such a scratch.
 - `new_payload()` then `store_chunk(key, payload)`: the caller lays a chunk's KV out in the payload (raw codec:
   the payload region of the very blob that will be stored, no encode copy); a chunk already held is skipped.
+  `new_payload(blocks=B)` (raw codec, chunks stored whole): the payload is in the paged engine's block layout B
+  ([L, num_blocks, H, 2, B*D], kvfabric.blocks), filled by copying whole blocks; the header names B.
+- Block layouts on reads: every reader gets [L, 2, H, T, D] (converted once, kvfabric.blocks) except
+  `read_chunk(key, blocks=B)` of a chunk stored in layout B: its payload as it is (`ChunkHit.blocks` set), for
+  a copy of whole blocks. With `check_later=True` too (promote=False, no `out`), an untrusted tier's payload is
+  not hashed by the read: the caller hashes it while copying (`ChunkHit.unchecked_sum`) and reports a mismatch
+  with `discard_chunk` (verifying in cache instead of in a separate pass over memory).
 - Layouts with sliding-window layers (kvfabric.chunk_parts): a chunk is stored as its full-attention part and,
   under a derived key, its window part; `retrieve` reads the window part only of chunks holding rows a
   continuation still reads (`KVLayout.live_start`) and zeros the window layers' earlier rows; `lookup` counts a
@@ -49,10 +56,11 @@ from typing import Literal
 import numpy as np
 import torch
 
+from kvfabric.blocks import BlockLayout
 from kvfabric.chunk_parts import ChunkParts
 from kvfabric.codec.base import Codec, Decoders, WrongLayoutError
-from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError
-from kvfabric.codec.raw import RawCodec, new_payload, seal
+from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, check_payload, parse
+from kvfabric.codec.raw import RawCodec, new_payload, payload_bytes, seal
 from kvfabric.codec.registry import CODECS, CodecChoice, parse_codec
 from kvfabric.config import Config
 from kvfabric.counters import Counters, merged
@@ -78,6 +86,8 @@ class ChunkHit:
     num_bytes: int  # bytes of the blob read
     layers: tuple[int, ...] | None = None  # the layout's layers kv holds, in order (None: all of them)
     view: TierView | None = None  # read in place (read_chunk(in_place=True)): see is_intact
+    blocks: BlockLayout | None = None  # kv is the payload in this block layout [L, num_blocks, H, 2, B*D]
+    unchecked_sum: int | None = None  # read_chunk(check_later=True): the xxh3-64 kv's bytes must hash to
 
     def is_intact(self) -> bool:
         """After copying kv elsewhere: whether it was still the stored chunk throughout (False only for a read in
@@ -92,8 +102,14 @@ class ChunkMiss:
 
 @dataclass(frozen=True, slots=True)
 class ChunkPayload:
-    kv: torch.Tensor  # [L, 2, H, T, D] in the layout dtype: the caller writes the chunk's KV here
+    kv: torch.Tensor  # [L, 2, H, T, D] in the layout dtype (with blocks: [L, num_blocks, H, 2, B*D]): write here
     blob: memoryview | None  # raw codec: the blob around `kv`, sealed by store_chunk; None: `kv` is encoded
+    blocks: BlockLayout | None = None  # kv is in this block layout (new_payload(blocks=...))
+    block_tokens: int = 0  # with blocks: the chunk's tokens (its last block may be partial)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kv.shape[3] if self.blocks is None else self.block_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,14 +337,16 @@ class CacheEngine:
         self.histograms.observe("kvfabric_codec_encode_seconds", time.perf_counter() - started, codec.name)
         return blob
 
-    def new_payload(self, num_tokens: int | None = None) -> ChunkPayload:
+    def new_payload(self, num_tokens: int | None = None, blocks: BlockLayout | None = None) -> ChunkPayload:
         """Where the caller lays out one chunk's KV [L, 2, H, T, D] (T = num_tokens, default chunk_size) for
-        `store_chunk`: with the raw codec, the payload region of the blob that will be stored (uninitialized)."""
+        `store_chunk`: with the raw codec, the payload region of the blob that will be stored (uninitialized).
+        With `blocks`, where the engine stores such payloads (raw codec, chunks stored whole), the payload is in
+        that block layout (`ChunkPayload.blocks` says whether it is)."""
         num_tokens = num_tokens or self.chunk_size
         if self.codec.codec_id == RawCodec.codec_id and self._parts is None:
-            blob, kv = new_payload(self.layout, num_tokens,
-                                   self.stack.new_blob(HEADER_BYTES + self.layout.num_bytes(num_tokens)))
-            return ChunkPayload(kv, blob)
+            size = HEADER_BYTES + payload_bytes(self.layout, num_tokens, blocks)
+            blob, kv = new_payload(self.layout, num_tokens, self.stack.new_blob(size), blocks)
+            return ChunkPayload(kv, blob, blocks, num_tokens if blocks is not None else 0)
         return ChunkPayload(torch.empty(self.layout.shape(num_tokens), dtype=self.layout.torch_dtype), None)
 
     def store_chunk(self, key: bytes, payload: ChunkPayload) -> bool:
@@ -337,11 +355,14 @@ class CacheEngine:
         started = time.perf_counter()
         if self._held([key])[0]:
             return False
-        if payload.blob is not None:
-            seal(payload.blob, key, self.layout, with_checksums=False)  # the stack seals it if it leaves memory
-        self._put_chunk(key, payload.kv, payload.blob)
+        num_tokens = payload.num_tokens
+        if payload.blob is not None:  # the stack seals it if it leaves memory
+            seal(payload.blob, key, self.layout, False, num_tokens, payload.blocks)
+        kv = payload.kv
+        if payload.blocks is not None and self._tier_codecs:  # another codec encodes [L, 2, H, T, D]
+            kv = self._decoders.view(parse(payload.blob, key, is_trusted=True), payload.blob, self.layout, num_tokens)
+        self._put_chunk(key, kv, payload.blob)
         self.histograms.observe("kvfabric_store_seconds", time.perf_counter() - started, "store_chunk")
-        num_tokens = payload.kv.shape[3]
         for name, n in (("chunks_stored", 1), ("tokens_stored", num_tokens), ("store_chunks", 1),
                         ("store_tokens", num_tokens)):
             self._counters.add(name, n)
@@ -356,7 +377,8 @@ class CacheEngine:
 
     def read_chunk(self, key: bytes, out: torch.Tensor | None = None, *, num_tokens: int | None = None,
                    scratch: Scratch | None = None, promote: bool = True, window: bool = True,
-                   in_place: bool = False) -> ChunkHit | ChunkMiss:
+                   in_place: bool = False, blocks: BlockLayout | None = None,
+                   check_later: bool = False) -> ChunkHit | ChunkMiss:
         """One chunk by key. With `out` [L, 2, H, T, D] (any float dtype, T the chunk's tokens) it is decoded
         into `out`. Without, `kv` holds num_tokens (default chunk_size) tokens in the layout dtype: a raw chunk
         is a zero-copy view, over `scratch` when the first tier reads into it (valid until the caller reuses
@@ -368,12 +390,20 @@ class CacheEngine:
         `in_place=True` (with promote=False, no `out`): a raw chunk in a tier that reads in place (the shm pool)
         is verified and viewed where it lies, with no copy at all; the caller copies kv where it goes and then
         calls `hit.is_intact()`, which is False when a writer reused that memory meanwhile (a miss, after the
-        fact). The copy out of the pool into `scratch` is the one this saves: for P/D, a whole transfer's worth."""
+        fact). The copy out of the pool into `scratch` is the one this saves: for P/D, a whole transfer's worth.
+        `blocks` / `check_later`: see the module docstring (block layouts on reads)."""
         started = time.perf_counter()
         num_tokens = out.shape[3] if out is not None else num_tokens or self.chunk_size
         if self._parts is None:
-            found = self.stack.get(key, scratch, promote=promote, in_place=in_place and out is None)
-            result = self._take(key, found, num_tokens, out)
+            raw_ok = blocks is not None and out is None
+            found = self.stack.get(key, scratch, promote=promote, in_place=in_place and out is None,
+                                   verify_payload=not (raw_ok and check_later))
+            if found is not None and raw_ok and found.header.blocks == blocks and \
+                    found.header.codec_id == RawCodec.codec_id:
+                result = self._take_blocks(key, found, num_tokens)
+            else:
+                checked = self._checked(key, found)
+                result = checked if isinstance(checked, ChunkMiss) else self._take(key, checked, num_tokens, out)
         elif not window:
             result = self._take(key, self.stack.get(key, scratch, promote=promote), num_tokens, out, self._parts.full)
             if isinstance(result, ChunkHit):
@@ -406,6 +436,36 @@ class CacheEngine:
             put(whole, part)
             num_bytes, tier = num_bytes + got.num_bytes, tier or got.tier
         return ChunkHit(whole, tier, num_bytes)
+
+    def _checked(self, key: bytes, found: StackHit | None) -> StackHit | ChunkMiss | None:
+        """found, its payload verified now if the read left that to us; a miss (discarded) when it fails."""
+        if found is None or found.is_verified:
+            return found
+        try:
+            check_payload(found.blob, found.header)
+        except ChunkFormatError as exc:
+            if found.view is not None and not found.view.is_current():
+                return _MISSING  # rewritten while we checked it: not damage
+            self.discard_chunk(key, found.tier, str(exc))
+            return ChunkMiss("corrupt")
+        return found
+
+    def _take_blocks(self, key: bytes, found: StackHit, num_tokens: int) -> ChunkHit | ChunkMiss:
+        """A raw chunk in the caller's block layout, as it is (unverified payload: its sum goes to the caller)."""
+        try:
+            kv = self._decoders.block_view(found.header, found.blob, self.layout, num_tokens)
+        except ChunkFormatError as exc:
+            log.warning("dropping undecodable chunk %s from tier %s: %s", key.hex()[:16], found.tier, exc)
+            self.stack.discard(key)
+            return ChunkMiss("wrong_layout" if isinstance(exc, WrongLayoutError) else "corrupt")
+        return ChunkHit(kv, found.tier, len(found.blob), view=found.view, blocks=found.header.blocks,
+                        unchecked_sum=None if found.is_verified else found.header.payload_sum)
+
+    def discard_chunk(self, key: bytes, tier: str, why: str) -> None:
+        """Drop a chunk a caller found damaged (e.g. its payload did not hash to `ChunkHit.unchecked_sum`): counted
+        as `corrupt.<tier>`, as a damaged chunk found by a read is."""
+        log.warning("dropping damaged chunk %s from tier %s: %s", key.hex()[:16], tier, why)
+        self.stack.discard(key, damaged_in=tier)
 
     def _take(self, key: bytes, found: StackHit | None, num_tokens: int, out: torch.Tensor | None,
               layout: KVLayout | None = None) -> ChunkHit | ChunkMiss:

@@ -76,13 +76,14 @@ def run_engine(spec_path: str) -> None:
             row["cold"], row["cold_cached"] = ttft(prompts[key])
             after = worker_counters()
             row["loaded_tokens"] = after.get("loaded_tokens", 0) - before.get("loaded_tokens", 0)
-            for name in ("load_read_ns", "load_chunk_read_ns", "load_scatter_ns"):  # wall; per-thread sums
+            for name in ("load_read_ns", "load_chunk_read_ns", "load_scatter_ns", "load_verify_ns"):  # wall; sums
                 row[name.replace("_ns", "_s")] = (after.get(name, 0) - before.get(name, 0)) / 1e9
             row["load_s"] = row.pop("load_read_s")
             row["bytes_loaded"] = {k.split(".", 1)[1]: after[k] - before.get(k, 0) for k in after
                                    if k.startswith("bytes_loaded.") and after[k] != before.get(k, 0)}
             if spec.get("files"):
                 row["pagecache_copy_bps"] = pagecache_copy_bps(spec["files"][key])
+                row["memcpy_bps"] = memcpy_bps(max(os.path.getsize(p) for p in spec["files"][key]))
             # more fresh-engine hits: the same-size "on" prompts, which the cold engine stored too
             samples = [(row["cold"], row["cold_cached"])] + [ttft(prompts[f"{key}/on{r}"])
                                                              for r in range(1, spec["repeats"])]
@@ -142,6 +143,20 @@ def pagecache_copy_bps(paths: Sequence[str], repeats: int = 3) -> float:
             dst[:size].copy_(torch.frombuffer(buf, dtype=torch.uint8, count=size))
         best = min(best, time.perf_counter() - started)
     return sum(sizes) / best
+
+
+def memcpy_bps(size: int, repeats: int = 5) -> float:
+    """Bytes/s of one memcpy of `size` bytes between two buffers touched before (the unit of a load's CPU work:
+    the bench reports the verification's time in memcpys of the same bytes). Best of `repeats`."""
+    import numpy as np
+
+    src, dst = np.ones(size, dtype=np.uint8), np.zeros(size, dtype=np.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - started)
+    return size / best
 
 
 def itl_under_load(llm: Any, prompts: dict[str, list[int]], num_tokens: int = 48) -> dict[str, Any]:

@@ -63,11 +63,21 @@ class Decoders:
         while `blob` is; read it, never write it), any other codec decoded into a new tensor."""
         _check_layout(header, layout, num_tokens)
         codec = self[header.codec_id]
-        if isinstance(codec, RawCodec):
+        if isinstance(codec, RawCodec) and header.blocks is None:
             return codec.view(header, blob, layout)
         kv = torch.empty(header.shape, dtype=layout.torch_dtype)
         codec.decode(header, memoryview(blob), layout, kv)
         return kv
+
+
+    def block_view(self, header: ChunkHeader, blob: bytes | bytearray | memoryview, layout: KVLayout,
+                   num_tokens: int) -> torch.Tensor:
+        """A raw payload in a block layout as it is, [L, num_blocks, H, 2, B*D] (a zero-copy view)."""
+        _check_layout(header, layout, num_tokens)
+        codec = self[header.codec_id]
+        if not isinstance(codec, RawCodec) or header.blocks is None:
+            raise ChunkFormatError("not a raw payload in a block layout")
+        return codec.view(header, blob, layout)
 
 
 def _check_layout(header: ChunkHeader, layout: KVLayout, num_tokens: int) -> None:

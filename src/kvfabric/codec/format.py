@@ -4,17 +4,22 @@ Layout of a chunk blob (all integers little-endian):
 
     offset size  field
     0      4     magic b"KVFC"
-    4      1     format version (1)
+    4      1     format version (2; version 1 had no block layout and a 92-byte header: a clean miss now)
     5      1     codec id (0 raw, see codec.base)
     6      1     dtype code of the decoded KV (layout.DTYPES)
     7      1     codec level (0 for raw)
     8      8     layout fingerprint
     16     20    decoded shape: 5 x uint32 [num_layers, 2, num_kv_heads, num_tokens, head_dim]
     36     32    chunk key (so an entry stored or served under the wrong key is caught)
-    68     8     payload length in bytes
-    76     8     xxh3-64 of the payload
-    84     8     xxh3-64 of bytes [0, 84): the header protects itself
-    92     ...   payload (codec-specific)
+    68     16    block layout of a raw payload (kvfabric.blocks.pack: all zero = token-major [L, 2, H, T, D])
+    84     20    reserved (zero)
+    104    8     payload length in bytes
+    112    8     xxh3-64 of the payload
+    120    8     xxh3-64 of bytes [0, 120): the header protects itself
+    128    ...   payload (codec-specific; 64-byte aligned where the blob is)
+
+Version 1 blobs (before the block layouts) fail `parse` like any foreign blob: a clean miss, recomputed and stored
+again in this format.
 
 What the payload holds: the KV of the chunk's own tokens for every layer, sliding-window layers included (see
 `kvfabric.layout` for why and for which rows a load needs); the fingerprint names the layout's layer groups, so a
@@ -38,11 +43,13 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvfabric.blocks import BlockLayout, BlockLayoutError, pack, unpack
+
 MAGIC = b"KVFC"
-VERSION = 1
-_HEAD = struct.Struct("<4sBBBB8s5I32sQQ")  # everything up to the header checksum
+VERSION = 2
+_HEAD = struct.Struct("<4sBBBB8s5I32s16s20xQQ")  # everything up to the header checksum
 _SUM = struct.Struct("<Q")
-HEADER_BYTES = _HEAD.size + _SUM.size  # 92
+HEADER_BYTES = _HEAD.size + _SUM.size  # 128
 MAX_DIM = 1 << 20  # no real layout comes near this; bounds hostile shapes before any allocation
 
 
@@ -59,6 +66,8 @@ class ChunkHeader:
     shape: tuple[int, int, int, int, int]  # [num_layers, 2, num_kv_heads, num_tokens, head_dim]
     key: bytes
     payload_len: int
+    blocks: BlockLayout | None = None  # a raw payload in a paged engine's block layout (None: token-major)
+    payload_sum: int = 0  # the stored xxh3-64 of the payload (filled by parse; ignored when packing)
 
     @property
     def num_tokens(self) -> int:
@@ -67,14 +76,14 @@ class ChunkHeader:
 
 def pack_header(header: ChunkHeader, payload_checksum: int) -> bytes:
     head = _HEAD.pack(MAGIC, VERSION, header.codec_id, header.dtype_code, header.level, header.fingerprint,
-                      *header.shape, header.key, header.payload_len, payload_checksum)
+                      *header.shape, header.key, pack(header.blocks), header.payload_len, payload_checksum)
     return head + _SUM.pack(xxhash.xxh3_64_intdigest(head))
 
 
 def pack_unsealed(header: ChunkHeader) -> bytes:
     """The header of an unsealed blob: both checksums zero (see the module docstring)."""
     return _HEAD.pack(MAGIC, VERSION, header.codec_id, header.dtype_code, header.level, header.fingerprint,
-                      *header.shape, header.key, header.payload_len, 0) + _SUM.pack(0)
+                      *header.shape, header.key, pack(header.blocks), header.payload_len, 0) + _SUM.pack(0)
 
 
 _PAYLOAD_SUM_AT = _HEAD.size - _SUM.size  # offset of the payload checksum: the last field before the header's
@@ -112,15 +121,19 @@ def parse(blob: bytes | bytearray | memoryview, key: bytes | None = None, verify
     view = memoryview(blob)
     if len(view) < HEADER_BYTES:
         raise ChunkFormatError(f"truncated: {len(view)} bytes is shorter than the {HEADER_BYTES}-byte header")
+    if bytes(view[:4]) != MAGIC:
+        raise ChunkFormatError(f"bad magic {bytes(view[:4])!r}")
+    if view[4] != VERSION:  # version 1 (92-byte header) included: a clean miss, stored again in this format
+        raise ChunkFormatError(f"unsupported format version {view[4]}")
     head = view[:_HEAD.size]
     if not is_trusted and xxhash.xxh3_64_intdigest(head) != _SUM.unpack_from(view, _HEAD.size)[0]:
         raise ChunkFormatError("header checksum mismatch")
-    magic, version, codec_id, dtype_code, level, fingerprint, *rest = _HEAD.unpack(head)
-    shape, chunk_key, payload_len, payload_sum = tuple(rest[:5]), rest[5], rest[6], rest[7]
-    if magic != MAGIC:
-        raise ChunkFormatError(f"bad magic {magic!r}")
-    if version != VERSION:
-        raise ChunkFormatError(f"unsupported format version {version}")
+    _, _, codec_id, dtype_code, level, fingerprint, *rest = _HEAD.unpack(head)
+    shape, chunk_key, packed_blocks, payload_len, payload_sum = tuple(rest[:5]), *rest[5:9]
+    try:
+        blocks = unpack(packed_blocks)
+    except BlockLayoutError as exc:
+        raise ChunkFormatError(str(exc)) from None
     if any(d <= 0 or d > MAX_DIM for d in shape) or shape[1] != 2:
         raise ChunkFormatError(f"implausible shape {shape}")
     if key is not None and chunk_key != key:
@@ -129,4 +142,11 @@ def parse(blob: bytes | bytearray | memoryview, key: bytes | None = None, verify
         raise ChunkFormatError(f"payload length {len(view) - HEADER_BYTES} != header's {payload_len}")
     if verify_payload and not is_trusted and xxhash.xxh3_64_intdigest(view[HEADER_BYTES:]) != payload_sum:
         raise ChunkFormatError("payload checksum mismatch")
-    return ChunkHeader(codec_id, dtype_code, level, fingerprint, shape, chunk_key, payload_len)  # type: ignore[arg-type]
+    return ChunkHeader(codec_id, dtype_code, level, fingerprint, shape, chunk_key, payload_len,  # type: ignore[arg-type]
+                       blocks, payload_sum)
+
+
+def check_payload(blob: bytes | bytearray | memoryview, header: ChunkHeader) -> None:
+    """The payload checksum that `parse(verify_payload=False)` skipped: ChunkFormatError when it does not match."""
+    if xxhash.xxh3_64_intdigest(memoryview(blob)[HEADER_BYTES:]) != header.payload_sum:
+        raise ChunkFormatError("payload checksum mismatch")

@@ -9,6 +9,9 @@ A caller that produces the KV itself (the vLLM connector gathers it from the pag
 A blob for process memory may be left unsealed (`with_checksums=False`: no hash on the store path; the tier
 stack fills the checksums in before the blob leaves the process, see codec.format).
 `view` is the zero-copy read: the checked payload of a blob as a tensor, valid while the blob is.
+Block layouts (kvfabric.blocks): a payload may instead hold a paged engine's blocks as they are (`blocks` in
+`new_payload` / `seal`, named in the header); `decode` converts it to [L, 2, H, T, D] (kvfabric.blocks.to_tokens,
+the one conversion), and `view` of such a payload is `block_view` (the engine of that layout copies whole blocks).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvfabric.blocks import BlockLayout, to_tokens
 from kvfabric.codec.format import (HEADER_BYTES, ChunkFormatError, ChunkHeader, pack_header, pack_unsealed,
                                    write_blob)
 from kvfabric.codec.stream_copy import copy_rows, is_streamed, rows
@@ -64,29 +68,46 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
             d[i, t:t + step].copy_(s[i, t:t + step])
 
 
-def new_payload(layout: KVLayout, num_tokens: int,
-                out: memoryview | None = None) -> tuple[memoryview, torch.Tensor]:
+def payload_bytes(layout: KVLayout, num_tokens: int, blocks: BlockLayout | None = None) -> int:
+    """Bytes of a raw payload of num_tokens (in whole blocks, with a block layout)."""
+    return layout.num_bytes(num_tokens if blocks is None else blocks.num_blocks(num_tokens) * blocks.block_size)
+
+
+def payload_shape(layout: KVLayout, num_tokens: int, blocks: BlockLayout | None = None) -> tuple[int, ...]:
+    """[L, 2, H, T, D], or with a block layout [L, num_blocks, H, 2, B*D]."""
+    if blocks is None:
+        return layout.shape(num_tokens)
+    return blocks.payload_shape(layout.num_layers, layout.num_kv_heads, num_tokens, layout.head_dim)
+
+
+def new_payload(layout: KVLayout, num_tokens: int, out: memoryview | None = None,
+                blocks: BlockLayout | None = None) -> tuple[memoryview, torch.Tensor]:
     """(blob, kv): an unsealed raw blob for `num_tokens` tokens and its payload region as a tensor
-    [L, 2, H, T, D] in the layout dtype, to be filled by the caller and then `seal`ed. In `out` (a writable
-    buffer of exactly that size, e.g. a recycled one), else uninitialized memory (torch.empty): no page is
-    touched before the caller writes it (this runs on an inference engine's step)."""
-    size = HEADER_BYTES + layout.num_bytes(num_tokens)
+    [L, 2, H, T, D] (with `blocks`: [L, num_blocks, H, 2, B*D]) in the layout dtype, to be filled by the caller
+    and then `seal`ed. In `out` (a writable buffer of exactly that size, e.g. a recycled one), else uninitialized
+    memory (torch.empty): no page is touched before the caller writes it (this runs on an inference engine's
+    step)."""
+    size = HEADER_BYTES + payload_bytes(layout, num_tokens, blocks)
     if out is None:
         out = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
     elif len(out) != size:
         raise ValueError(f"out holds {len(out)} bytes, the blob needs {size}")
-    return out, payload_view(out, layout.torch_dtype, layout.shape(num_tokens))
+    return out, payload_view(out, layout.torch_dtype, payload_shape(layout, num_tokens, blocks))
 
 
-def _raw_header(num_bytes: int, key: bytes, layout: KVLayout) -> ChunkHeader:
-    return ChunkHeader(RawCodec.codec_id, layout.dtype_code, 0, layout.fingerprint,
-                       layout.shape(num_bytes // layout.num_bytes(1)), key, num_bytes)
+def _raw_header(num_tokens: int, key: bytes, layout: KVLayout, blocks: BlockLayout | None = None) -> ChunkHeader:
+    return ChunkHeader(RawCodec.codec_id, layout.dtype_code, 0, layout.fingerprint, layout.shape(num_tokens), key,
+                       payload_bytes(layout, num_tokens, blocks), blocks)
 
 
-def seal(blob: bytearray | memoryview, key: bytes, layout: KVLayout, with_checksums: bool = True) -> None:
-    """Write the header of a raw blob whose payload holds the KV of `key`: with checksums over the payload as it
-    is, or unsealed (format.pack_unsealed: for process memory, sealed by format.fill_checksums when it leaves)."""
-    header = _raw_header(len(blob) - HEADER_BYTES, key, layout)
+def seal(blob: bytearray | memoryview, key: bytes, layout: KVLayout, with_checksums: bool = True,
+         num_tokens: int | None = None, blocks: BlockLayout | None = None) -> None:
+    """Write the header of a raw blob whose payload holds the KV of `key` (num_tokens, default all the payload
+    holds; with `blocks`, in that block layout): with checksums over the payload as it is, or unsealed
+    (format.pack_unsealed: for process memory, sealed by format.fill_checksums when it leaves)."""
+    if num_tokens is None:
+        num_tokens = (len(blob) - HEADER_BYTES) // layout.num_bytes(1)
+    header = _raw_header(num_tokens, key, layout, blocks)
     if with_checksums:
         write_blob(header, blob)
     else:
@@ -131,7 +152,7 @@ class RawCodec:
             raise ValueError(f"out holds {len(blob)} bytes, the blob needs {HEADER_BYTES + num_bytes}")
         view = memoryview(blob)
         payload = payload_view(blob, layout.torch_dtype, tuple(kv.shape))
-        header = _raw_header(num_bytes, key, layout)
+        header = _raw_header(kv.shape[3], key, layout)
         if with_checksums:
             view[:HEADER_BYTES] = pack_header(header, copy_and_checksum(payload, kv, view[HEADER_BYTES:]))
         else:
@@ -140,12 +161,22 @@ class RawCodec:
         return blob
 
     def view(self, header: ChunkHeader, blob: bytes | bytearray | memoryview, layout: KVLayout) -> torch.Tensor:
-        """The payload of a parsed blob as a tensor [L, 2, H, T, D] in the layout dtype, without a copy."""
-        if header.payload_len != layout.num_bytes(header.num_tokens) or header.dtype_code != layout.dtype_code:
+        """The payload of a parsed blob as a tensor in the layout dtype, without a copy: [L, 2, H, T, D], or for a
+        payload in a block layout [L, num_blocks, H, 2, B*D] (`header.blocks` says which)."""
+        if header.payload_len != payload_bytes(layout, header.num_tokens, header.blocks) or \
+                header.dtype_code != layout.dtype_code:
             raise ChunkFormatError("raw payload does not match the layout")
-        return payload_view(blob, layout.torch_dtype, header.shape)
+        return payload_view(blob, layout.torch_dtype, payload_shape(layout, header.num_tokens, header.blocks))
 
     def decode(self, header: ChunkHeader, blob: memoryview, layout: KVLayout, out: torch.Tensor) -> None:
         if tuple(out.shape) != header.shape:
             raise ChunkFormatError(f"chunk shape {header.shape} does not fit the output {tuple(out.shape)}")
-        copy_into(out, self.view(header, blob, layout))
+        payload = self.view(header, blob, layout)
+        if header.blocks is None:
+            copy_into(out, payload)
+            return
+        same = out if out.dtype == payload.dtype else torch.empty(header.shape, dtype=payload.dtype)
+        view = _NUMPY_SAME[payload.dtype]
+        to_tokens(payload.view(view).numpy(), header.blocks, same.view(view).numpy())
+        if same is not out:
+            copy_into(out, same)

@@ -14,6 +14,10 @@ Contract:
   segment (a partial block, or a run of whole blocks with consecutive ids) at a time straight between the two
   layouts (no temporary), and touch only the slots of tokens [start, end) - never the rest of a partially
   covered block.
+- Block layout (kvfabric.blocks): `layer.blocks` names the layer's own block layout; `save_blocks` copies the
+  blocks holding tokens [start, end) into a chunk payload slab [n, H, 2, B*D] as they are (one copy per run of
+  consecutive blocks, no transpose), `load_blocks` copies such a slab back; only a partial block is copied
+  slot by slot (its free slots are zero in the slab, and a load touches only the slots of [start, end)).
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from typing import Literal
 
 import numpy as np
 import torch
+
+from kvfabric.blocks import BlockLayout, region_tokens
 
 RegionLayout = Literal["td", "dt"]
 REGION_LAYOUTS: tuple[str, ...] = ("td", "dt")
@@ -51,8 +57,10 @@ class CpuPagedLayer:
             for i, layout in enumerate(self.layouts)
         ]
         # the K and V regions as numpy views, token-major [num_blocks, H, B, D] (for gather and scatter)
-        self.arrays = [_array(region) if layout == "td" else _array(region).transpose(0, 1, 3, 2)
+        self.arrays = [as_array(region) if layout == "td" else as_array(region).transpose(0, 1, 3, 2)
                        for region, layout in zip(by_kind, self.layouts)]
+        self.blocks = BlockLayout(block_size, key_layout == "dt", value_layout == "dt")
+        self.block_array = as_array(regions)  # [num_blocks, H, 2, B*D]: whole blocks, as they are
 
 
 def segments(block_ids: Sequence[int], block_size: int, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
@@ -88,7 +96,7 @@ def gather(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int,
         gather(layer, block_ids, start, end, same)
         out.copy_(same)
         return
-    kv = _array(out)
+    kv = as_array(out)
     num_heads, head_dim = kv.shape[1], kv.shape[3]
     for block, n, lo, hi, at in segments(block_ids, layer.block_size, start, end):
         num_tokens = hi - lo
@@ -105,7 +113,7 @@ def scatter(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int
     10x longer on a busy machine); numpy copies in the calling thread, releases the GIL, moved the
     transposed K regions ~1.4x faster here, and its views cost a fraction of torch's (less time holding the
     GIL, which the forward of the other requests needs)."""
-    kv = _array(src)
+    kv = as_array(src)
     num_heads, head_dim = kv.shape[1], kv.shape[3]
     for block, n, lo, hi, at in segments(block_ids, layer.block_size, start, end):
         num_tokens = hi - lo
@@ -114,10 +122,40 @@ def scatter(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int
             np.copyto(layer.arrays[which][block:block + n, :, lo:hi, :], part.transpose(1, 0, 2, 3))
 
 
+def save_blocks(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int, out: np.ndarray) -> None:
+    """Copy the blocks holding tokens [start, end) (start block-aligned) into out [n, H, 2, B*D] (an integer view
+    of a payload slab in `layer.blocks`): whole runs as they are; a partial last block whole, its slots from
+    `end` on zeroed (they may hold another request's stale KV)."""
+    size = layer.block_size
+    if start % size:
+        raise ValueError(f"a block-layout save starts at a block boundary, got token {start}")
+    for block, n, lo, hi, at in segments(block_ids, size, start, end):
+        j = at // size
+        np.copyto(out[j:j + n], layer.block_array[block:block + n])
+        if hi < size:
+            for which, is_dt in enumerate((layer.blocks.key_dt, layer.blocks.value_dt)):
+                region_tokens(out[j, :, which], size, is_dt)[:, hi:, :] = 0
+
+
+def load_blocks(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int, src: np.ndarray,
+                first: int) -> None:
+    """Copy tokens [start, end) out of src [n, H, 2, B*D] (a payload slab in `layer.blocks` holding tokens from
+    `first`, block-aligned) into the layer: runs of whole blocks as they are, a partial block slot by slot."""
+    size = layer.block_size
+    for block, n, lo, hi, at in segments(block_ids, size, start, end):
+        j = (start + at - lo - first) // size
+        if hi - lo == size:
+            np.copyto(layer.block_array[block:block + n], src[j:j + n])
+            continue
+        for which, is_dt in enumerate((layer.blocks.key_dt, layer.blocks.value_dt)):
+            dst_region = region_tokens(layer.block_array[block, :, which], size, is_dt)  # [H, B, D]
+            np.copyto(dst_region[:, lo:hi, :], region_tokens(src[j, :, which], size, is_dt)[:, lo:hi, :])
+
+
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _array(x: torch.Tensor) -> np.ndarray:
+def as_array(x: torch.Tensor) -> np.ndarray:
     """x's bytes as a numpy view (an integer dtype of the same size: numpy has no bfloat16; a copy is bits)."""
     return x.view(_SAME_SIZE_INT[x.element_size()]).numpy()
 

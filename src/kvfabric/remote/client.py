@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from kvfabric.blocks import BlockLayout
 from kvfabric.codec.format import HEADER_BYTES
 from kvfabric.config import Config
 from kvfabric.counters import Counters, merged
@@ -248,8 +249,10 @@ class RemoteCache:
 
     def read_chunk(self, key: bytes, out: torch.Tensor | None = None, *, num_tokens: int | None = None,
                    scratch: Scratch | None = None, promote: bool = True, window: bool = True,
-                   in_place: bool = False) -> ChunkHit | ChunkMiss:
-        """CacheEngine.read_chunk through the server, with its call shape (the vLLM loader passes every keyword):
+                   in_place: bool = False, blocks: BlockLayout | None = None,
+                   check_later: bool = False) -> ChunkHit | ChunkMiss:
+        """CacheEngine.read_chunk through the server, with its call shape (the vLLM loader passes every keyword;
+        `blocks` and `check_later` are moot: the server stores token-major chunks and verifies what it serves):
         the server's own engine decides promotion between its tiers; `window=False` still gets the whole chunk
         (every layer: a superset of what the caller needs); `in_place` is moot, the slot is already a view of
         the server's pool that this process holds until it lets the slot go."""
@@ -337,9 +340,10 @@ class RemoteCache:
         """Bytes of one whole chunk's blob with the raw codec (header + payload), as CacheEngine.chunk_blob_bytes."""
         return HEADER_BYTES + self.layout.num_bytes(self.chunk_size)
 
-    def new_payload(self, num_tokens: int | None = None) -> ChunkPayload:
+    def new_payload(self, num_tokens: int | None = None, blocks: BlockLayout | None = None) -> ChunkPayload:
         """Where the caller lays out one chunk's KV for `store_chunk`: a leased pool slot when this client has
-        room (so the store needs no further copy), else private memory."""
+        room (so the store needs no further copy), else private memory. Always token-major (`blocks` is moot:
+        ChunkPayload.blocks stays None)."""
         num_tokens = num_tokens or self.chunk_size
         try:
             with self._session() as conn:

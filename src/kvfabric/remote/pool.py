@@ -62,7 +62,7 @@ class SlotPool:
             except OSError as exc:
                 raise PoolError(f"cannot reserve {size} bytes for the pool at {path}: {exc}") from None
             os.pwrite(fd, head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)), 0)
-            mm = mmap.mmap(fd, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)  # no first-touch faults per slot
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -92,7 +92,7 @@ class SlotPool:
                 raise PoolError(f"{path}: belongs to another server (restarted?)")
             if size != HEADER_BYTES + slot_bytes * num_slots:
                 raise PoolError(f"{path}: size does not match its header")
-            mm = mmap.mmap(fd, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)  # no first-touch faults per slot
         finally:
             os.close(fd)
         return cls(path, mm, slot_bytes, num_slots, pool_id)

@@ -55,12 +55,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class StackHit:
-    """A verified chunk found by `TierStack.get`: its blob, parsed header, and where it came from ("pending" for a
-    write still queued)."""
+    """A chunk found by `TierStack.get`: its blob, parsed header, and where it came from ("pending" for a write
+    still queued). Verified, unless read with get(verify_payload=False) from an untrusted tier (`is_verified`
+    False: its header is checked, its payload not yet; the caller hashes the payload as it copies it)."""
     blob: Blob
     header: ChunkHeader
     tier: str
     view: TierView | None = None  # a read in place (get(in_place=True)): check view.is_current() after use
+    is_verified: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,15 +130,20 @@ class TierStack:
         return self._slow_reads.permit()
 
     def get(self, key: bytes, scratch: Scratch | None = None, meta: AccessMeta = NO_META,
-            permit: LoadPermit | None = None, promote: bool = True, in_place: bool = False) -> StackHit | None:
+            permit: LoadPermit | None = None, promote: bool = True, in_place: bool = False,
+            verify_payload: bool = True) -> StackHit | None:
         """The chunk's blob, its header and the tier's name, or None. With `scratch`, the first tier reads with
         `get_into` (no allocation where the tier can); a blob from a later tier is kept for promotion. With
         `promote=False` a hit below the first tier is not promoted, so every tier reads into `scratch` (a caller
         that copies the KV elsewhere at once, e.g. into vLLM's paged cache, pays no fresh allocation). Order: a
-        trusted first tier (process memory), then writes still queued, then the other tiers."""
+        trusted first tier (process memory), then writes still queued, then the other tiers.
+        `verify_payload=False` (with promote=False: nothing unverified is copied up): the payload checksum is left
+        to the caller (`StackHit.is_verified`), who hashes the payload while it copies it, in cache, instead of a
+        separate pass over memory here; it calls `discard` when the sum does not match."""
+        verify_payload = verify_payload or promote
         if permit is None and self._slow_reads.limit and len(self.tiers) > 1:
             with self.load_permit() as own:
-                return self.get(key, scratch, meta, own, promote, in_place)
+                return self.get(key, scratch, meta, own, promote, in_place, verify_payload)
         for level, tier in enumerate(self.tiers):
             if level == int(self.tiers[0].is_trusted):  # right after process memory, before any slow tier
                 pending = self._pending.get(key)
@@ -155,7 +162,7 @@ class TierStack:
             if blob is None:
                 continue
             try:
-                header = parse(blob, key, is_trusted=tier.is_trusted)
+                header = parse(blob, key, verify_payload, is_trusted=tier.is_trusted)
             except ChunkFormatError as exc:
                 if view is not None and not view.is_current():  # rewritten while we checked it: not damage
                     self.counters.add("view_reused")
@@ -168,7 +175,7 @@ class TierStack:
             self.counters.add(f"bytes_read.{tier.name}", len(blob))
             if level > 0 and promote:
                 self._promote(level, key, blob, meta)
-            return StackHit(blob, header, tier.name, view)
+            return StackHit(blob, header, tier.name, view, verify_payload or tier.is_trusted)
         self.counters.add("miss")
         return None
 
@@ -202,9 +209,12 @@ class TierStack:
             tier.prefetch([key for key, hit in zip(keys, present) if hit])
             keys = [key for key, hit in zip(keys, present) if not hit]
 
-    def discard(self, key: bytes) -> None:
-        """Remove a chunk found unusable above this layer (e.g. a payload that does not decode)."""
+    def discard(self, key: bytes, damaged_in: str | None = None) -> None:
+        """Remove a chunk found unusable above this layer (e.g. a payload that does not decode); `damaged_in`: the
+        tier whose copy failed its checksum after all (counted as `corrupt.<tier>`, like a damaged read here)."""
         self.counters.add("discarded")
+        if damaged_in is not None:
+            self.counters.add(f"corrupt.{damaged_in}")
         for tier in self.tiers:
             tier.delete(key)
 

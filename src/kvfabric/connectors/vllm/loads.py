@@ -32,6 +32,12 @@ Contract:
   KV is used, and a failed chunk never costs a step, but the reads themselves are not overlapped with compute
   (layer 0 needs every chunk); ranged per-layer reads would hide them at the price of verifying after the
   forward.
+- Chunks stored in the layers' own block layout (``CpuPagedLayer.blocks``, what this connector saves) are read as
+  they are (``read_chunk(blocks=...)``) and copied as whole runs of blocks (``load_blocks``); others (another
+  engine's, token-major) are converted once and scattered. An async load verifies such a chunk while it copies
+  it (``check_later``): each layer's slab is hashed right before its copy, while in cache, instead of a separate
+  pass over the whole chunk; a mismatch is found before the load is reported and fails the chunk like a missing
+  one (its blocks are recomputed, the chunk is discarded).
 - A missing or corrupt chunk ends that load there: its outcome's `end` is the first token not loaded and
   `bad_blocks` the blocks from there to the load's end (vLLM recomputes them). Nothing here raises for a bad
   cache entry; a bug in a job is logged and fails that load whole, never the process.
@@ -45,9 +51,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import xxhash
 from vllm.logger import init_logger
 
-from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, scatter
+from kvfabric.blocks import BlockLayout
+from kvfabric.connectors.paged import CpuPagedLayer, as_array, blocks_of, load_blocks, scatter
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE
 from kvfabric.connectors.vllm.metadata import LoadSpec, RequestStats
 from kvfabric.counters import Counters
@@ -138,6 +146,7 @@ class Loader:
         self.layers = list(layers)
         self.groups = list(groups) if groups is not None else [0] * len(self.layers)
         self.window_layers = frozenset(window_layers)  # rows from spec.window_from only (hybrid manager)
+        self.blocks: BlockLayout | None = self.layers[0].blocks if self.layers else None
 
     def _scatter(self, job: _Job, i: int, hit: ChunkHit, index: int, layer: CpuPagedLayer) -> None:
         """Chunk i's part of the load into layer `index` (its group's block table; a window layer from
@@ -148,7 +157,11 @@ class Loader:
             lo = max(lo, job.spec.window_from)
         if row is None or lo >= hi:
             return
-        scatter(layer, job.spec.table(self.groups[index]), lo, hi, hit.kv[row, :, :, lo - first:hi - first, :])
+        table = job.spec.table(self.groups[index])
+        if hit.blocks is not None:  # the payload is in this layer's block layout: whole blocks, as they are
+            load_blocks(layer, table, lo, hi, as_array(hit.kv[row]), first)
+        else:
+            scatter(layer, table, lo, hi, hit.kv[row, :, :, lo - first:hi - first, :])
 
     # ---- async ----------------------------------------------------------------------------------------------
     def start_async(self, spec: LoadSpec) -> None:
@@ -230,12 +243,14 @@ class Loader:
                 else:
                     self._chunk_done(task[0], task[1], None)
 
-    def _read(self, job: _Job, i: int, scratch: Scratch, in_place: bool = False) -> ChunkHit | None:
+    def _read(self, job: _Job, i: int, scratch: Scratch, in_place: bool = False,
+              check_later: bool = False) -> ChunkHit | None:
         started = time.perf_counter_ns()
         # a chunk wholly before window_from: no window row of it is loaded (hybrid manager), nor read
         window = not self.window_layers or job.chunk_span(i)[2] > job.spec.window_from
         found = self.engine.read_chunk(job.spec.keys[i], num_tokens=job.chunk_tokens(i), scratch=scratch,
-                                       promote=False, window=window, in_place=in_place)
+                                       promote=False, window=window, in_place=in_place, blocks=self.blocks,
+                                       check_later=check_later)
         self.counters.add("load_chunk_read_ns", time.perf_counter_ns() - started)  # file read + checks
         if isinstance(found, ChunkMiss):
             self.counters.add(f"load_{found.reason}_chunks")
@@ -250,13 +265,25 @@ class Loader:
         if job.first_bad is not None and job.first_bad < i:  # a chunk before it failed: no use loading it
             self._chunk_done(job, i, None)
             return
-        hit = self._read(job, i, staging, in_place=True)
+        hit = self._read(job, i, staging, in_place=True, check_later=True)
         if hit is not None:
             started = time.perf_counter_ns()
-            for index, layer in enumerate(self.layers):  # this chunk's part, [2, H, hi-lo, D] per layer
+            digest = xxhash.xxh3_64() if hit.unchecked_sum is not None else None
+            payload = as_array(hit.kv) if digest is not None else None
+            hashing = 0
+            for index, layer in enumerate(self.layers):  # this chunk's part of each layer
+                if digest is not None:  # the layer's slab, hashed in payload order right before its copy
+                    before = time.perf_counter_ns()
+                    digest.update(payload[index])
+                    hashing += time.perf_counter_ns() - before
                 self._scatter(job, i, hit, index, layer)
-            self.counters.add("load_scatter_ns", time.perf_counter_ns() - started)
+            self.counters.add("load_scatter_ns", time.perf_counter_ns() - started - hashing)
+            self.counters.add("load_verify_ns", hashing)
             hit = self._intact(hit)
+            if hit is not None and digest is not None and digest.intdigest() != hit.unchecked_sum:
+                self.engine.discard_chunk(job.spec.keys[i], hit.tier, "payload checksum mismatch (found while loading)")
+                self.counters.add("load_corrupt_chunks")
+                hit = None
         self._chunk_done(job, i, hit)
 
     def _intact(self, hit: ChunkHit) -> ChunkHit | None:

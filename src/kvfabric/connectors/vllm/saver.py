@@ -37,7 +37,7 @@ class ActiveSave:
 
     @property
     def num_bytes(self) -> int:
-        return sum(chunk.kv.numel() * chunk.kv.element_size() for chunk in self.chunks)
+        return sum(chunk.kv.numel() * chunk.kv.element_size() for chunk in self.chunks)  # either layout
 
 
 class Saver:

@@ -6,9 +6,10 @@ Contract, per step (vLLM calls the hooks in this order):
   the forward of other requests goes on while they read and scatter.
 - `start_loads()` (``start_load_kv``): the step's synchronous loads start, layer-wise (``Loader.start_layered``).
 - `layer_load(layer)` (``wait_for_layer_load``): waits for that layer of the synchronous loads only.
-- `layer_save(layer, kv)`: right after the layer's attention, gathers the KV of the step's finished chunks out of
+- `layer_save(layer, kv)`: right after the layer's attention, copies the KV of the step's finished chunks out of
   the paged cache into engine payloads (``CacheEngine.new_payload``) that the ``Saver`` stores (one copy; the
-  blocks may be reused once the step ends).
+  blocks may be reused once the step ends). The payloads are in the layer's own block layout where the engine
+  stores those (``save_blocks``: whole runs of blocks, no transpose), else gathered token-major (``gather``).
 - `end_step()` (``wait_for_save``; with ``is_sync_store`` it waits until the step's saves are stored): the
   synchronous loads' outcomes (a failed chunk: its blocks are reported, the request's saves of
   this step dropped, since their KV was computed over bad blocks); a save not gathered from every layer is
@@ -42,7 +43,7 @@ import torch
 from vllm.logger import init_logger
 
 from kvfabric.config import Config
-from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather
+from kvfabric.connectors.paged import CpuPagedLayer, as_array, blocks_of, gather, save_blocks
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE, DEFAULT_LOAD_THREADS, KVGroups, detect_cpu_kv_layout
 from kvfabric.connectors.vllm.loads import Loader, LoadOutcome
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, RequestStats
@@ -195,7 +196,8 @@ class WorkerSide:
         started = time.perf_counter_ns()
         cs = self.chunk_size
         if not self.saves:  # a chunk of the save holds cs tokens, or fewer for the prompt's partial last chunk
-            self.saves = [ActiveSave(spec, [self.engine.new_payload(min(cs, spec.end - first))
+            blocks = layer.blocks if cs % self.block_size == 0 else None
+            self.saves = [ActiveSave(spec, [self.engine.new_payload(min(cs, spec.end - first), blocks)
                                             for first in range(spec.start, spec.end, cs)])
                           for spec in self.meta.saves]
         group = self.group_of.get(index, 0)
@@ -205,7 +207,10 @@ class WorkerSide:
             table = save.spec.table(group)
             for i, chunk in enumerate(save.chunks):
                 first = save.spec.start + i * cs
-                gather(layer, table, first, first + chunk.kv.shape[3], chunk.kv[index])
+                if chunk.blocks is not None:  # [L, n, H, 2, B*D]: this layer's blocks as they are
+                    save_blocks(layer, table, first, first + chunk.num_tokens, as_array(chunk.kv[index]))
+                else:
+                    gather(layer, table, first, first + chunk.num_tokens, chunk.kv[index])
             save.layers_done.add(index)
         self.counters.add("save_gather_ns", time.perf_counter_ns() - started)
 

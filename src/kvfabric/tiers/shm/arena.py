@@ -195,7 +195,9 @@ class Arena:
                 if st.st_size == 0:  # new (or its creator died before sizing it): nobody can be using it
                     self._format(fd, self._want)
                     st = os.fstat(fd)
-                mm = mmap.mmap(fd, st.st_size)
+                # populated: the page tables of the whole (fallocated) pool are filled now, at attach, so no read
+                # or write of a chunk pays first-touch faults (they cost as much as the copy itself)
+                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
             finally:
                 os.close(fd)
             geo = Geometry.parse(mm, st.st_size)

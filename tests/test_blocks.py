@@ -1,0 +1,246 @@
+"""Block-layout chunks (kvfabric.blocks, connectors.paged save_blocks / load_blocks, CacheEngine read_chunk(blocks=)):
+a chunk saved from a paged layer in layout A loads exactly into a layer of layout B for every pair (and into the
+token-major readers), and a damaged block-layout chunk is a miss on disk, in shm and in process memory."""
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfabric import CacheEngine, Config, KVLayout
+from kvfabric.blocks import BlockLayout, BlockLayoutError, from_tokens, pack, to_tokens, unpack
+from kvfabric.codec.format import HEADER_BYTES, parse
+from kvfabric.config import DiskTierConfig, ShmTierConfig
+from kvfabric.connectors.paged import CpuPagedLayer, as_array, gather, load_blocks, save_blocks, scatter
+from kvfabric.engine import ChunkHit, ChunkMiss
+from kvfabric.tiers.base import Scratch
+from kvfabric.tiers.shm import ShmTier
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32")
+CHUNK = 32
+ORDERS = list(itertools.product(("td", "dt"), repeat=2))  # (K, V) region orders of vLLM's CPU cache
+
+
+def paged(orders: tuple[str, str], block_size: int, num_blocks: int = 24, dtype=torch.float32,
+          layout: KVLayout = LAYOUT) -> list[CpuPagedLayer]:
+    return [CpuPagedLayer(torch.zeros(num_blocks, layout.num_kv_heads, block_size, 2 * layout.head_dim, dtype=dtype),
+                          block_size, *orders) for _ in range(layout.num_layers)]
+
+
+def fill(layers: list[CpuPagedLayer], block_ids: list[int], kv: torch.Tensor) -> None:
+    for index, layer in enumerate(layers):
+        scatter(layer, block_ids, 0, kv.shape[3], kv[index].to(layer.dtype))
+
+
+def read_back(layers: list[CpuPagedLayer], block_ids: list[int], start: int, end: int) -> torch.Tensor:
+    out = torch.empty(len(layers), 2, layers[0].num_heads, end - start, layers[0].head_dim, dtype=layers[0].dtype)
+    for index, layer in enumerate(layers):
+        gather(layer, block_ids, start, end, out[index])
+    return out
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("num_tokens", [32, 20, 5])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_conversion_round_trips_exactly(block_size, num_tokens, dtype):
+    layout = KVLayout(2, 3, 4, dtype)
+    kv = torch.randn(layout.shape(num_tokens), generator=torch.Generator().manual_seed(1)).to(layout.torch_dtype)
+    for key_dt, value_dt in itertools.product((False, True), repeat=2):
+        blocks = BlockLayout(block_size, key_dt, value_dt)
+        words = {2: np.int16, 4: np.int32}[kv.element_size()]
+        payload = np.full(blocks.payload_shape(2, 3, num_tokens, 4), 7, dtype=words)
+        from_tokens(as_array(kv), blocks, payload)
+        back = torch.empty_like(kv)
+        to_tokens(payload, blocks, as_array(back))
+        assert torch.equal(back, kv)
+        if num_tokens % block_size:  # the partial block's free slots are zero, not left over
+            tail = np.asarray(payload[:, -1]).reshape(2, 3, 2, -1)
+            assert (tail != 7).all()
+
+
+def test_descriptor_packs_and_rejects_unknown_bytes():
+    for blocks in (None, BlockLayout(16, True, False), BlockLayout(128, False, True)):
+        assert unpack(pack(blocks)) == blocks
+    raw = bytearray(pack(BlockLayout(16, True, False)))
+    for at, value in ((0, 9), (1, 2), (3, 1), (12, 1)):
+        bad = bytearray(raw)
+        bad[at] = value
+        with pytest.raises(BlockLayoutError):
+            unpack(bytes(bad))
+    with pytest.raises(BlockLayoutError):
+        BlockLayout(0, False, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("src,dst", list(itertools.product(ORDERS, ORDERS)))
+def test_every_layout_pair_loads_exactly(tmp_path, src, dst, dtype):
+    """Saved from a layer in layout `src` (whole blocks, as they are), stored on disk, read back by a fresh engine
+    asking for layout `dst`: the payload as it is when they match, converted once when they do not; the KV that
+    lands in the destination layer is exactly what the source layer held, and only the loaded slots change."""
+    layout = KVLayout(3, 2, 8, "float32" if dtype == torch.float32 else "bfloat16")
+    config = Config(chunk_size=CHUNK, tiers=("disk",), disk=DiskTierConfig(path=str(tmp_path)),
+                    save_partial_chunk=True)
+    num_tokens, block_size = 2 * CHUNK + 12, 8  # two whole chunks and a partial one
+    kv = torch.randn(layout.shape(num_tokens), generator=torch.Generator().manual_seed(3)).to(dtype)
+    table = [3, 4, 5, 6, 10, 11, 12, 13, 0, 1, 20]  # runs of consecutive blocks and jumps
+    source = paged(src, block_size, dtype=dtype, layout=layout)
+    fill(source, table, kv)
+    tokens = list(range(num_tokens))
+    with CacheEngine(config, layout, "m") as engine:
+        keys = engine.keys(tokens)
+        for i, key in enumerate(keys):
+            first, last = i * CHUNK, min(num_tokens, (i + 1) * CHUNK)
+            payload = engine.new_payload(last - first, source[0].blocks)
+            assert payload.blocks == source[0].blocks and tuple(payload.kv.shape[:2]) == (3, -(-(last - first) // 8))
+            for index, layer in enumerate(source):
+                save_blocks(layer, table, first, last, as_array(payload.kv[index]))
+            assert engine.store_chunk(key, payload)
+    target = paged(dst, block_size, dtype=dtype, layout=layout)
+    sentinel = [layer.block_array.copy() for layer in target]
+    dst_table = [7, 8, 9, 2, 14, 15, 16, 17, 18, 19, 21]
+    with CacheEngine(config, layout, "m") as engine:
+        for i, key in enumerate(keys):
+            first, last = i * CHUNK, min(num_tokens, (i + 1) * CHUNK)
+            lo = first + 8 if i == 1 else first  # a load from a block inside the chunk, as after a prefix hit
+            hit = engine.read_chunk(key, num_tokens=last - first, scratch=Scratch(), promote=False,
+                                    blocks=target[0].blocks, check_later=True)
+            assert isinstance(hit, ChunkHit)
+            assert (hit.blocks is not None) == (src == dst)
+            if hit.blocks is not None:
+                assert hit.unchecked_sum == xxhash.xxh3_64_intdigest(as_array(hit.kv).tobytes())
+            for index, layer in enumerate(target):
+                if hit.blocks is not None:
+                    load_blocks(layer, dst_table, lo, last, as_array(hit.kv[index]), first)
+                else:
+                    scatter(layer, dst_table, lo, last, hit.kv[index, :, :, lo - first:, :])
+        # token-major readers (the HF engine, CacheBlend): the converted chunks, exactly
+        assert torch.equal(engine.retrieve(tokens), kv)
+    got = read_back(target, dst_table, 0, num_tokens)
+    loaded = torch.ones(num_tokens, dtype=torch.bool)
+    loaded[CHUNK:CHUNK + 8] = False
+    assert torch.equal(got[:, :, :, loaded], kv[:, :, :, loaded])
+    assert not got[:, :, :, ~loaded].any()  # never loaded: still the zeros the cache started with
+    for layer, before in zip(target, sentinel):  # blocks outside the table, and the partial block's free slots
+        untouched = [b for b in range(24) if b not in dst_table]
+        assert np.array_equal(layer.block_array[untouched], before[untouched])
+
+
+def store_blocks(engine: CacheEngine, layers: list[CpuPagedLayer], table: list[int], num_tokens: int) -> list[bytes]:
+    keys = engine.keys(list(range(num_tokens)))
+    for i, key in enumerate(keys):
+        first, last = i * CHUNK, min(num_tokens, (i + 1) * CHUNK)
+        payload = engine.new_payload(last - first, layers[0].blocks)
+        for index, layer in enumerate(layers):
+            save_blocks(layer, table, first, last, as_array(payload.kv[index]))
+        engine.store_chunk(key, payload)
+    engine.flush()
+    return keys
+
+
+def flipped_load(engine: CacheEngine, key: bytes, layers: list[CpuPagedLayer]) -> bool:
+    """A loader's read of one chunk with the hash in the copy: True when it would be served."""
+    hit = engine.read_chunk(key, num_tokens=CHUNK, scratch=Scratch(), promote=False, in_place=True,
+                            blocks=layers[0].blocks, check_later=True)
+    if isinstance(hit, ChunkMiss):
+        return False
+    if hit.unchecked_sum is None:
+        return True
+    digest = xxhash.xxh3_64()
+    for index in range(len(layers)):
+        digest.update(as_array(hit.kv)[index])
+    if digest.intdigest() != hit.unchecked_sum:
+        engine.discard_chunk(key, hit.tier, "test")
+        return False
+    return True
+
+
+@settings(max_examples=25, deadline=None)
+@given(at=st.integers(HEADER_BYTES, HEADER_BYTES + LAYOUT.num_bytes(CHUNK) - 1), bit=st.integers(0, 7))
+def test_a_flipped_payload_byte_on_disk_is_a_miss(tmp_path_factory, at, bit):
+    path = tmp_path_factory.mktemp("disk")
+    config = Config(chunk_size=CHUNK, tiers=("disk",), disk=DiskTierConfig(path=str(path)))
+    layers = paged(("dt", "td"), 16)
+    fill(layers, list(range(4)), torch.randn(LAYOUT.shape(2 * CHUNK)))
+    with CacheEngine(config, LAYOUT, "m") as engine:
+        keys = store_blocks(engine, layers, list(range(4)), 2 * CHUNK)
+        (chunk,) = [p for p in path.rglob("*.kvc") if keys[0].hex() in p.name]
+        data = bytearray(chunk.read_bytes())
+        data[at] ^= 1 << bit
+        chunk.write_bytes(bytes(data))
+        assert not flipped_load(engine, keys[0], layers)
+        assert flipped_load(engine, keys[1], layers)
+        assert engine.lookup(list(range(2 * CHUNK))) == 0  # the damaged chunk is gone
+        assert engine.stats().counters["corrupt.disk"] == 1
+
+
+def test_a_flipped_byte_in_shm_is_a_miss_and_intact_chunks_are_served():
+    name = f"kvf-test-{uuid.uuid4().hex[:8]}"
+    config = Config(chunk_size=CHUNK, tiers=("shm",), shm=ShmTierConfig(name=name, capacity=8 << 20))
+    layers = paged(("dt", "td"), 16)
+    fill(layers, list(range(4)), torch.randn(LAYOUT.shape(2 * CHUNK)))
+    try:
+        with CacheEngine(config, LAYOUT, "m") as engine:
+            keys = store_blocks(engine, layers, list(range(4)), 2 * CHUNK)
+            pool = f"/dev/shm/kvfabric-{name}"  # the pool file every process maps: flip a payload byte there
+            with open(pool, "r+b") as f:
+                data = f.read()
+                i = data.find(keys[0])  # the blob's key sits at offset 36 of its header (the index holds it too)
+                while data[i - 36:i - 32] != b"KVFC":
+                    i = data.find(keys[0], i + 1)
+                at = i - 36 + HEADER_BYTES + 100
+                f.seek(at)
+                f.write(bytes([data[at] ^ 0x10]))
+            assert not flipped_load(engine, keys[0], layers)
+            assert flipped_load(engine, keys[1], layers)
+    finally:
+        ShmTier.destroy(name)
+
+
+def test_a_version_1_chunk_is_a_clean_miss(tmp_path):
+    """A chunk written by kvfabric before the block layouts (format version 1, 92-byte header) is not read: a miss,
+    removed, and the prompt is stored again in the current format."""
+    import struct
+    config = Config(chunk_size=CHUNK, tiers=("disk",), disk=DiskTierConfig(path=str(tmp_path)))
+    tokens = list(range(CHUNK))
+    kv = torch.randn(LAYOUT.shape(CHUNK))
+    with CacheEngine(config, LAYOUT, "m") as engine:
+        engine.store(tokens, kv)
+        engine.flush()
+        key = engine.keys(tokens)[0]
+    (path,) = tmp_path.rglob("*.kvc")
+    header = parse(path.read_bytes(), key)
+    payload = path.read_bytes()[HEADER_BYTES:]
+    head = struct.pack("<4sBBBB8s5I32sQQ", b"KVFC", 1, 0, LAYOUT.dtype_code, 0, LAYOUT.fingerprint, *header.shape,
+                       key, len(payload), xxhash.xxh3_64_intdigest(payload))
+    path.write_bytes(head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + payload)
+    with CacheEngine(config, LAYOUT, "m") as engine:
+        assert engine.retrieve(tokens).shape[3] == 0
+        assert engine.stats().counters["corrupt.disk"] == 1
+        assert engine.store(tokens, kv) == 1
+        engine.flush()
+        assert torch.equal(engine.retrieve(tokens), kv)
+    assert parse(path.read_bytes(), key).blocks is None
+
+
+def test_cpu_tier_chunks_need_no_hash_and_other_codec_tiers_get_token_major_kv(tmp_path):
+    """Process memory holds the unsealed blob (nothing to check later); a tier with another codec (int8 on disk)
+    encodes the converted [L, 2, H, T, D], and that chunk decodes to the values within int8's error."""
+    config = Config(chunk_size=CHUNK, tiers=("cpu", "disk"), disk=DiskTierConfig(path=str(tmp_path), codec="int8"))
+    layers = paged(("dt", "td"), 16)
+    kv = torch.randn(LAYOUT.shape(CHUNK))
+    fill(layers, [0, 1], kv)
+    with CacheEngine(config, LAYOUT, "m") as engine:
+        (key,) = store_blocks(engine, layers, [0, 1], CHUNK)
+        hit = engine.read_chunk(key, num_tokens=CHUNK, promote=False, blocks=layers[0].blocks, check_later=True)
+        assert isinstance(hit, ChunkHit) and hit.tier == "cpu" and hit.unchecked_sum is None
+        engine.clear_tier("cpu")
+        got = engine.retrieve(list(range(CHUNK)))
+    assert got.shape == kv.shape and (got - kv).abs().max() < 0.05
+    assert os.path.exists(tmp_path)
