@@ -113,13 +113,18 @@ def test_every_layout_pair_loads_exactly(tmp_path, src, dst, dtype):
                                     blocks=target[0].blocks, check_later=True)
             assert isinstance(hit, ChunkHit)
             assert (hit.blocks is not None) == (src == dst)
-            if hit.blocks is not None:
-                assert hit.unchecked_sum == xxhash.xxh3_64_intdigest(as_array(hit.kv).tobytes())
+            digest = xxhash.xxh3_64()
             for index, layer in enumerate(target):
-                if hit.blocks is not None:
-                    load_blocks(layer, dst_table, lo, last, as_array(hit.kv[index]), first)
+                if hit.blocks is not None:  # read from disk one layer's slab at a time (kv is None)
+                    assert hit.kv is None and hit.reader is not None
+                    slab = hit.slab(index)
+                    digest.update(slab)
+                    load_blocks(layer, dst_table, lo, last, slab, first)
                 else:
                     scatter(layer, dst_table, lo, last, hit.kv[index, :, :, lo - first:, :])
+            hit.close()
+            if hit.blocks is not None:
+                assert hit.unchecked_sum == digest.intdigest()
         # token-major readers (the HF engine, CacheBlend): the converted chunks, exactly
         assert torch.equal(engine.retrieve(tokens), kv)
     got = read_back(target, dst_table, 0, num_tokens)
@@ -154,7 +159,12 @@ def flipped_load(engine: CacheEngine, key: bytes, layers: list[CpuPagedLayer]) -
         return True
     digest = xxhash.xxh3_64()
     for index in range(len(layers)):
-        digest.update(as_array(hit.kv)[index])
+        slab = hit.slab(index)
+        if slab is None:
+            hit.close()
+            return False
+        digest.update(slab)
+    hit.close()
     if digest.intdigest() != hit.unchecked_sum:
         engine.discard_chunk(key, hit.tier, "test")
         return False
@@ -244,3 +254,15 @@ def test_cpu_tier_chunks_need_no_hash_and_other_codec_tiers_get_token_major_kv(t
         got = engine.retrieve(list(range(CHUNK)))
     assert got.shape == kv.shape and (got - kv).abs().max() < 0.05
     assert os.path.exists(tmp_path)
+
+
+def test_a_truncated_block_layout_chunk_on_disk_is_a_miss(tmp_path):
+    config = Config(chunk_size=CHUNK, tiers=("disk",), disk=DiskTierConfig(path=str(tmp_path)))
+    layers = paged(("dt", "td"), 16)
+    fill(layers, list(range(2)), torch.randn(LAYOUT.shape(CHUNK)))
+    with CacheEngine(config, LAYOUT, "m") as engine:
+        (key,) = store_blocks(engine, layers, list(range(2)), CHUNK)
+        (path,) = tmp_path.rglob("*.kvc")
+        path.write_bytes(path.read_bytes()[:-1000])
+        assert not flipped_load(engine, key, layers)
+        assert engine.stats().counters["corrupt.disk"] == 1 and not path.exists()

@@ -219,3 +219,41 @@ def test_hybrid_manager_load_uses_each_groups_table_and_window_layers_only_from_
     read = dict(outcome.stats.bytes_loaded)["disk"]
     part = layout.part((0,)).num_bytes(CHUNK)  # one layer of one chunk
     assert 4 * part + 2 * 2 * part <= read < 4 * part + 2 * 2 * part + 8 * 1024  # full: 4 chunks; window: 2 (+headers)
+
+
+def test_async_load_of_block_layout_chunks_checks_them_while_copying(tmp_path):
+    """Chunks saved in the layers' own block layout (what the worker saves) load from disk slab by slab, exactly;
+    a flipped payload byte is found by the hash taken during the copy: the load stops there, the chunk is gone."""
+    from kvfabric.connectors.paged import as_array, save_blocks
+
+    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
+    source = [CpuPagedLayer(torch.randn(20, 2, BLOCK, 16), BLOCK) for _ in range(LAYOUT.num_layers)]
+    table = list(range(8))
+    tokens = list(range(1, 4 * CHUNK + 1))
+    with CacheEngine(config, LAYOUT, "m") as writer:
+        keys = writer.keys(tokens)
+        for i, key in enumerate(keys):
+            payload = writer.new_payload(CHUNK, source[0].blocks)
+            for index, layer in enumerate(source):
+                save_blocks(layer, table, i * CHUNK, (i + 1) * CHUNK, as_array(payload.kv[index]))
+            writer.store_chunk(key, payload)
+    path = next(tmp_path.glob(f"??/{keys[2].hex()}.kvc"))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    engine = CacheEngine(config, LAYOUT, "m")
+    layers = [CpuPagedLayer(torch.zeros(20, 2, BLOCK, 16), BLOCK) for _ in range(LAYOUT.num_layers)]
+    counters = Counters()
+    loader = Loader(engine, counters, BLOCK, num_threads=2)
+    loader.bind(layers)
+    try:
+        dst = [10, 11, 12, 13, 14, 15, 16, 17]
+        loader.start_async(LoadSpec("r", keys, 0, 4 * CHUNK, dst, is_async=True))
+        (outcome,) = _wait_async(loader)
+        assert outcome.end == 2 * CHUNK and outcome.bad_blocks == (14, 15, 16, 17)
+        assert torch.equal(_paged_kv(layers, dst, 0, 2 * CHUNK), _paged_kv(source, table, 0, 2 * CHUNK))
+        assert engine.stats().counters.get("corrupt.disk") == 1 and not path.exists()
+        assert counters.snapshot().get("load_verify_ns", 0) > 0
+    finally:
+        loader.stop()
+        engine.close()

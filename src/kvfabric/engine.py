@@ -25,7 +25,9 @@ Contract:
   `read_chunk(key, blocks=B)` of a chunk stored in layout B: its payload as it is (`ChunkHit.blocks` set), for
   a copy of whole blocks. With `check_later=True` too (promote=False, no `out`), an untrusted tier's payload is
   not hashed by the read: the caller hashes it while copying (`ChunkHit.unchecked_sum`) and reports a mismatch
-  with `discard_chunk` (verifying in cache instead of in a separate pass over memory).
+  with `discard_chunk` (verifying in cache instead of in a separate pass over memory). Such a hit from the disk
+  tier is not read whole: `ChunkHit.slab(i)` reads layer i's slab into `scratch` when asked (kv is None), so that
+  each slab is hashed and copied on while it is in cache; `ChunkHit.close()` when done.
 - Layouts with sliding-window layers (kvfabric.chunk_parts): a chunk is stored as its full-attention part and,
   under a derived key, its window part; `retrieve` reads the window part only of chunks holding rows a
   continuation still reads (`KVLayout.live_start`) and zeros the window layers' earlier rows; `lookup` counts a
@@ -59,8 +61,8 @@ import torch
 from kvfabric.blocks import BlockLayout
 from kvfabric.chunk_parts import ChunkParts
 from kvfabric.codec.base import Codec, Decoders, WrongLayoutError
-from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, check_payload, parse
-from kvfabric.codec.raw import RawCodec, new_payload, payload_bytes, seal
+from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, check_payload, parse
+from kvfabric.codec.raw import RawCodec, new_payload, payload_bytes, payload_shape, seal
 from kvfabric.codec.registry import CODECS, CodecChoice, parse_codec
 from kvfabric.config import Config
 from kvfabric.counters import Counters, merged
@@ -68,7 +70,7 @@ from kvfabric.events import ChunkEvents, EventPublisher
 from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
 from kvfabric.metrics import EngineCollector, Histograms, MetricsEndpoint, engine_registry
-from kvfabric.tiers.base import Blob, Scratch, Tier, TierUsage, TierView
+from kvfabric.tiers.base import Blob, RangedBlob, Scratch, Tier, TierUsage, TierView
 from kvfabric.tiers.factory import build_tiers, codec_spec
 from kvfabric.tiers.policies import NO_META, AccessMeta, prefill_cost_s
 from kvfabric.tiers.stack import StackHit, TierStack
@@ -88,11 +90,51 @@ class ChunkHit:
     view: TierView | None = None  # read in place (read_chunk(in_place=True)): see is_intact
     blocks: BlockLayout | None = None  # kv is the payload in this block layout [L, num_blocks, H, 2, B*D]
     unchecked_sum: int | None = None  # read_chunk(check_later=True): the xxh3-64 kv's bytes must hash to
+    reader: SlabReader | None = None  # a block-layout chunk read layer by layer (kv is None then)
+
+    def slab(self, index: int) -> np.ndarray | None:
+        """Layer `index` of a block-layout hit as integer words [num_blocks, H, 2, B*D]: a view of kv, or read
+        now into the read's scratch (valid until the next slab); None when the stored blob turned out short."""
+        if self.reader is not None:
+            return self.reader.slab(index)
+        return _words(self.kv[index])
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
 
     def is_intact(self) -> bool:
         """After copying kv elsewhere: whether it was still the stored chunk throughout (False only for a read in
         place whose shared memory a writer reused meanwhile: the copy may be torn, throw it away)."""
         return self.view is None or self.view.is_current()
+
+
+_WORDS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _words(kv: torch.Tensor) -> np.ndarray:
+    return kv.numpy() if kv.dtype != torch.bfloat16 else kv.view(torch.int16).numpy()
+
+
+class SlabReader:
+    """A block-layout raw payload read one layer's slab at a time from a ranged tier, into a reusable buffer:
+    small enough to stay in cache while the caller hashes it and copies it on."""
+
+    def __init__(self, source: RangedBlob, header: ChunkHeader, layout: KVLayout, scratch: Scratch) -> None:
+        self.source = source
+        self.scratch = scratch
+        self.slab_shape = payload_shape(layout, header.num_tokens, header.blocks)[1:]
+        self.slab_bytes = header.payload_len // layout.num_layers
+        self.dtype = _WORDS[layout.itemsize]
+
+    def slab(self, index: int) -> np.ndarray | None:
+        buf = self.scratch.view(self.slab_bytes)
+        if not self.source.read_into(HEADER_BYTES + index * self.slab_bytes, buf):
+            return None
+        return np.frombuffer(buf, dtype=self.dtype).reshape(self.slab_shape)
+
+    def close(self) -> None:
+        self.source.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +167,19 @@ class EngineStats:
 
 
 _MISSING = ChunkMiss("missing")
+
+
+def _whole(found: StackHit, scratch: Scratch) -> StackHit | None:
+    """A ranged hit read whole into scratch (its payload still to be checked), or None when the read falls short."""
+    ranged = found.ranged
+    assert ranged is not None
+    try:
+        blob = scratch.view(ranged.size)
+        if not ranged.read_into(0, blob):
+            return None
+    finally:
+        ranged.close()
+    return StackHit(blob, found.header, found.tier, None, False)
 
 
 def chunks_to_store(layout: KVLayout, chunk_size: int, num_tokens: int, num_keys: int, kv: torch.Tensor,
@@ -397,10 +452,14 @@ class CacheEngine:
         if self._parts is None:
             raw_ok = blocks is not None and out is None
             found = self.stack.get(key, scratch, promote=promote, in_place=in_place and out is None,
-                                   verify_payload=not (raw_ok and check_later))
+                                   verify_payload=not (raw_ok and check_later),
+                                   ranged=raw_ok and check_later and scratch is not None)
+            if found is not None and found.ranged is not None and (found.header.blocks != blocks or
+                                                                   found.header.codec_id != RawCodec.codec_id):
+                found = _whole(found, scratch)  # not for a copy of blocks: read it all, checked below
             if found is not None and raw_ok and found.header.blocks == blocks and \
                     found.header.codec_id == RawCodec.codec_id:
-                result = self._take_blocks(key, found, num_tokens)
+                result = self._take_blocks(key, found, num_tokens, scratch)
             else:
                 checked = self._checked(key, found)
                 result = checked if isinstance(checked, ChunkMiss) else self._take(key, checked, num_tokens, out)
@@ -450,16 +509,25 @@ class CacheEngine:
             return ChunkMiss("corrupt")
         return found
 
-    def _take_blocks(self, key: bytes, found: StackHit, num_tokens: int) -> ChunkHit | ChunkMiss:
-        """A raw chunk in the caller's block layout, as it is (unverified payload: its sum goes to the caller)."""
+    def _take_blocks(self, key: bytes, found: StackHit, num_tokens: int,
+                     scratch: Scratch | None) -> ChunkHit | ChunkMiss:
+        """A raw chunk in the caller's block layout, as it is (unverified payload: its sum goes to the caller);
+        from a ranged tier, read layer by layer into `scratch` when the caller asks (`ChunkHit.slab`)."""
+        kv, reader, size = None, None, len(found.blob)
         try:
-            kv = self._decoders.block_view(found.header, found.blob, self.layout, num_tokens)
+            if found.ranged is None:
+                kv = self._decoders.block_view(found.header, found.blob, self.layout, num_tokens)
+            else:
+                self._decoders.check_blocks(found.header, self.layout, num_tokens)
+                reader, size = SlabReader(found.ranged, found.header, self.layout, scratch), found.ranged.size
         except ChunkFormatError as exc:
+            if found.ranged is not None:
+                found.ranged.close()
             log.warning("dropping undecodable chunk %s from tier %s: %s", key.hex()[:16], found.tier, exc)
             self.stack.discard(key)
             return ChunkMiss("wrong_layout" if isinstance(exc, WrongLayoutError) else "corrupt")
-        return ChunkHit(kv, found.tier, len(found.blob), view=found.view, blocks=found.header.blocks,
-                        unchecked_sum=None if found.is_verified else found.header.payload_sum)
+        return ChunkHit(kv, found.tier, size, view=found.view, blocks=found.header.blocks,  # type: ignore[arg-type]
+                        unchecked_sum=None if found.is_verified else found.header.payload_sum, reader=reader)
 
     def discard_chunk(self, key: bytes, tier: str, why: str) -> None:
         """Drop a chunk a caller found damaged (e.g. its payload did not hash to `ChunkHit.unchecked_sum`): counted

@@ -72,22 +72,21 @@ def run_engine(spec_path: str) -> None:
         key = str(size)
         row: dict[str, Any] = {}
         if mode.endswith("-hit"):
-            before = worker_counters()
-            row["cold"], row["cold_cached"] = ttft(prompts[key])
-            after = worker_counters()
-            row["loaded_tokens"] = after.get("loaded_tokens", 0) - before.get("loaded_tokens", 0)
-            for name in ("load_read_ns", "load_chunk_read_ns", "load_scatter_ns", "load_verify_ns"):  # wall; sums
-                row[name.replace("_ns", "_s")] = (after.get(name, 0) - before.get(name, 0)) / 1e9
-            row["load_s"] = row.pop("load_read_s")
-            row["bytes_loaded"] = {k.split(".", 1)[1]: after[k] - before.get(k, 0) for k in after
-                                   if k.startswith("bytes_loaded.") and after[k] != before.get(k, 0)}
+            # fresh-engine hits: the prompt, then the same-size "on" prompts, which the cold engine stored too;
+            # each sample's load figures from the worker's counters (load_s: wall time of the load; the others
+            # summed over the load threads)
+            samples, loads = [], []
+            for name in [key] + [f"{key}/on{r}" for r in range(1, spec["repeats"])]:
+                before = worker_counters()
+                samples.append(ttft(prompts[name]))
+                loads.append(load_figures(before, worker_counters()))
+            row["cold"], row["cold_cached"] = samples[0]
+            row.update(loads[0])  # the first sample's, as before; the per-sample lists beside them
+            row["load_samples"] = loads
+            row["hits"], row["hits_cached"] = [t for t, _ in samples], [n for _, n in samples]
             if spec.get("files"):
                 row["pagecache_copy_bps"] = pagecache_copy_bps(spec["files"][key])
                 row["memcpy_bps"] = memcpy_bps(max(os.path.getsize(p) for p in spec["files"][key]))
-            # more fresh-engine hits: the same-size "on" prompts, which the cold engine stored too
-            samples = [(row["cold"], row["cold_cached"])] + [ttft(prompts[f"{key}/on{r}"])
-                                                             for r in range(1, spec["repeats"])]
-            row["hits"], row["hits_cached"] = [t for t, _ in samples], [n for _, n in samples]
         elif mode == "kvfabric-cold":  # paired: kvfabric off, then on, for distinct same-size prompts
             row["off"], row["on"] = [], []
             for r in range(spec["repeats"]):
@@ -126,21 +125,36 @@ def run_engine(spec_path: str) -> None:
     os._exit(0)
 
 
-def pagecache_copy_bps(paths: Sequence[str], repeats: int = 3) -> float:
+def load_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """One load's figures from the worker's counters before and after it."""
+    row: dict[str, Any] = {"loaded_tokens": after.get("loaded_tokens", 0) - before.get("loaded_tokens", 0)}
+    for name in ("load_read_ns", "load_chunk_read_ns", "load_scatter_ns", "load_verify_ns"):
+        row[name.replace("_ns", "_s")] = (after.get(name, 0) - before.get(name, 0)) / 1e9
+    row["load_s"] = row.pop("load_read_s")
+    row["bytes_loaded"] = {k.split(".", 1)[1]: after[k] - before.get(k, 0) for k in after
+                           if k.startswith("bytes_loaded.") and after[k] != before.get(k, 0)}
+    return row
+
+
+def pagecache_copy_bps(paths: Sequence[str], repeats: int = 5) -> float:
     """Bytes/s of reading these files (in the page cache: just written and read) into one buffer and copying each
-    into a tensor: the physical floor of a load from the disk tier. Best of `repeats`."""
-    import torch
+    into a buffer touched before (numpy, one thread): the physical floor of a load from the disk tier. Best of
+    `repeats`. (A torch copy_ here forked its OpenMP team and ran at 1.5-5 GB/s from run to run.)"""
+    import numpy as np
 
     sizes = [os.path.getsize(p) for p in paths]
-    buf = bytearray(max(sizes))
-    dst = torch.empty(max(sizes), dtype=torch.uint8)
+    buf = np.zeros(max(sizes), dtype=np.uint8)
+    dst = np.zeros(max(sizes), dtype=np.uint8)
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
         for path, size in zip(paths, sizes):
-            with open(path, "rb") as f:
-                f.readinto(memoryview(buf)[:size])
-            dst[:size].copy_(torch.frombuffer(buf, dtype=torch.uint8, count=size))
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.preadv(fd, [memoryview(buf)[:size]], 0)
+            finally:
+                os.close(fd)
+            np.copyto(dst[:size], buf[:size])
         best = min(best, time.perf_counter() - started)
     return sum(sizes) / best
 

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from kvfabric.codec.format import ChunkFormatError, ChunkHeader
-from kvfabric.codec.raw import RawCodec
+from kvfabric.codec.raw import RawCodec, payload_bytes
 from kvfabric.codec.registry import codec_for_id
 from kvfabric.layout import KVLayout
 
@@ -73,11 +73,17 @@ class Decoders:
     def block_view(self, header: ChunkHeader, blob: bytes | bytearray | memoryview, layout: KVLayout,
                    num_tokens: int) -> torch.Tensor:
         """A raw payload in a block layout as it is, [L, num_blocks, H, 2, B*D] (a zero-copy view)."""
+        self.check_blocks(header, layout, num_tokens)
+        return self[header.codec_id].view(header, blob, layout)  # type: ignore[attr-defined]
+
+    def check_blocks(self, header: ChunkHeader, layout: KVLayout, num_tokens: int) -> None:
+        """`block_view`'s checks alone (for a payload read piece by piece)."""
         _check_layout(header, layout, num_tokens)
-        codec = self[header.codec_id]
-        if not isinstance(codec, RawCodec) or header.blocks is None:
+        if not isinstance(self[header.codec_id], RawCodec) or header.blocks is None:
             raise ChunkFormatError("not a raw payload in a block layout")
-        return codec.view(header, blob, layout)
+        if header.payload_len != payload_bytes(layout, header.num_tokens, header.blocks) or \
+                header.dtype_code != layout.dtype_code:
+            raise ChunkFormatError("raw payload does not match the layout")
 
 
 def _check_layout(header: ChunkHeader, layout: KVLayout, num_tokens: int) -> None:

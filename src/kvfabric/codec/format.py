@@ -112,12 +112,13 @@ def write_blob(header: ChunkHeader, blob: bytearray | memoryview) -> None:
 
 
 def parse(blob: bytes | bytearray | memoryview, key: bytes | None = None, verify_payload: bool = True,
-          is_trusted: bool = False) -> ChunkHeader:
+          is_trusted: bool = False, blob_size: int | None = None) -> ChunkHeader:
     """Check `blob` and return its header; raise ChunkFormatError on any mismatch.
 
     verify_payload=False skips the payload checksum (the payload was checked already, or only the header is
     needed). is_trusted=True skips both checksums: in-process memory only, blobs this process made (maybe
-    unsealed) or verified when they came in."""
+    unsealed) or verified when they came in. `blob_size` (with verify_payload=False): `blob` is the header alone
+    of a blob of that many bytes (a ranged read), checked against it."""
     view = memoryview(blob)
     if len(view) < HEADER_BYTES:
         raise ChunkFormatError(f"truncated: {len(view)} bytes is shorter than the {HEADER_BYTES}-byte header")
@@ -138,8 +139,9 @@ def parse(blob: bytes | bytearray | memoryview, key: bytes | None = None, verify
         raise ChunkFormatError(f"implausible shape {shape}")
     if key is not None and chunk_key != key:
         raise ChunkFormatError("chunk key mismatch: entry stored under another key")
-    if payload_len != len(view) - HEADER_BYTES:
-        raise ChunkFormatError(f"payload length {len(view) - HEADER_BYTES} != header's {payload_len}")
+    size = len(view) if blob_size is None else blob_size
+    if payload_len != size - HEADER_BYTES:
+        raise ChunkFormatError(f"payload length {size - HEADER_BYTES} != header's {payload_len}")
     if verify_payload and not is_trusted and xxhash.xxh3_64_intdigest(view[HEADER_BYTES:]) != payload_sum:
         raise ChunkFormatError("payload checksum mismatch")
     return ChunkHeader(codec_id, dtype_code, level, fingerprint, shape, chunk_key, payload_len,  # type: ignore[arg-type]

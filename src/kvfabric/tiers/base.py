@@ -24,6 +24,8 @@ Contract for every tier (tests/tier_contract.py runs one suite on each implement
   tier shares with other processes, no copy at all, and `is_current()`, which says whether the bytes are still
   that entry's. A writer may reuse the memory at any time, so a caller copies what it needs out of the view and
   then checks `is_current()`: False means the copy may be torn and must be thrown away.
+  `open_ranged(key)` (only where `is_ranged`: the disk tier) gives a `RangedBlob`: the blob read piece by piece
+  (`read_into(offset, buf)`), so that a reader copies each piece on while it is in cache; the caller closes it.
   `TierBase` gives the defaults: get_into returns get(key), get_view raises (`is_zero_copy` is False), prefetch
   does nothing, file_of is None, new_blob is fresh memory, `is_policy_driven` is False, and the batch calls
   `put_many(items)` / `get_many_into(keys, scratches)` loop over put / get_into (a remote tier overrides them
@@ -83,6 +85,7 @@ class Tier(Protocol):
     honors_capacity: bool
     honors_pins: bool
     is_zero_copy: bool
+    is_ranged: bool
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
 
@@ -113,6 +116,16 @@ class Tier(Protocol):
     def close(self) -> None: ...
 
 
+class RangedBlob(Protocol):
+    """A blob read piece by piece (`Tier.open_ranged`): `size` bytes in all; `read_into(offset, buf)` fills buf with
+    bytes [offset, offset + len(buf)) and says whether it could (False: the blob is shorter or unreadable)."""
+    size: int
+
+    def read_into(self, offset: int, buf: memoryview) -> bool: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class TierView:
     """A blob read in place (`Tier.get_view`): `blob` is a view of shared memory, valid to read until a writer
@@ -128,10 +141,15 @@ class TierBase:
 
     is_policy_driven = False
     is_zero_copy = False
+    is_ranged = False
 
     def get_view(self, key: bytes) -> TierView | None:
         """Only on a tier that `is_zero_copy`."""
         raise NotImplementedError(f"{type(self).__name__} does not read in place")
+
+    def open_ranged(self, key: bytes) -> RangedBlob | None:
+        """Only on a tier that `is_ranged`."""
+        raise NotImplementedError(f"{type(self).__name__} does not read by ranges")
 
     def new_blob(self, size: int) -> bytearray:
         """A writable buffer of `size` bytes for a blob that will be put here; by default fresh memory (the cpu

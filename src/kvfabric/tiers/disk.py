@@ -47,6 +47,24 @@ def fadvise(paths: Iterable[str | os.PathLike], advice: int) -> None:
             os.close(fd)
 
 
+class FileRange:
+    """A chunk file open for ranged reads (`RangedBlob`)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.size = size
+
+    def read_into(self, offset: int, buf: memoryview) -> bool:
+        try:
+            return os.preadv(self.fd, [buf], offset) == len(buf)
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
 class DiskTier(PolicyTier):
     name = "disk"
     is_trusted = False
@@ -55,6 +73,7 @@ class DiskTier(PolicyTier):
     is_shared = True  # every process using the same directory
     honors_capacity = True  # the bytes this process knows of; another process sharing the directory has its own
     honors_pins = True
+    is_ranged = True  # open_ranged: a chunk file read one piece at a time
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, fsync: bool = False,
                  eviction: str | EvictionPolicy = "lru", admission: str = "always") -> None:
@@ -136,6 +155,26 @@ class DiskTier(PolicyTier):
 
     def get_into(self, key: bytes, scratch: Scratch, meta: AccessMeta = NO_META) -> memoryview | None:
         return self._read(key, scratch, meta)
+
+    def open_ranged(self, key: bytes) -> FileRange | None:
+        """The chunk's file, open for ranged reads (the vLLM loader reads a block-layout chunk one layer at a time,
+        each piece copied on while in cache). The open fd keeps reading the same file even if it is replaced."""
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except OSError:
+            if key not in self._writing:
+                self._index.remove(key)
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            with contextlib.suppress(OSError):
+                os.utime(fd)
+        except OSError:
+            os.close(fd)
+            return None
+        if not self._index.touch(key, NO_META):
+            self._adopt(key)
+        return FileRange(fd, size)
 
     def _read(self, key: bytes, scratch: Scratch | None, meta: AccessMeta) -> Blob | None:
         try:

@@ -43,10 +43,10 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvfabric.codec.format import ChunkFormatError, ChunkHeader, fill_checksums, parse
+from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, fill_checksums, parse
 from kvfabric.config import PlacementConfig
 from kvfabric.counters import Counters
-from kvfabric.tiers.base import Blob, Scratch, Tier, TierView
+from kvfabric.tiers.base import Blob, RangedBlob, Scratch, Tier, TierView
 from kvfabric.tiers.placement import Levels, LoadPermit, PromotionCounter, SlowReads
 from kvfabric.tiers.policies import NO_META, AccessMeta
 
@@ -63,6 +63,7 @@ class StackHit:
     tier: str
     view: TierView | None = None  # a read in place (get(in_place=True)): check view.is_current() after use
     is_verified: bool = True
+    ranged: RangedBlob | None = None  # get(ranged=True) from a ranged tier: `blob` is the header alone; close it
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +132,7 @@ class TierStack:
 
     def get(self, key: bytes, scratch: Scratch | None = None, meta: AccessMeta = NO_META,
             permit: LoadPermit | None = None, promote: bool = True, in_place: bool = False,
-            verify_payload: bool = True) -> StackHit | None:
+            verify_payload: bool = True, ranged: bool = False) -> StackHit | None:
         """The chunk's blob, its header and the tier's name, or None. With `scratch`, the first tier reads with
         `get_into` (no allocation where the tier can); a blob from a later tier is kept for promotion. With
         `promote=False` a hit below the first tier is not promoted, so every tier reads into `scratch` (a caller
@@ -139,11 +140,13 @@ class TierStack:
         trusted first tier (process memory), then writes still queued, then the other tiers.
         `verify_payload=False` (with promote=False: nothing unverified is copied up): the payload checksum is left
         to the caller (`StackHit.is_verified`), who hashes the payload while it copies it, in cache, instead of a
-        separate pass over memory here; it calls `discard` when the sum does not match."""
+        separate pass over memory here; it calls `discard` when the sum does not match. `ranged=True` (with
+        verify_payload=False): a tier that `is_ranged` (disk) is not read here; the hit's `ranged` reads the blob
+        piece by piece (its `blob` is the checked header alone)."""
         verify_payload = verify_payload or promote
         if permit is None and self._slow_reads.limit and len(self.tiers) > 1:
             with self.load_permit() as own:
-                return self.get(key, scratch, meta, own, promote, in_place, verify_payload)
+                return self.get(key, scratch, meta, own, promote, in_place, verify_payload, ranged)
         for level, tier in enumerate(self.tiers):
             if level == int(self.tiers[0].is_trusted):  # right after process memory, before any slow tier
                 pending = self._pending.get(key)
@@ -153,6 +156,11 @@ class TierStack:
             if level > 0 and permit is not None and not permit.allows():
                 self.counters.add("slow_read_refused")
                 break
+            if ranged and not verify_payload and tier.is_ranged:
+                found = self._open_ranged(tier, key)
+                if found is None:
+                    continue
+                return found
             view = None
             if in_place and not promote and tier.is_zero_copy:  # the view or a miss: never a second read
                 view = tier.get_view(key)
@@ -178,6 +186,26 @@ class TierStack:
             return StackHit(blob, header, tier.name, view, verify_payload or tier.is_trusted)
         self.counters.add("miss")
         return None
+
+    def _open_ranged(self, tier: Tier, key: bytes) -> StackHit | None:
+        """A ranged tier's chunk, its header read and checked (a damaged header: deleted and counted)."""
+        reader = tier.open_ranged(key)
+        if reader is None:
+            return None
+        head = bytearray(HEADER_BYTES)
+        try:
+            if not reader.read_into(0, memoryview(head)):
+                raise ChunkFormatError(f"truncated: {reader.size} bytes")
+            header = parse(head, key, verify_payload=False, is_trusted=False, blob_size=reader.size)
+        except ChunkFormatError as exc:
+            reader.close()
+            log.warning("dropping damaged chunk %s from tier %s: %s", key.hex()[:16], tier.name, exc)
+            self.counters.add(f"corrupt.{tier.name}")
+            tier.delete(key)
+            return None
+        self.counters.add(f"hit.{tier.name}")
+        self.counters.add(f"bytes_read.{tier.name}", reader.size)
+        return StackHit(head, header, tier.name, None, False, reader)
 
     def _read(self, level: int, tier: Tier, key: bytes, scratch: Scratch | None, meta: AccessMeta) -> Blob | None:
         if self._takes_meta[level]:

@@ -37,7 +37,9 @@ Contract:
   engine's, token-major) are converted once and scattered. An async load verifies such a chunk while it copies
   it (``check_later``): each layer's slab is hashed right before its copy, while in cache, instead of a separate
   pass over the whole chunk; a mismatch is found before the load is reported and fails the chunk like a missing
-  one (its blocks are recomputed, the chunk is discarded).
+  one (its blocks are recomputed, the chunk is discarded). From the disk tier such a chunk is read one layer's
+  slab at a time into the thread's staging buffer (``ChunkHit.slab``), which stays in cache for the hash and
+  the copy: one pass over memory per byte, as in a plain read.
 - A missing or corrupt chunk ends that load there: its outcome's `end` is the first token not loaded and
   `bad_blocks` the blocks from there to the load's end (vLLM recomputes them). Nothing here raises for a bad
   cache entry; a bug in a job is logged and fails that load whole, never the process.
@@ -51,11 +53,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import xxhash
 from vllm.logger import init_logger
 
 from kvfabric.blocks import BlockLayout
-from kvfabric.connectors.paged import CpuPagedLayer, as_array, blocks_of, load_blocks, scatter
+from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, load_blocks, scatter
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE
 from kvfabric.connectors.vllm.metadata import LoadSpec, RequestStats
 from kvfabric.counters import Counters
@@ -148,7 +151,8 @@ class Loader:
         self.window_layers = frozenset(window_layers)  # rows from spec.window_from only (hybrid manager)
         self.blocks: BlockLayout | None = self.layers[0].blocks if self.layers else None
 
-    def _scatter(self, job: _Job, i: int, hit: ChunkHit, index: int, layer: CpuPagedLayer) -> None:
+    def _scatter(self, job: _Job, i: int, hit: ChunkHit, index: int, layer: CpuPagedLayer,
+                 slab: np.ndarray | None = None) -> None:
         """Chunk i's part of the load into layer `index` (its group's block table; a window layer from
         window_from on, and nothing when the chunk was read without its window part)."""
         first, lo, hi = job.chunk_span(i)
@@ -158,8 +162,8 @@ class Loader:
         if row is None or lo >= hi:
             return
         table = job.spec.table(self.groups[index])
-        if hit.blocks is not None:  # the payload is in this layer's block layout: whole blocks, as they are
-            load_blocks(layer, table, lo, hi, as_array(hit.kv[row]), first)
+        if slab is not None:  # the payload is in this layer's block layout: whole blocks, as they are
+            load_blocks(layer, table, lo, hi, slab, first)
         else:
             scatter(layer, table, lo, hi, hit.kv[row, :, :, lo - first:hi - first, :])
 
@@ -267,24 +271,39 @@ class Loader:
             return
         hit = self._read(job, i, staging, in_place=True, check_later=True)
         if hit is not None:
-            started = time.perf_counter_ns()
-            digest = xxhash.xxh3_64() if hit.unchecked_sum is not None else None
-            payload = as_array(hit.kv) if digest is not None else None
-            hashing = 0
-            for index, layer in enumerate(self.layers):  # this chunk's part of each layer
-                if digest is not None:  # the layer's slab, hashed in payload order right before its copy
-                    before = time.perf_counter_ns()
-                    digest.update(payload[index])
-                    hashing += time.perf_counter_ns() - before
-                self._scatter(job, i, hit, index, layer)
-            self.counters.add("load_scatter_ns", time.perf_counter_ns() - started - hashing)
-            self.counters.add("load_verify_ns", hashing)
-            hit = self._intact(hit)
-            if hit is not None and digest is not None and digest.intdigest() != hit.unchecked_sum:
+            try:
+                is_whole, digest = self._place(job, i, hit)
+            finally:
+                hit.close()
+            hit = self._intact(hit) if is_whole else None
+            if hit is not None and digest is not None and digest != hit.unchecked_sum:
                 self.engine.discard_chunk(job.spec.keys[i], hit.tier, "payload checksum mismatch (found while loading)")
                 self.counters.add("load_corrupt_chunks")
                 hit = None
         self._chunk_done(job, i, hit)
+
+    def _place(self, job: _Job, i: int, hit: ChunkHit) -> tuple[bool, int | None]:
+        """Chunk i's part of every layer into the cache: (whether every slab could be read, the xxh3-64 of the
+        payload when the read left it unchecked). A block-layout slab is hashed, in payload order, right before
+        its copy (in cache); a slab read from disk lands in the staging buffer just before."""
+        started = time.perf_counter_ns()
+        digest = xxhash.xxh3_64() if hit.unchecked_sum is not None else None
+        hashing = 0
+        for index, layer in enumerate(self.layers):
+            slab = None
+            if hit.blocks is not None:
+                slab = hit.slab(index)
+                if slab is None:  # the file was shorter than its header said
+                    self.counters.add("load_corrupt_chunks")
+                    return False, None
+                if digest is not None:
+                    before = time.perf_counter_ns()
+                    digest.update(slab)
+                    hashing += time.perf_counter_ns() - before
+            self._scatter(job, i, hit, index, layer, slab)
+        self.counters.add("load_scatter_ns", time.perf_counter_ns() - started - hashing)
+        self.counters.add("load_verify_ns", hashing)
+        return True, None if digest is None else digest.intdigest()
 
     def _intact(self, hit: ChunkHit) -> ChunkHit | None:
         """hit, or None when it was read in place and its memory was reused while we scattered it (torn)."""
@@ -318,7 +337,7 @@ class Loader:
         for index, layer in enumerate(self.layers):
             for job, chunks in zip(task.jobs, task.chunks):
                 for i, hit in enumerate(chunks):
-                    self._scatter(job, i, hit, index, layer)
+                    self._scatter(job, i, hit, index, layer, hit.slab(index) if hit.blocks is not None else None)
             task.layer_done[index].set()
         self.counters.add("load_scatter_ns", time.perf_counter_ns() - started)
         task.chunks = [[] for _ in task.jobs]
