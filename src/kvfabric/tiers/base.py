@@ -118,8 +118,10 @@ class Tier(Protocol):
 
 class RangedBlob(Protocol):
     """A blob read piece by piece (`Tier.open_ranged`): `size` bytes in all; `read_into(offset, buf)` fills buf with
-    bytes [offset, offset + len(buf)) and says whether it could (False: the blob is shorter or unreadable)."""
+    bytes [offset, offset + len(buf)) and says whether it could (False: the blob is shorter or unreadable). `fd`:
+    the open file it reads (a native reader may pread it directly), or -1."""
     size: int
+    fd: int
 
     def read_into(self, offset: int, buf: memoryview) -> bool: ...
 

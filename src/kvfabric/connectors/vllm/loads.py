@@ -39,7 +39,10 @@ Contract:
   pass over the whole chunk; a mismatch is found before the load is reported and fails the chunk like a missing
   one (its blocks are recomputed, the chunk is discarded). From the disk tier such a chunk is read one layer's
   slab at a time into the thread's staging buffer (``ChunkHit.slab``), which stays in cache for the hash and
-  the copy: one pass over memory per byte, as in a plain read.
+  the copy: one pass over memory per byte, as in a plain read. Where numba is there, that whole chunk (read,
+  hash, copies, every layer) is one call that holds no GIL (``block_kernel.ChunkPlacer``, made per thread at
+  `bind`): the engine thread holds the GIL most of the time, and each hand-back costs a loader thread up to a
+  switch interval. A chunk whose part ends inside a block (a prompt's last block) is copied from Python.
 - A missing or corrupt chunk ends that load there: its outcome's `end` is the first token not loaded and
   `bad_blocks` the blocks from there to the load's end (vLLM recomputes them). Nothing here raises for a bad
   cache entry; a bug in a job is logged and fails that load whole, never the process.
@@ -58,7 +61,8 @@ import xxhash
 from vllm.logger import init_logger
 
 from kvfabric.blocks import BlockLayout
-from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, load_blocks, scatter
+from kvfabric.codec.format import HEADER_BYTES
+from kvfabric.connectors.paged import CpuPagedLayer, as_array, blocks_of, load_blocks, scatter, segments
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE
 from kvfabric.connectors.vllm.metadata import LoadSpec, RequestStats
 from kvfabric.counters import Counters
@@ -118,6 +122,13 @@ class _Layered:
         self.done = threading.Event()
 
 
+@dataclass(frozen=True, slots=True)
+class _Warmup:
+    """Each thread takes one (the barrier holds it until all have): its ChunkPlacer, compiled before any load."""
+    barrier: threading.Barrier
+    slab_bytes: int
+
+
 class Loader:
     def __init__(self, engine: CacheEngine, counters: Counters, block_size: int, num_threads: int = 2,
                  nice: int = DEFAULT_LOAD_NICE) -> None:
@@ -130,7 +141,9 @@ class Loader:
         self.layers: list[CpuPagedLayer] = []
         self.groups: list[int] = []
         self.window_layers: frozenset[int] = frozenset()
-        self._tasks: queue.Queue[tuple[_Job, int] | _Layered | None] = queue.Queue()
+        self._tasks: queue.Queue[tuple[_Job, int] | _Layered | _Warmup | None] = queue.Queue()
+        self._local = threading.local()  # per thread: its ChunkPlacer (None: copies from Python)
+        self._num_threads = num_threads
         self._finished: list[LoadOutcome] = []
         self._cond = threading.Condition()
         self._num_async = 0  # async loads started and not yet taken
@@ -150,6 +163,11 @@ class Loader:
         self.groups = list(groups) if groups is not None else [0] * len(self.layers)
         self.window_layers = frozenset(window_layers)  # rows from spec.window_from only (hybrid manager)
         self.blocks: BlockLayout | None = self.layers[0].blocks if self.layers else None
+        if self.layers and not self.window_layers and len(set(self.groups)) == 1:
+            slab_bytes = self.engine.layout.num_bytes(self.chunk_size) // len(self.layers)
+            warmup = _Warmup(threading.Barrier(self._num_threads), slab_bytes)
+            for _ in range(self._num_threads):
+                self._tasks.put(warmup)
 
     def _scatter(self, job: _Job, i: int, hit: ChunkHit, index: int, layer: CpuPagedLayer,
                  slab: np.ndarray | None = None) -> None:
@@ -231,7 +249,9 @@ class Loader:
             self._cond.notify_all()
         while (task := self._tasks.get()) is not None:
             try:
-                if isinstance(task, _Layered):
+                if isinstance(task, _Warmup):
+                    self._warm_up(task)
+                elif isinstance(task, _Layered):
                     self._run_layered(task)
                 else:
                     self._run_chunk(*task, staging)
@@ -246,6 +266,20 @@ class Loader:
                     task.done.set()
                 else:
                     self._chunk_done(task[0], task[1], None)
+
+    def _warm_up(self, task: _Warmup) -> None:
+        """This thread's ChunkPlacer over the bound layers (compiled here, off the engine's thread)."""
+        try:
+            from kvfabric.connectors.block_kernel import ChunkPlacer
+            arrays = [layer.block_array for layer in self.layers]
+            self._local.placer = ChunkPlacer(arrays, np.zeros(task.slab_bytes, dtype=np.uint8))
+        except (ImportError, OSError, AttributeError) as exc:  # no numba, or an xxhash build without the symbols
+            logger.info("kvfabric: block loads copy from Python (%s)", exc)
+            self._local.placer = None
+        try:
+            task.barrier.wait(timeout=120)
+        except threading.BrokenBarrierError:
+            pass
 
     def _read(self, job: _Job, i: int, scratch: Scratch, in_place: bool = False,
               check_later: bool = False) -> ChunkHit | None:
@@ -287,6 +321,21 @@ class Loader:
         payload when the read left it unchecked). A block-layout slab is hashed, in payload order, right before
         its copy (in cache); a slab read from disk lands in the staging buffer just before."""
         started = time.perf_counter_ns()
+        placer = getattr(self._local, "placer", None)
+        runs = self._runs(job, i) if placer is not None and hit.blocks is not None and hit.layers is None else None
+        if runs is not None:  # one native call: read, hash and copy every layer's slab
+            check = hit.unchecked_sum is not None
+            if hit.reader is not None:
+                is_whole, digest_sum = placer.place(runs, hit.reader.slab_bytes, fd=hit.reader.source.fd,
+                                                    file_offset=HEADER_BYTES, check=check)
+            else:
+                is_whole, digest_sum = placer.place(runs, as_array(hit.kv[0]).nbytes,
+                                                    src=as_array(hit.kv).reshape(-1).view(np.uint8), check=check)
+            self.counters.add("load_scatter_ns", time.perf_counter_ns() - started - placer.hash_ns)
+            self.counters.add("load_verify_ns", placer.hash_ns)
+            if not is_whole:
+                self.counters.add("load_corrupt_chunks")
+            return is_whole, digest_sum
         digest = xxhash.xxh3_64() if hit.unchecked_sum is not None else None
         hashing = 0
         for index, layer in enumerate(self.layers):
@@ -304,6 +353,17 @@ class Loader:
         self.counters.add("load_scatter_ns", time.perf_counter_ns() - started - hashing)
         self.counters.add("load_verify_ns", hashing)
         return True, None if digest is None else digest.intdigest()
+
+    def _runs(self, job: _Job, i: int) -> np.ndarray | None:
+        """Chunk i's part of the load as runs of whole blocks [R, 3] (first block in the chunk's slab, first block
+        in the cache, number of blocks), or None when the part ends inside a block (copied from Python)."""
+        first, lo, hi = job.chunk_span(i)
+        size = self.block_size
+        if lo >= hi or (lo - first) % size or (hi - first) % size:
+            return None
+        table = job.spec.table(self.groups[0])
+        return np.array([((lo + at - first) // size, block, n) for block, n, _, _, at in segments(table, size, lo, hi)],
+                        dtype=np.int64).reshape(-1, 3)
 
     def _intact(self, hit: ChunkHit) -> ChunkHit | None:
         """hit, or None when it was read in place and its memory was reused while we scattered it (torn)."""

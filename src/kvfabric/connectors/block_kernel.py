@@ -1,0 +1,114 @@
+"""The compiled half of the vLLM loader's block copies: `ChunkPlacer.place` puts one block-layout chunk's runs of
+whole blocks into every layer of a paged cache in ONE call that runs without the GIL (numba, nogil). Per layer it
+reads the layer's slab (from the chunk file with pread, or from memory), feeds it to xxh3 (the xxhash package's
+own C functions, called through ctypes) and copies each run of blocks with memcpy: the slab is hashed and copied
+while it is in cache, and the payload's checksum comes out of the same pass.
+
+Why one call per chunk: the loader's threads share a process with vLLM's engine thread, which holds the GIL most of
+the time; each time a loader thread gives the GIL up (a read, a hash, a copy) it waits up to a switch interval
+(5 ms) to get it back. Copying a chunk from Python layer by layer took ~90 such waits: a 4k-token load beside a
+busy Python thread took 2.5 s, against 0.05 s alone (the token-major scatter before it: 1.5 s).
+
+Imported by the loader's threads once the layers are bound, never when kvfabric is imported (numba loaded at
+start-up breaks hosts that walk every module's attributes: see codec/stream_kernel.py). `AVAILABLE` is False
+where numba or the xxhash build's exported symbols are missing; the loader then copies from Python.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import xxhash._xxhash
+from numba import njit
+
+_SIZE = ctypes.c_size_t
+
+
+def _function(lib: ctypes.CDLL, name: str, restype: type, *argtypes: type):  # noqa: ANN202
+    function = getattr(lib, name)
+    function.restype = restype
+    function.argtypes = list(argtypes)  # pointers as size_t: numba passes integers, the ABI is the same on x86-64
+    return function
+
+
+_XXH = ctypes.CDLL(xxhash._xxhash.__file__)
+_LIBC = ctypes.CDLL(None)
+_UPDATE = _function(_XXH, "XXH3_64bits_update", ctypes.c_int, _SIZE, _SIZE, _SIZE)
+_CREATE = _function(_XXH, "XXH3_createState", _SIZE)
+_RESET = _function(_XXH, "XXH3_64bits_reset", ctypes.c_int, _SIZE)
+_DIGEST = _function(_XXH, "XXH3_64bits_digest", ctypes.c_uint64, _SIZE)
+_FREE = _function(_XXH, "XXH3_freeState", ctypes.c_int, _SIZE)
+_PREAD = _function(_LIBC, "pread", ctypes.c_ssize_t, ctypes.c_int, _SIZE, _SIZE, ctypes.c_ssize_t)
+_MEMCPY = _function(_LIBC, "memcpy", _SIZE, _SIZE, _SIZE, _SIZE)
+_CLOCK = _function(_LIBC, "clock_gettime", ctypes.c_int, ctypes.c_int, _SIZE)
+_MONOTONIC = 1
+
+
+@njit(nogil=True, inline="always")
+def _now(clock):  # noqa: ANN001, ANN202
+    _CLOCK(_MONOTONIC, clock.ctypes.data)
+    return clock[0] * 1_000_000_000 + clock[1]
+
+
+@njit(nogil=True)
+def _place(fd, file_offset, src, slab_bytes, staging, state, dst, runs, block_bytes, clock):  # noqa: ANN001, ANN202
+    """Layers placed (all of dst's, or fewer: the file fell short). fd >= 0: slab l is read from the file at
+    file_offset + l * slab_bytes into staging, else it lies at src + l * slab_bytes; state != 0: hashed first
+    (its time added to clock[2], ns). runs [R, 3]: (first block in the slab, first block in the layer, blocks)."""
+    for layer in range(dst.shape[0]):
+        slab = src + layer * slab_bytes
+        if fd >= 0:
+            if _PREAD(fd, staging, slab_bytes, file_offset + layer * slab_bytes) != slab_bytes:
+                return layer
+            slab = staging
+        if state != 0:
+            started = _now(clock)
+            _UPDATE(state, slab, slab_bytes)
+            clock[2] += _now(clock) - started
+        for r in range(runs.shape[0]):
+            _MEMCPY(dst[layer] + runs[r, 1] * block_bytes, slab + runs[r, 0] * block_bytes, runs[r, 2] * block_bytes)
+    return dst.shape[0]
+
+
+class ChunkPlacer:
+    """One per loader thread (it owns an xxh3 state): the destination layers' block arrays [N, H, 2, B*D], in
+    layer order, and the thread's staging buffer for slabs read from files."""
+
+    def __init__(self, block_arrays: list[np.ndarray], staging: np.ndarray) -> None:
+        self._dst = np.array([array.ctypes.data for array in block_arrays], dtype=np.int64)
+        self._block_bytes = block_arrays[0][0].nbytes
+        self._staging = staging  # held: its address is passed on every call
+        self._state = _CREATE()
+        if not self._state:
+            raise MemoryError("XXH3_createState failed")
+        self._clock = np.zeros(3, dtype=np.int64)  # timespec, then the hashing time (ns) of the last place
+        # compiled now, on this thread, before the first load needs it
+        self.place(np.zeros((0, 3), dtype=np.int64), 0, src=np.zeros(0, dtype=np.uint8), check=True)
+
+    def place(self, runs: np.ndarray, slab_bytes: int, *, src: np.ndarray | None = None, fd: int = -1,
+              file_offset: int = 0, check: bool) -> tuple[bool, int | None]:
+        """Copy `runs` of every layer's slab (from src, the payload [L * slab_bytes] in memory, or read from the
+        file fd) into the layers: (whether every slab was there, the payload's xxh3-64 when `check`).
+        `hash_ns`: the time the hashing took."""
+        if fd >= 0 and len(self._staging) < slab_bytes:
+            raise ValueError(f"staging holds {len(self._staging)} bytes, a slab is {slab_bytes}")
+        if src is not None and src.nbytes < slab_bytes * len(self._dst):
+            raise ValueError(f"src holds {src.nbytes} bytes, {len(self._dst)} slabs are {slab_bytes} each")
+        if check:
+            _RESET(self._state)
+        self._clock[2] = 0
+        address = 0 if src is None else src.ctypes.data
+        placed = _place(fd, file_offset, address, slab_bytes, self._staging.ctypes.data,
+                        self._state if check else 0, self._dst, runs, self._block_bytes, self._clock)
+        if placed != len(self._dst):
+            return False, None
+        return True, int(_DIGEST(self._state)) if check else None
+
+    @property
+    def hash_ns(self) -> int:
+        return int(self._clock[2])
+
+    def close(self) -> None:
+        if self._state:
+            _FREE(self._state)
+            self._state = 0
