@@ -221,15 +221,9 @@ def test_hybrid_manager_load_uses_each_groups_table_and_window_layers_only_from_
     assert 4 * part + 2 * 2 * part <= read < 4 * part + 2 * 2 * part + 8 * 1024  # full: 4 chunks; window: 2 (+headers)
 
 
-def test_async_load_of_block_layout_chunks_checks_them_while_copying(tmp_path):
-    """Chunks saved in the layers' own block layout (what the worker saves) load from disk slab by slab, exactly;
-    a flipped payload byte is found by the hash taken during the copy: the load stops there, the chunk is gone."""
+def _store_blocks(config, source, table, tokens):
     from kvfabric.connectors.paged import as_array, save_blocks
 
-    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
-    source = [CpuPagedLayer(torch.randn(20, 2, BLOCK, 16), BLOCK) for _ in range(LAYOUT.num_layers)]
-    table = list(range(8))
-    tokens = list(range(1, 4 * CHUNK + 1))
     with CacheEngine(config, LAYOUT, "m") as writer:
         keys = writer.keys(tokens)
         for i, key in enumerate(keys):
@@ -237,6 +231,38 @@ def test_async_load_of_block_layout_chunks_checks_them_while_copying(tmp_path):
             for index, layer in enumerate(source):
                 save_blocks(layer, table, i * CHUNK, (i + 1) * CHUNK, as_array(payload.kv[index]))
             writer.store_chunk(key, payload)
+    return keys
+
+
+def test_layered_load_of_block_layout_chunks(tmp_path):
+    """The synchronous layer-wise path copies block-layout chunks (read and verified whole) layer by layer."""
+    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
+    source = [CpuPagedLayer(torch.randn(20, 2, BLOCK, 16), BLOCK) for _ in range(LAYOUT.num_layers)]
+    keys = _store_blocks(config, source, list(range(8)), list(range(1, 4 * CHUNK + 1)))
+    engine = CacheEngine(config, LAYOUT, "m")
+    layers = [CpuPagedLayer(torch.zeros(20, 2, BLOCK, 16), BLOCK) for _ in range(LAYOUT.num_layers)]
+    loader = Loader(engine, Counters(), BLOCK, num_threads=2)
+    loader.bind(layers)
+    try:
+        dst = [10, 11, 12, 13, 14, 15, 16, 17]
+        loader.start_layered([LoadSpec("r", keys, 16, 4 * CHUNK - 1, dst)])  # from a block inside chunk 0
+        for index in range(LAYOUT.num_layers):
+            loader.wait_layer(index)
+        (outcome,) = loader.finish_layered()
+        assert outcome.end == 4 * CHUNK - 1 and not outcome.bad_blocks
+        assert torch.equal(_paged_kv(layers, dst, 16, 4 * CHUNK - 1), _paged_kv(source, list(range(8)), 16, 4 * CHUNK - 1))
+    finally:
+        loader.stop()
+        engine.close()
+
+
+def test_async_load_of_block_layout_chunks_checks_them_while_copying(tmp_path):
+    """Chunks saved in the layers' own block layout (what the worker saves) load from disk slab by slab, exactly;
+    a flipped payload byte is found by the hash taken during the copy: the load stops there, the chunk is gone."""
+    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
+    source = [CpuPagedLayer(torch.randn(20, 2, BLOCK, 16), BLOCK) for _ in range(LAYOUT.num_layers)]
+    table = list(range(8))
+    keys = _store_blocks(config, source, table, list(range(1, 4 * CHUNK + 1)))
     path = next(tmp_path.glob(f"??/{keys[2].hex()}.kvc"))
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01

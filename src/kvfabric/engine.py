@@ -112,8 +112,12 @@ class ChunkHit:
 _WORDS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _words(kv: torch.Tensor) -> np.ndarray:
-    return kv.numpy() if kv.dtype != torch.bfloat16 else kv.view(torch.int16).numpy()
+    """kv's bytes as integer words of its itemsize (what a paged layer's block_array is: copies are of bits)."""
+    return kv.view(_INTS[kv.element_size()]).numpy()
 
 
 class SlabReader:

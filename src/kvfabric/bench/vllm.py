@@ -14,7 +14,11 @@ For each prompt size (default 1k / 4k / 8k tokens, distinct texts so that no pro
                 (kvfabric runs with save_partial_chunk: an exact repeat reuses all but one token, so a prompt
                 that is not a multiple of the chunk size computes 1 token where vLLM recomputes its last block)
     load/copy   kvfabric's load time / (bytes loaded / the throughput of reading the same chunk files from the page
-                cache into a buffer and copying them into a tensor, measured in the same process)
+                cache into a buffer and copying them into another, numpy, one thread, measured in the same
+                process): the median over the fresh-engine hits (`load_vs_copy`, alias `load_vs_floor`; each
+                sample in `load_vs_copy_samples`)
+    verify/memcpy  the payload checks' CPU time during the first hit's load (`load_verify_s`, summed over the load
+                threads) / one memcpy of the same bytes (`memcpy_MBps`, measured in the engine process)
     lmc hit     `--compare lmcache` (the default): vLLM + LMCache (its LMCacheMPConnector and a standalone `lmcache
                 server`, LMCache's multi-process mode, the one that runs on CPU): a cold engine stores, a fresh one
                 hits (median over the same prompts as kvf hit). Skipped, with a note, where .venv-lmcache is
