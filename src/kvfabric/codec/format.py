@@ -39,7 +39,7 @@ a concurrent `fill_checksums`. An unsealed blob fails `parse` everywhere else (h
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -67,7 +67,9 @@ class ChunkHeader:
     key: bytes
     payload_len: int
     blocks: BlockLayout | None = None  # a raw payload in a paged engine's block layout (None: token-major)
-    payload_sum: int = 0  # the stored xxh3-64 of the payload (filled by parse; ignored when packing)
+    # the stored xxh3-64 of the payload (filled by parse; ignored when packing, and by ==: headers of the same
+    # format and key compare equal whatever their payloads)
+    payload_sum: int = field(default=0, compare=False)
 
     @property
     def num_tokens(self) -> int:
