@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfabric import CacheEngine, Config, KVLayout
-from kvfabric.blocks import BlockLayout, BlockLayoutError, from_tokens, pack, to_tokens, unpack
+from kvfabric.blocks import BlockLayout, BlockLayoutError, as_words, from_tokens, pack, to_tokens, unpack
 from kvfabric.codec.format import HEADER_BYTES, parse
 from kvfabric.config import DiskTierConfig, ShmTierConfig
-from kvfabric.connectors.paged import CpuPagedLayer, as_array, gather, load_blocks, save_blocks, scatter
+from kvfabric.connectors.paged import CpuPagedLayer, gather, load_blocks, save_blocks, scatter
 from kvfabric.engine import ChunkHit, ChunkMiss
 from kvfabric.tiers.base import Scratch
 from kvfabric.tiers.shm import ShmTier
@@ -56,9 +56,9 @@ def test_conversion_round_trips_exactly(block_size, num_tokens, dtype):
         blocks = BlockLayout(block_size, key_dt, value_dt)
         words = {2: np.int16, 4: np.int32}[kv.element_size()]
         payload = np.full(blocks.payload_shape(2, 3, num_tokens, 4), 7, dtype=words)
-        from_tokens(as_array(kv), blocks, payload)
+        from_tokens(as_words(kv), blocks, payload)
         back = torch.empty_like(kv)
-        to_tokens(payload, blocks, as_array(back))
+        to_tokens(payload, blocks, as_words(back))
         assert torch.equal(back, kv)
         if num_tokens % block_size:  # the partial block's free slots are zero, not left over
             tail = np.asarray(payload[:, -1]).reshape(2, 3, 2, -1)
@@ -100,7 +100,7 @@ def test_every_layout_pair_loads_exactly(tmp_path, src, dst, dtype):
             payload = engine.new_payload(last - first, source[0].blocks)
             assert payload.blocks == source[0].blocks and tuple(payload.kv.shape[:2]) == (3, -(-(last - first) // 8))
             for index, layer in enumerate(source):
-                save_blocks(layer, table, first, last, as_array(payload.kv[index]))
+                save_blocks(layer, table, first, last, as_words(payload.kv[index]))
             assert engine.store_chunk(key, payload)
     target = paged(dst, block_size, dtype=dtype, layout=layout)
     sentinel = [layer.block_array.copy() for layer in target]
@@ -143,7 +143,7 @@ def store_blocks(engine: CacheEngine, layers: list[CpuPagedLayer], table: list[i
         first, last = i * CHUNK, min(num_tokens, (i + 1) * CHUNK)
         payload = engine.new_payload(last - first, layers[0].blocks)
         for index, layer in enumerate(layers):
-            save_blocks(layer, table, first, last, as_array(payload.kv[index]))
+            save_blocks(layer, table, first, last, as_words(payload.kv[index]))
         engine.store_chunk(key, payload)
     engine.flush()
     return keys

@@ -222,14 +222,15 @@ def test_hybrid_manager_load_uses_each_groups_table_and_window_layers_only_from_
 
 
 def _store_blocks(config, source, table, tokens):
-    from kvfabric.connectors.paged import as_array, save_blocks
+    from kvfabric.blocks import as_words
+    from kvfabric.connectors.paged import save_blocks
 
     with CacheEngine(config, LAYOUT, "m") as writer:
         keys = writer.keys(tokens)
         for i, key in enumerate(keys):
             payload = writer.new_payload(CHUNK, source[0].blocks)
             for index, layer in enumerate(source):
-                save_blocks(layer, table, i * CHUNK, (i + 1) * CHUNK, as_array(payload.kv[index]))
+                save_blocks(layer, table, i * CHUNK, (i + 1) * CHUNK, as_words(payload.kv[index]))
             writer.store_chunk(key, payload)
     return keys
 

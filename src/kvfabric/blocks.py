@@ -20,11 +20,22 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 FAMILIES = {"vllm-cpu": 1}
 _PACK = struct.Struct("<BBBBI8x")  # family, key_dt, value_dt, reserved, block size, reserved: 16 bytes
 PACKED_BYTES = _PACK.size
 TOKEN_MAJOR = bytes(PACKED_BYTES)
+
+
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+WORD_DTYPES = {1: np.dtype(np.uint8), 2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
+
+
+def as_words(x: torch.Tensor) -> np.ndarray:
+    """x's bytes as a numpy view of integer words of its itemsize (numpy has no bfloat16; every copy here is
+    of bits)."""
+    return x.view(_WORDS[x.element_size()]).numpy()
 
 
 class BlockLayoutError(ValueError):

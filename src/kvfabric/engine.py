@@ -58,7 +58,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kvfabric.blocks import BlockLayout
+from kvfabric.blocks import WORD_DTYPES, BlockLayout, as_words
 from kvfabric.chunk_parts import ChunkParts
 from kvfabric.codec.base import Codec, Decoders, WrongLayoutError
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, check_payload, parse
@@ -97,7 +97,7 @@ class ChunkHit:
         now into the read's scratch (valid until the next slab); None when the stored blob turned out short."""
         if self.reader is not None:
             return self.reader.slab(index)
-        return _words(self.kv[index])
+        return as_words(self.kv[index])
 
     def close(self) -> None:
         if self.reader is not None:
@@ -109,17 +109,6 @@ class ChunkHit:
         return self.view is None or self.view.is_current()
 
 
-_WORDS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-
-
-_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _words(kv: torch.Tensor) -> np.ndarray:
-    """kv's bytes as integer words of its itemsize (what a paged layer's block_array is: copies are of bits)."""
-    return kv.view(_INTS[kv.element_size()]).numpy()
-
-
 class SlabReader:
     """A block-layout raw payload read one layer's slab at a time from a ranged tier, into a reusable buffer:
     small enough to stay in cache while the caller hashes it and copies it on."""
@@ -129,7 +118,9 @@ class SlabReader:
         self.scratch = scratch
         self.slab_shape = payload_shape(layout, header.num_tokens, header.blocks)[1:]
         self.slab_bytes = header.payload_len // layout.num_layers
-        self.dtype = _WORDS[layout.itemsize]
+        self.dtype = WORD_DTYPES[layout.itemsize]
+        self.fd = source.fd  # for a native reader (connectors.block_kernel): slab i at file_offset + i * slab_bytes
+        self.file_offset = HEADER_BYTES
 
     def slab(self, index: int) -> np.ndarray | None:
         buf = self.scratch.view(self.slab_bytes)

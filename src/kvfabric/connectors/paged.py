@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kvfabric.blocks import BlockLayout, region_tokens
+from kvfabric.blocks import BlockLayout, as_words, region_tokens
 
 RegionLayout = Literal["td", "dt"]
 REGION_LAYOUTS: tuple[str, ...] = ("td", "dt")
@@ -57,10 +57,10 @@ class CpuPagedLayer:
             for i, layout in enumerate(self.layouts)
         ]
         # the K and V regions as numpy views, token-major [num_blocks, H, B, D] (for gather and scatter)
-        self.arrays = [as_array(region) if layout == "td" else as_array(region).transpose(0, 1, 3, 2)
+        self.arrays = [as_words(region) if layout == "td" else as_words(region).transpose(0, 1, 3, 2)
                        for region, layout in zip(by_kind, self.layouts)]
         self.blocks = BlockLayout(block_size, key_layout == "dt", value_layout == "dt")
-        self.block_array = as_array(regions)  # [num_blocks, H, 2, B*D]: whole blocks, as they are
+        self.block_array = as_words(regions)  # [num_blocks, H, 2, B*D]: whole blocks, as they are
 
 
 def segments(block_ids: Sequence[int], block_size: int, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
@@ -96,7 +96,7 @@ def gather(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int,
         gather(layer, block_ids, start, end, same)
         out.copy_(same)
         return
-    kv = as_array(out)
+    kv = as_words(out)
     num_heads, head_dim = kv.shape[1], kv.shape[3]
     for block, n, lo, hi, at in segments(block_ids, layer.block_size, start, end):
         num_tokens = hi - lo
@@ -113,7 +113,7 @@ def scatter(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int
     10x longer on a busy machine); numpy copies in the calling thread, releases the GIL, moved the
     transposed K regions ~1.4x faster here, and its views cost a fraction of torch's (less time holding the
     GIL, which the forward of the other requests needs)."""
-    kv = as_array(src)
+    kv = as_words(src)
     num_heads, head_dim = kv.shape[1], kv.shape[3]
     for block, n, lo, hi, at in segments(block_ids, layer.block_size, start, end):
         num_tokens = hi - lo
@@ -150,14 +150,6 @@ def load_blocks(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end:
         for which, is_dt in enumerate((layer.blocks.key_dt, layer.blocks.value_dt)):
             dst_region = region_tokens(layer.block_array[block, :, which], size, is_dt)  # [H, B, D]
             np.copyto(dst_region[:, lo:hi, :], region_tokens(src[j, :, which], size, is_dt)[:, lo:hi, :])
-
-
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def as_array(x: torch.Tensor) -> np.ndarray:
-    """x's bytes as a numpy view (an integer dtype of the same size: numpy has no bfloat16; a copy is bits)."""
-    return x.view(_SAME_SIZE_INT[x.element_size()]).numpy()
 
 
 def blocks_of(block_ids: Sequence[int], block_size: int, start: int, end: int) -> list[int]:

@@ -60,9 +60,8 @@ import numpy as np
 import xxhash
 from vllm.logger import init_logger
 
-from kvfabric.blocks import BlockLayout
-from kvfabric.codec.format import HEADER_BYTES
-from kvfabric.connectors.paged import CpuPagedLayer, as_array, blocks_of, load_blocks, scatter, segments
+from kvfabric.blocks import BlockLayout, as_words
+from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, load_blocks, scatter, segments
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE
 from kvfabric.connectors.vllm.metadata import LoadSpec, RequestStats
 from kvfabric.counters import Counters
@@ -326,11 +325,11 @@ class Loader:
         if runs is not None:  # one native call: read, hash and copy every layer's slab
             check = hit.unchecked_sum is not None
             if hit.reader is not None:
-                is_whole, digest_sum = placer.place(runs, hit.reader.slab_bytes, fd=hit.reader.source.fd,
-                                                    file_offset=HEADER_BYTES, check=check)
+                is_whole, digest_sum = placer.place(runs, hit.reader.slab_bytes, fd=hit.reader.fd,
+                                                    file_offset=hit.reader.file_offset, check=check)
             else:
-                is_whole, digest_sum = placer.place(runs, as_array(hit.kv[0]).nbytes,
-                                                    src=as_array(hit.kv).reshape(-1).view(np.uint8), check=check)
+                is_whole, digest_sum = placer.place(runs, as_words(hit.kv[0]).nbytes,
+                                                    src=as_words(hit.kv).reshape(-1).view(np.uint8), check=check)
             self.counters.add("load_scatter_ns", time.perf_counter_ns() - started - placer.hash_ns)
             self.counters.add("load_verify_ns", placer.hash_ns)
             if not is_whole:

@@ -43,7 +43,8 @@ import torch
 from vllm.logger import init_logger
 
 from kvfabric.config import Config
-from kvfabric.connectors.paged import CpuPagedLayer, as_array, blocks_of, gather, save_blocks
+from kvfabric.blocks import as_words
+from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather, save_blocks
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE, DEFAULT_LOAD_THREADS, KVGroups, detect_cpu_kv_layout
 from kvfabric.connectors.vllm.loads import Loader, LoadOutcome
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, RequestStats
@@ -208,7 +209,7 @@ class WorkerSide:
             for i, chunk in enumerate(save.chunks):
                 first = save.spec.start + i * cs
                 if chunk.blocks is not None:  # [L, n, H, 2, B*D]: this layer's blocks as they are
-                    save_blocks(layer, table, first, first + chunk.num_tokens, as_array(chunk.kv[index]))
+                    save_blocks(layer, table, first, first + chunk.num_tokens, as_words(chunk.kv[index]))
                 else:
                     gather(layer, table, first, first + chunk.num_tokens, chunk.kv[index])
             save.layers_done.add(index)
