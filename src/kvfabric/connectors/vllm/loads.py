@@ -7,8 +7,9 @@ Contract:
   ordered by layer index, each one's KV cache group (whose block table it uses: ``LoadSpec.table``) and, under
   vLLM's hybrid manager, the window layers, which get only rows from ``LoadSpec.window_from`` (a chunk wholly
   before it is read without its window part: ``CacheEngine.read_chunk(window=False)``).
-- The threads run niced (`nice`: the connector's ``load_nice``, default 15) for their whole life: where the
-  forward keeps the cores busy, an asynchronous load gets the share of CPU time its weight gives it (at nice 15
+- The threads run on every CPU the engine was given (``threads.release``: not on the core vLLM bound the
+  worker's main thread to), niced (`nice`: the connector's ``load_nice``, default 15) for their whole life:
+  where the forward keeps the cores busy, an asynchronous load gets the share of CPU time its weight gives it (at nice 15
   a few percent of a core against one forward thread; more in practice: a niced thread that holds the GIL
   also holds up the forward), so the requests that keep decoding slow by about that much and the load still
   progresses. (SCHED_IDLE, used before, starved a load whenever another request decoded: seconds of TTFT
@@ -64,6 +65,7 @@ from kvfabric.blocks import BlockLayout, as_words
 from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, load_blocks, scatter, segments
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE
 from kvfabric.connectors.vllm.metadata import LoadSpec, RequestStats
+from kvfabric.connectors.vllm.threads import release
 from kvfabric.counters import Counters
 from kvfabric.engine import CacheEngine, ChunkHit, ChunkMiss
 from kvfabric.tiers.base import Scratch
@@ -237,10 +239,7 @@ class Loader:
     # ---- threads --------------------------------------------------------------------------------------------
     def _run(self, blob_bytes: int) -> None:
         tid = threading.get_native_id()
-        try:  # per thread on Linux (each thread has its own nice value); raising it needs no privilege
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.nice))
-        except OSError:  # not permitted here: loads then share the cores equally with the forward
-            pass
+        release(self.nice)  # off the core vLLM bound the worker's main thread to, niced
         staging = Scratch()
         staging.view(blob_bytes)  # allocated and touched now, not during a request's load
         with self._cond:

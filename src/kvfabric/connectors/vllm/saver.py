@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from vllm.logger import init_logger
 
 from kvfabric.connectors.vllm.metadata import SaveSpec
+from kvfabric.connectors.vllm.threads import release
 from kvfabric.counters import Counters
 from kvfabric.engine import CacheEngine, ChunkPayload
 
@@ -70,6 +71,7 @@ class Saver:
         return stored
 
     def _loop(self) -> None:
+        release()  # off the core vLLM bound the worker's main thread to
         while (save := self._queue.get()) is not None:
             spec = save.spec
             try:
