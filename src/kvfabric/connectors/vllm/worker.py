@@ -44,7 +44,7 @@ from vllm.logger import init_logger
 
 from kvfabric.config import Config
 from kvfabric.blocks import as_words
-from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather, save_blocks
+from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather, populate, save_blocks
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE, DEFAULT_LOAD_THREADS, KVGroups, detect_cpu_kv_layout
 from kvfabric.connectors.vllm.loads import Loader, LoadOutcome
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, RequestStats
@@ -122,6 +122,9 @@ class WorkerSide:
             raise ValueError(f"KVFabricConnector: KV cache layers {sorted(kv_caches)} are not those of vLLM's KV "
                              f"cache groups {sorted(self.groups.layer_group)}")
         window = set(self.layout.window_layers) if self.groups.is_hybrid else set()
+        started = time.perf_counter()
+        num_bytes = populate(list(kv_caches.values()))  # a load into a fresh engine must not fault every page
+        logger.info("kvfabric: KV cache mapped (%.0f MB in %.2f s)", num_bytes / 1e6, time.perf_counter() - started)
         self.loader.bind([layer for _, layer in sorted(self.layers.values(), key=lambda item: item[0])],
                          [self.group_of[i] for i in indices], window)
 
