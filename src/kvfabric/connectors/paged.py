@@ -18,24 +18,20 @@ Contract:
   blocks holding tokens [start, end) into a chunk payload slab [n, H, 2, B*D] as they are (one copy per run of
   consecutive blocks, no transpose), `load_blocks` copies such a slab back; only a partial block is copied
   slot by slot (its free slots are zero in the slab, and a load touches only the slots of [start, end)).
-- `populate(tensors)` maps every page of the tensors' memory now (huge pages where the host offers them), so
+- `populate(tensors)` maps every page of the tensors' memory now (`kvfabric.pages`), so
   that the first load into a block does not pay the page faults: vLLM's CPU KV cache is allocated but not
   touched until a forward writes it, and a load into a fresh engine would otherwise fault every page it writes.
 """
 from __future__ import annotations
 
-import ctypes
-import mmap
 from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import numpy as np
 import torch
 
+from kvfabric import pages
 from kvfabric.blocks import BlockLayout, as_words, region_tokens
-
-MADV_HUGEPAGE = 14
-MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in for writing, contents unchanged
 
 RegionLayout = Literal["td", "dt"]
 REGION_LAYOUTS: tuple[str, ...] = ("td", "dt")
@@ -173,26 +169,9 @@ def render_region(values: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
 
 
 def populate(tensors: Sequence[torch.Tensor]) -> int:
-    """Map every page of the tensors' storages for writing now; their values are unchanged. Bytes populated.
-    Huge pages are asked for first (advice: the host may say no). On a kernel without MADV_POPULATE_WRITE each
-    page gets one write of the byte it holds."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    seen: set[int] = set()
-    num_bytes = 0
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        address, size = storage.data_ptr(), storage.nbytes()
-        if size == 0 or address in seen or tensor.device.type != "cpu":
-            continue
-        seen.add(address)
-        start = address // mmap.PAGESIZE * mmap.PAGESIZE
-        length = -(-(address + size) // mmap.PAGESIZE) * mmap.PAGESIZE - start
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_HUGEPAGE)
-        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_POPULATE_WRITE) != 0:
-            data = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(address))
-            first = -address % mmap.PAGESIZE  # the first byte at a page start
-            pages = data[first::mmap.PAGESIZE]
-            pages |= 0  # a write per page, of what it holds (an in-place ufunc stores; a self-assignment may not)
-            data[:1] |= 0
-        num_bytes += size
-    return num_bytes
+    """Map every page of the (CPU) tensors' storages for writing now, values unchanged (`kvfabric.pages`); a
+    storage shared by several tensors once. Bytes populated."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type == "cpu"}
+    for address, size in storages.items():
+        pages.populate(address, size)
+    return sum(storages.values())

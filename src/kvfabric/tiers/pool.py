@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvfabric.pages import populated_empty
 from kvfabric.tiers.base import Blob
 
 
@@ -62,7 +63,7 @@ class BlobPool:
                     return memoryview(bucket.popleft())
                 bucket.rotate(-1)
             self.num_fresh += 1
-        whole = np.empty(size + ALIGN, dtype=np.uint8)
+        whole = populated_empty(size + ALIGN)  # mapped now: the copy into it must not fault page by page
         start = -(whole.ctypes.data + self.align_offset) % ALIGN
         return memoryview(whole[start:start + size])
 

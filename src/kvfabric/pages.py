@@ -1,0 +1,43 @@
+"""Memory mapped for writing before a hot path writes it.
+
+Why: on the machines we measure on (a VM) a page fault taken on first touch costs ~20 us: copying 48 MB into
+fresh `np.empty` buffers took 0.13-0.30 s, against 6 ms into buffers touched before. The same pages mapped in one
+`madvise(MADV_POPULATE_WRITE)` call took 6.5 ms. So every buffer a load or save writes (the engine's KV cache, a
+process-memory blob, a staging buffer) is populated when it is made, not faulted in during the copy.
+
+- `populate(address, size)` maps the pages of [address, address + size) for writing, contents unchanged;
+  on a kernel without MADV_POPULATE_WRITE (Linux < 5.14) each page gets one write of the byte it holds.
+- `populated_empty(size)` is `np.empty(size, uint8)` with its pages populated.
+
+Huge pages are not asked for: MADV_HUGEPAGE on malloc'd buffers measured slower here (0.43 s per 48 MB).
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import numpy as np
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in for writing
+
+
+def populate(address: int, size: int) -> None:
+    """Map [address, address + size) for writing now; the bytes in it are unchanged."""
+    if size <= 0:
+        return
+    start = address // mmap.PAGESIZE * mmap.PAGESIZE
+    length = -(-(address + size) // mmap.PAGESIZE) * mmap.PAGESIZE - start
+    if ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(length),
+                                                  MADV_POPULATE_WRITE) == 0:
+        return
+    data = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(address))
+    pages = data[-address % mmap.PAGESIZE::mmap.PAGESIZE]  # the bytes at page starts
+    pages |= 0  # a write per page, of what it holds (an in-place ufunc stores; a self-assignment may not)
+    data[:1] |= 0  # the page the range starts in
+
+
+def populated_empty(size: int) -> np.ndarray:
+    """An uninitialized uint8 array of `size` bytes whose pages are mapped."""
+    array = np.empty(size, dtype=np.uint8)
+    populate(array.ctypes.data, size)
+    return array
