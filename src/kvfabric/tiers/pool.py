@@ -5,7 +5,8 @@ of a memcpy of the same bytes, most of it faults). The pool hands out buffers of
 
 Contract:
 - `take(size)` returns a writable `memoryview` of exactly `size` bytes (format "B"): a recycled buffer of that
-  size when one is free, else fresh memory (a numpy array, which numpy backs with huge pages where it can).
+  size when one is free, else fresh memory (a numpy array whose pages are mapped before it is handed out:
+  `kvfabric.pages`).
   Byte `align_offset` of the view (a blob's payload) sits on a 64-byte boundary: streaming stores into the
   payload then fill whole cache lines.
 - `give(blob)` is called when the tier lets go of a blob (evicted, deleted, replaced, cleared). The buffer is
