@@ -43,10 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
-
 from kvfabric.counters import Counters
-from kvfabric.pages import populated_empty
 from kvfabric.tiers.policies import IndexStats, PolicyIndex
 
 Blob = bytes | bytearray | memoryview
@@ -57,11 +54,11 @@ class Scratch:
     """A reusable byte buffer that grows on demand (never shrinks)."""
 
     def __init__(self) -> None:
-        self._buf: bytearray | np.ndarray = bytearray()
+        self._buf = bytearray()
 
     def view(self, size: int) -> memoryview:
         if len(self._buf) < size:
-            self._buf = populated_empty(size)  # mapped now, not page by page during the first read into it
+            self._buf = bytearray(size)
         return memoryview(self._buf)[:size]
 
     def discard(self) -> None:
