@@ -266,4 +266,3 @@ def test_a_truncated_block_layout_chunk_on_disk_is_a_miss(tmp_path):
         path.write_bytes(path.read_bytes()[:-1000])
         assert not flipped_load(engine, key, layers)
         assert engine.stats().counters["corrupt.disk"] == 1 and not path.exists()
-

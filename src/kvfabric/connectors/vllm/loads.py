@@ -50,7 +50,6 @@ Contract:
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
