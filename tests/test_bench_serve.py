@@ -53,6 +53,21 @@ def test_chat_sessions_from_the_trace_keep_prefixes(model):
         assert prompts[1][:2 * BLOCK_TOKENS] == prompts[0][:2 * BLOCK_TOKENS]  # sessions share >= 2 blocks
 
 
+def test_workloads_scale_to_100_requests(model):
+    """`bench serve --requests 100`: 4 documents x 25 questions of the default document size fit the text, and
+    chat takes sessions from further into the trace until they hold 100 rounds."""
+    workload = doc_qa(model, docs=4, doc_tokens=1800, questions=25, users=2)
+    assert workload.num_requests == 100 and len({tuple(r.prompt) for u in workload.users for r in u}) == 100
+    try:
+        default_trace()
+    except FileNotFoundError:
+        pytest.skip("no ../shared/data trace")
+    chat = chat_sessions(model, None, sessions=6, users=2, max_prompt=4032, scan=20000, min_requests=100)
+    assert chat.num_requests >= 100
+    with pytest.raises(ValueError, match="multi-round sessions"):
+        chat_sessions(model, None, sessions=6, users=2, max_prompt=4032, scan=50, min_requests=100)
+
+
 def test_summary_fields():
     from kvfabric.bench.workloads import Request, Workload
 

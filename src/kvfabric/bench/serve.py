@@ -176,7 +176,8 @@ def run(systems: Sequence[str] = SYSTEMS, workload_names: Sequence[str] = ("docq
         plot: str | None = None, model: str | None = None, workdir: str | None = None, kv_tokens: int = 6144,
         max_len: int = 4096, docs: int = 4, doc_tokens: int = 1800, questions: int = 3, users: int = 2,
         sessions: int = 6, trace: str | None = None, python: str | None = None,
-        store_gb: float = STORE_GB, load_nice: int | None = None) -> list[dict[str, Any]]:
+        store_gb: float = STORE_GB, load_nice: int | None = None,
+        num_requests: int | None = None) -> list[dict[str, Any]]:
     if model is None:
         from kvfabric.engines.model import ensure_model
         model = str(ensure_model())
@@ -188,8 +189,11 @@ def run(systems: Sequence[str] = SYSTEMS, workload_names: Sequence[str] = ("docq
     work = Path(workdir or tempfile.mkdtemp(prefix="kvfabric-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
     log = (lambda msg: None) if as_json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if num_requests:  # at least that many requests a workload: more questions a document, more chat sessions
+        questions = max(questions, -(-num_requests // docs))
     makers = {"docqa": lambda: doc_qa(model, docs, doc_tokens, questions, users),
-              "chat": lambda: chat_sessions(model, trace, sessions, users, max_prompt=max_len - 64)}
+              "chat": lambda: chat_sessions(model, trace, sessions, users, max_prompt=max_len - 64,
+                                            scan=20000 if num_requests else 2000, min_requests=num_requests or 0)}
     workloads = [makers[name]() for name in workload_names]
     for workload in workloads:
         log(f"[bench serve] {workload.name}: {workload.num_requests} requests, {len(workload.users)} users, "
@@ -259,6 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--kv-tokens", type=int, default=6144, help="vLLM's KV memory, in tokens, for every system")
     ap.add_argument("--store-gb", type=float, default=STORE_GB,
                     help="kvfabric's cpu tier and LMCache's L1 (allocated up front), GB each")
+    ap.add_argument("--requests", type=int, default=None, metavar="N",
+                    help="at least N requests a workload (docqa: more questions a document; chat: more sessions); "
+                         "rows carry `requests`")
     ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--doc-tokens", type=int, default=1800)
     ap.add_argument("--questions", type=int, default=3)
@@ -272,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run([s for s in args.systems.split(",") if s], [w for w in args.workloads.split(",") if w], args.json,
         args.plot, args.model, args.workdir, args.kv_tokens, docs=args.docs, doc_tokens=args.doc_tokens,
         questions=args.questions, users=args.users, sessions=args.sessions, trace=args.trace, python=args.python,
-        store_gb=args.store_gb, load_nice=args.load_nice)
+        store_gb=args.store_gb, load_nice=args.load_nice, num_requests=args.requests)
     return 0
 
 

@@ -5,10 +5,10 @@
   document d + question (d, q); the requests go round-robin over the documents (every document is asked about
   once, then again...), dealt out to `users` concurrent users. Every document after its first question is a
   prefix hit, if a cache still holds it.
-- `chat_sessions(model, trace, sessions, users, max_prompt)`: multi-round chat replayed from the first requests of
-  the Mooncake conversation trace. A request continues the earlier request with which it shares the longest
-  prefix of hash ids (at least 2 blocks); chains of such requests are sessions. The first `sessions` sessions with
-  at least two rounds are replayed; a user interleaves its sessions round by round. Each hash id (512 tokens in
+- `chat_sessions(model, trace, sessions, users, max_prompt, min_requests=0)`: multi-round chat replayed from the
+  first requests of the Mooncake conversation trace. A request continues the earlier request with which it shares
+  the longest prefix of hash ids (at least 2 blocks); chains of such requests are sessions. The first `sessions`
+  sessions with at least two rounds are replayed, or more, in trace order, until they hold `min_requests` rounds; a user interleaves its sessions round by round. Each hash id (512 tokens in
   the trace) becomes a deterministic block of `BLOCK_TOKENS` token ids, so equal ids are equal prefixes here too;
   prompts are cut at `max_prompt` tokens (this keeps them a prefix of the next round's).
 Text: Python's own module sources (`kvfabric.bench.vllm.source_text`), tokenized by the model's tokenizer.
@@ -99,13 +99,18 @@ def _sessions(rows: list[dict], min_shared: int = 2) -> list[list[int]]:
 
 
 def chat_sessions(model: str, trace: str | None, sessions: int, users: int, max_prompt: int,
-                  scan: int = 2000) -> Workload:
+                  scan: int = 2000, min_requests: int = 0) -> Workload:
     path = Path(trace) if trace else default_trace()
     with open(path) as f:
         rows = [json.loads(line) for _, line in zip(range(scan), f)]
-    picked = [s for s in _sessions(rows) if len(s) >= 2][:sessions]
-    if len(picked) < sessions:
-        raise ValueError(f"only {len(picked)} multi-round sessions in the first {scan} requests of {path}")
+    picked: list[list[int]] = []
+    for session in (s for s in _sessions(rows) if len(s) >= 2):
+        if len(picked) >= sessions and sum(map(len, picked)) >= min_requests:
+            break
+        picked.append(session)
+    if len(picked) < sessions or sum(map(len, picked)) < min_requests:
+        raise ValueError(f"only {len(picked)} multi-round sessions ({sum(map(len, picked))} requests) in the first "
+                         f"{scan} requests of {path}")
     ids = _token_ids(model)
     span = len(ids) - BLOCK_TOKENS
 
