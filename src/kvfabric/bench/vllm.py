@@ -16,7 +16,9 @@ For each prompt size (default 1k / 4k / 8k tokens, distinct texts so that no pro
     load/copy   kvfabric's load time / (bytes loaded / the throughput of reading the same chunk files from the page
                 cache into a buffer and copying them into another, numpy, one thread, measured in the same
                 process): the median over the fresh-engine hits (`load_vs_copy`, alias `load_vs_floor`; each
-                sample in `load_vs_copy_samples`)
+                sample in `load_vs_copy_samples`). Each hit's chunk files are read once just before it, so that
+                the load reads them from the page cache too (a sandbox's host may drop the guest's page cache
+                within a minute; the load would then read the disk while the floor reads memory)
     verify/memcpy  the payload checks' CPU time during the first hit's load (`load_verify_s`, summed over the load
                 threads) / one memcpy of the same bytes (`memcpy_MBps`, measured in the engine process)
     lmc hit     `--compare lmcache` (the default): vLLM + LMCache (its LMCacheMPConnector and a standalone `lmcache
