@@ -4,8 +4,8 @@ The vLLM tests need `vllm` (the separate .venv-vllm, see scripts/setup_vllm_venv
 
     .venv-vllm/bin/python -m pytest tests/test_vllm_connector.py
 
-They run three engines, each in its own subprocess (tests/vllm_scripts/connector_phases.py, one engine start-up
-of ~1 min each), on the real SmolLM2-135M-Instruct (kvfabric.engines.model.ensure_model(), or the HF folder in
+They run six engines, each in its own subprocess (tests/vllm_scripts/connector_phases.py, one engine start-up
+of ~1 min each; independent phases two at a time), on the real SmolLM2-135M-Instruct (kvfabric.engines.model.ensure_model(), or the HF folder in
 $KVFABRIC_TEST_MODEL_DIR), fp32, greedy, 256-token chunks:
 
   baseline  no connector, prefix caching off: the reference outputs
@@ -32,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -150,19 +151,29 @@ def _phase(phase: str, workdir: Path, model: str, names: str = "", timeout: int 
     return json.loads(out.read_text())
 
 
+def _side_by_side(workdir: Path, model: str, phases: dict[str, str], script: Path = SCRIPT) -> dict[str, dict]:
+    """Independent phases (name -> names), two at a time: an engine phase is mostly its processes' start-up
+    (imports, spawns: one core busy), so two overlap on two cores. Each phase's results by name; a failed phase
+    fails the caller."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(_phase, name, workdir, model, names, script=script)
+                   for name, names in phases.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     pytest.importorskip("vllm")
     model = _model_dir()
     work = tmp_path_factory.mktemp("vllm_connector")
     results = {"prompts": _phase("prompts", work, model)["prompts"]}
-    results["baseline"] = _phase("baseline", work, model, "p1,p2,p3,p4")
-    results["store"] = _phase("store", work, model, "p1,p2,p4,p4@t1")
-    results["corrupt"] = _phase("corrupt", work, model, "p2,1")
-    results["hf"] = _phase("hf", work, model, "p4")["hf"]
-    results["load"] = _phase("load", work, model, "p4,p3,p1,p2,p4@t2,p4@t1")
-    results["layerwise"] = _phase("layerwise", work, model, "p4,p1")
-    results["concurrent"] = _phase("concurrent", work, model, "p3@fresh,p2")
+    results |= _side_by_side(work, model, {"baseline": "p1,p2,p3,p4", "store": "p1,p2,p4,p4@t1"})
+    results["corrupt"] = _phase("corrupt", work, model, "p2,1")  # p2's chunk 1, which `load` finds and re-stores
+    # layerwise reads p4 and p1 only, which `load` neither damages nor re-stores
+    results |= _side_by_side(work, model, {"load": "p4,p3,p1,p2,p4@t2,p4@t1", "layerwise": "p4,p1"})
+    # concurrent loads p2 whole (re-stored by `load`); hf reads p4's chunks
+    results |= _side_by_side(work, model, {"concurrent": "p3@fresh,p2", "hf": "p4"})
+    results["hf"] = results["hf"]["hf"]
     return results
 
 

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.test_vllm_connector import ROOT, _phase
+from tests.test_vllm_connector import ROOT, _phase, _side_by_side
 
 pytest.importorskip("vllm")
 from vllm.v1.kv_cache_interface import (  # noqa: E402
@@ -151,15 +151,12 @@ def runs(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("vllm_gemma")
     model = str(model)
     results = {"prompts": _phase("prompts", work, model, script=SCRIPT)["prompts"]}
-    results["baseline"] = _phase("baseline", work, model, "long,exact", script=SCRIPT)
-    results["store"] = _phase("store", work, model, "long,exact", script=SCRIPT)
-    results["hf"] = _phase("hf", work, model, "long", script=SCRIPT)["hf"]
-    results["load"] = _phase("load", work, model, "long,exact", script=SCRIPT)
-    results["layerwise"] = _phase("layerwise", work, model, "long,exact", script=SCRIPT)
-    results["hma_store"] = _phase("hma_store", work, model, "long,exact", script=SCRIPT)
-    results["hma_hf"] = _phase("hma_hf", work, model, "long", script=SCRIPT)["hf"]
-    results["hma_load"] = _phase("hma_load", work, model, "long,exact", script=SCRIPT)
-    results["hma_layerwise"] = _phase("hma_layerwise", work, model, script=SCRIPT)["hma_layerwise"]
+    both = "long,exact"  # two caches: store / load / layerwise / hf use CACHE, the hma_ phases CACHE-hma
+    for phases in ({"baseline": both, "store": both}, {"hma_store": both, "load": both},
+                   {"hma_load": both, "layerwise": both}, {"hf": "long", "hma_hf": "long"}, {"hma_layerwise": ""}):
+        results |= _side_by_side(work, model, phases, script=SCRIPT)
+    results["hf"], results["hma_hf"] = results["hf"]["hf"], results["hma_hf"]["hf"]
+    results["hma_layerwise"] = results["hma_layerwise"]["hma_layerwise"]
     phases = ("store", "load", "hma_store", "hma_load", "hma_layerwise")
     results["logs"] = {phase: (work / f"{phase}.log").read_text() for phase in phases}
     return results
