@@ -6,13 +6,15 @@ demo:
 	.venv/bin/kvfabric demo
 
 # The fast suite first (the default `pytest` run deselects `slow`), then real-model, real-vLLM and multi-process
-# tests (`-m slow`), then the vLLM connector and SGLang backend tests in their own venvs (every marker).
+# tests (`-m slow`), then the vLLM connector and SGLang backend tests in their own venvs (every marker). The
+# first two run two tests at a time (pytest-xdist): many of their tests wait on servers and child processes (one
+# at a time, the fast suite kept the two cores 37 % busy). The vLLM modules overlap their engine phases themselves.
 test:
 	bash scripts/setup.sh --test
-	.venv/bin/python -m pytest -q
-	.venv/bin/python -m pytest -q -m slow --durations=15
+	.venv/bin/python -m pytest -q -n 2
+	.venv/bin/python -m pytest -q -n 2 -m slow --durations=15
 	.venv-vllm/bin/python -m pytest -q --durations=10 -m "slow or not slow" tests/test_vllm_connector.py tests/test_vllm_config.py tests/test_vllm_loads.py \
-		tests/test_vllm_serve.py tests/test_vllm_observability.py tests/test_vllm_server_mode.py tests/test_vllm_gemma.py
+		tests/test_vllm_observability.py tests/test_vllm_server_mode.py tests/test_vllm_gemma.py
 	.venv-vllm/bin/python -m pytest -q -m "slow or not slow" tests/test_pd_roles.py tests/test_pd_vllm.py
 	.venv-sglang/bin/python -m pytest -q -m "slow or not slow" tests/test_sglang_backend.py
 
