@@ -238,6 +238,7 @@ def test_corrupt_chunk_is_recomputed(runs):
     assert got["tokens"] == _out(runs, "baseline", "p2")["tokens"]
     assert stats["saved_tokens"] >= 256  # the corrupt chunk was deleted, recomputed and stored again
     worker = runs["load"]["worker_stats"]
+    assert worker["switch_interval_s"] == pytest.approx(0.0005)  # set at attach: load threads get the GIL sooner
     assert worker["engine"].get("corrupt.disk", 0) >= 1
     assert worker["connector"]["loads_async"] >= 4 and not worker["connector"].get("loads_layered")
 
