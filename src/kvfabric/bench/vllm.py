@@ -155,8 +155,8 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
         spec = {**common, "mode": mode}
         if mode == "kvfabric-hit":
             spec["files"] = results["kvfabric-cold"]["files"]
-            # the cold engine's chunks written back first: the floor (measured after the loads) sees no writeback
-            # in flight, so neither may the loads (an 8k load fell from 10.7x to 2.8x as 3 GB of writes drained)
+            # the cold engine's chunks written back first, so that no writeback runs beside the loads (the slow
+            # early loads blamed on it were later found to read the disk: see vllm_engine.read_files)
             os.sync()
         results[mode] = _child(python, spec, work, timeout)
         log(f"[bench vllm] engine {mode}: start-up {results[mode]['startup_s']} s, "

@@ -8,9 +8,9 @@
 - `chat_sessions(model, trace, sessions, users, max_prompt, min_requests=0)`: multi-round chat replayed from the
   first requests of the Mooncake conversation trace. A request continues the earlier request with which it shares
   the longest prefix of hash ids (at least 2 blocks); chains of such requests are sessions. The first `sessions`
-  sessions with at least two rounds are replayed, or more, in trace order, until they hold `min_requests` rounds; a user interleaves its sessions round by round. Each hash id (512 tokens in
-  the trace) becomes a deterministic block of `BLOCK_TOKENS` token ids, so equal ids are equal prefixes here too;
-  prompts are cut at `max_prompt` tokens (this keeps them a prefix of the next round's).
+  sessions with at least two rounds are replayed, or more, in trace order, until they hold `min_requests` rounds;
+  a user interleaves its sessions round by round. Each hash id (512 tokens in the trace) becomes a deterministic
+  block of `BLOCK_TOKENS` token ids, so equal ids are equal prefixes here too; prompts are cut at `max_prompt` tokens (this keeps them a prefix of the next round's).
 Text: Python's own module sources (`kvfabric.bench.vllm.source_text`), tokenized by the model's tokenizer.
 """
 from __future__ import annotations
@@ -104,13 +104,15 @@ def chat_sessions(model: str, trace: str | None, sessions: int, users: int, max_
     with open(path) as f:
         rows = [json.loads(line) for _, line in zip(range(scan), f)]
     picked: list[list[int]] = []
+    num_rounds = 0
     for session in (s for s in _sessions(rows) if len(s) >= 2):
-        if len(picked) >= sessions and sum(map(len, picked)) >= min_requests:
+        if len(picked) >= sessions and num_rounds >= min_requests:
             break
         picked.append(session)
-    if len(picked) < sessions or sum(map(len, picked)) < min_requests:
-        raise ValueError(f"only {len(picked)} multi-round sessions ({sum(map(len, picked))} requests) in the first "
-                         f"{scan} requests of {path}")
+        num_rounds += len(session)
+    if len(picked) < sessions or num_rounds < min_requests:
+        raise ValueError(f"only {len(picked)} multi-round sessions ({num_rounds} requests) in the first {scan} "
+                         f"requests of {path}")
     ids = _token_ids(model)
     span = len(ids) - BLOCK_TOKENS
 
