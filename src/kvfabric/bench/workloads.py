@@ -10,7 +10,8 @@
   the longest prefix of hash ids (at least 2 blocks); chains of such requests are sessions. The first `sessions`
   sessions with at least two rounds are replayed, or more, in trace order, until they hold `min_requests` rounds;
   a user interleaves its sessions round by round. Each hash id (512 tokens in the trace) becomes a deterministic
-  block of `BLOCK_TOKENS` token ids, so equal ids are equal prefixes here too; prompts are cut at `max_prompt` tokens (this keeps them a prefix of the next round's).
+  block of `BLOCK_TOKENS` token ids, so equal ids are equal prefixes here too; prompts are cut at `max_prompt`
+  tokens (this keeps them a prefix of the next round's).
 Text: Python's own module sources (`kvfabric.bench.vllm.source_text`), tokenized by the model's tokenizer.
 """
 from __future__ import annotations
