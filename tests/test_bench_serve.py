@@ -68,6 +68,15 @@ def test_workloads_scale_to_100_requests(model):
         chat_sessions(model, None, sessions=6, users=2, max_prompt=4032, scan=50, min_requests=100)
 
 
+def test_a_workload_that_cannot_be_built_is_one_line(model, capsys):
+    from kvfabric.bench.serve import main
+
+    missing = "/nonexistent/trace.jsonl"
+    assert main(["--workloads", "chat", "--model", model, "--trace", missing, "--requests", "100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvfabric bench serve:") and missing in err and "\n" not in err
+
+
 def test_summary_fields():
     from kvfabric.bench.workloads import Request, Workload
 

@@ -276,10 +276,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trace", default=None, help="conversation trace (default ../shared/data/mooncake_conversation_"
                                                   "trace.jsonl)")
     args = ap.parse_args(argv)
-    run([s for s in args.systems.split(",") if s], [w for w in args.workloads.split(",") if w], args.json,
-        args.plot, args.model, args.workdir, args.kv_tokens, docs=args.docs, doc_tokens=args.doc_tokens,
-        questions=args.questions, users=args.users, sessions=args.sessions, trace=args.trace, python=args.python,
-        store_gb=args.store_gb, load_nice=args.load_nice, num_requests=args.requests)
+    try:
+        run([s for s in args.systems.split(",") if s], [w for w in args.workloads.split(",") if w], args.json,
+            args.plot, args.model, args.workdir, args.kv_tokens, docs=args.docs, doc_tokens=args.doc_tokens,
+            questions=args.questions, users=args.users, sessions=args.sessions, trace=args.trace,
+            python=args.python, store_gb=args.store_gb, load_nice=args.load_nice, num_requests=args.requests)
+    except (ValueError, FileNotFoundError) as exc:  # a workload that cannot be built (no trace, too few sessions)
+        print(f"kvfabric bench serve: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
