@@ -399,6 +399,15 @@ class CacheEngine:
             return ChunkPayload(kv, blob, blocks, num_tokens if blocks is not None else 0)
         return ChunkPayload(torch.empty(self.layout.shape(num_tokens), dtype=self.layout.torch_dtype), None)
 
+    def premap(self, num_tokens: int | None = None, blocks: BlockLayout | None = None, is_paused: bool = False) -> None:
+        """Payloads like `new_payload(num_tokens, blocks)` will be asked for: map their memory ahead, off the caller's
+        thread, while not `is_paused` (pause it while the caller's hot work runs: a vLLM forward). `num_tokens` 0:
+        only pause or resume. (The cpu tier's `premap` bytes; a fresh buffer costs far more than a copy.)"""
+        size = 0
+        if num_tokens != 0 and self.codec.codec_id == RawCodec.codec_id and self._parts is None:
+            size = HEADER_BYTES + payload_bytes(self.layout, num_tokens or self.chunk_size, blocks)
+        self.stack.premap(size, is_paused)
+
     def store_chunk(self, key: bytes, payload: ChunkPayload) -> bool:
         """Store a chunk laid out in `new_payload()` under `key`; False when a writable tier already holds it.
         The payload belongs to the engine from here on: the caller must not write into it again."""

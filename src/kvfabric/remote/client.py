@@ -340,6 +340,9 @@ class RemoteCache:
         """Bytes of one whole chunk's blob with the raw codec (header + payload), as CacheEngine.chunk_blob_bytes."""
         return HEADER_BYTES + self.layout.num_bytes(self.chunk_size)
 
+    def premap(self, num_tokens: int | None = None, blocks: BlockLayout | None = None, is_paused: bool = False) -> None:
+        """Nothing to map ahead here: the server's pool is mapped when it starts."""
+
     def new_payload(self, num_tokens: int | None = None, blocks: BlockLayout | None = None) -> ChunkPayload:
         """Where the caller lays out one chunk's KV for `store_chunk`: a leased pool slot when this client has
         room (so the store needs no further copy), else private memory. Always token-major (`blocks` is moot:

@@ -91,6 +91,10 @@ class Tier(Protocol):
 
     def get(self, key: bytes) -> Blob | None: ...
 
+    def premap(self, size: int, is_paused: bool = False) -> None:
+        """Blobs of `size` bytes will be asked for (`new_blob`): map them ahead, off the caller's thread, unless
+        `is_paused` (the caller's hot work runs). By default nothing: only the cpu tier recycles its buffers."""
+
     def get_into(self, key: bytes, scratch: Scratch) -> Blob | None: ...
 
     def get_view(self, key: bytes) -> TierView | None: ...

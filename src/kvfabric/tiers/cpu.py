@@ -5,6 +5,8 @@ A reader holding a blob keeps it alive after eviction (Python references), and p
 `new_blob` hands out buffers of dropped chunks (tiers/pool.py): the pool never recycles a buffer that a reader,
 a view, or a queued write to a slower tier still references, and the tier's chunks plus its free buffers stay
 within 1.125 x `capacity_bytes` plus two buffers (the free ones within what the chunks leave, or an eighth).
+With `premap_bytes`, up to that many free buffers of a full chunk's size are mapped ahead of the stores by a
+background thread (tiers/pool.py), so a store into a tier that is still filling up faults no fresh pages.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ class CpuTier(PolicyTier):
     honors_pins = True
 
     def __init__(self, capacity_bytes: int, eviction: str | EvictionPolicy = "lru",
-                 admission: str = "always") -> None:
+                 admission: str = "always", premap_bytes: int = 0) -> None:
         self._index = make_index(capacity_bytes, eviction, admission, on_evict=self._evicted)
         self._blobs: dict[bytes, Blob] = {}
         self._events = Counters()
@@ -35,10 +37,15 @@ class CpuTier(PolicyTier):
         # Free buffers: what the chunks leave of the capacity, and at least an eighth of it, so that a full tier
         # recycles its victims (a store takes its buffer before the put that evicts one).
         self.pool = BlobPool(lambda: max(self.capacity_bytes - self._index.num_bytes, self.capacity_bytes // 8),
-                             align_offset=HEADER_BYTES)
+                             align_offset=HEADER_BYTES, premap_bytes=premap_bytes)
 
     def new_blob(self, size: int) -> memoryview:
         return self.pool.take(size)
+
+    def premap(self, size: int, is_paused: bool = False) -> None:
+        self.pool.pause(is_paused)
+        if size:
+            self.pool.expect(size)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         blobs = self._blobs
@@ -91,4 +98,4 @@ class CpuTier(PolicyTier):
 
     def close(self) -> None:
         self.clear()
-        self.pool.clear()
+        self.pool.close()

@@ -20,7 +20,7 @@ from kvfabric.tiers.base import Tier
 def _cpu(config: Config) -> Tier:
     from kvfabric.tiers.cpu import CpuTier
     c = config.cpu
-    return CpuTier(c.capacity, eviction=c.eviction, admission=c.admission)
+    return CpuTier(c.capacity, eviction=c.eviction, admission=c.admission, premap_bytes=c.premap)
 
 
 def _disk(config: Config) -> Tier:

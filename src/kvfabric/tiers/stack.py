@@ -261,6 +261,11 @@ class TierStack:
         """A buffer for a blob about to be `put` (the first writable tier's: process memory recycles them)."""
         return self.tiers[self.levels.store[0]].new_blob(size) if self.levels.store else bytearray(size)
 
+    def premap(self, size: int, is_paused: bool = False) -> None:
+        """Blobs of `size` will be asked for: the first writable tier maps them ahead unless paused (Tier.premap)."""
+        if self.levels.store:
+            self.tiers[self.levels.store[0]].premap(size, is_paused)
+
     def put(self, key: bytes, blob: Blob, per_level: dict[int, Blob] | None = None,
             meta: AccessMeta = NO_META) -> None:
         self._write(key, blob, self.levels.store, "stored", meta, per_level or {})

@@ -10,12 +10,17 @@ for 0.047 s of page-cache read + copy.
 nothing, so it carries whatever `taskset` / cpuset the operator set), never wider. `release` moves the calling
 thread onto that set (the kernel's scheduler then puts it where a core is free) and raises its niceness by
 `nice` (per thread on Linux; raising needs no privilege). Both are best effort: where not permitted the thread
-keeps its place and priority.
+keeps its place and priority. `on_released(make)` calls `make()` on a released thread and returns its result:
+the threads an object starts while it is made (a cache's writer and premap threads) inherit that placement.
 """
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def engine_cpus() -> set[int]:
@@ -38,3 +43,23 @@ def release(nice: int = 0) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
         except OSError:  # not permitted here: the thread shares the cores equally with the forward
             pass
+
+
+def on_released(make: Callable[[], T]) -> T:
+    """`make()` called on a thread that ran `release()` first (its exception re-raised here)."""
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        release()
+        try:
+            result.append(make())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="kvfabric-make")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return result[0]

@@ -52,6 +52,7 @@ from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE, DEFAULT_LOAD_THRE
 from kvfabric.connectors.vllm.loads import Loader, LoadOutcome
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, RequestStats
 from kvfabric.connectors.vllm.saver import ActiveSave, Saver
+from kvfabric.connectors.vllm.threads import on_released
 from kvfabric.counters import Counters
 from kvfabric.layout import KVLayout
 from kvfabric.remote import open_cache
@@ -81,8 +82,9 @@ class WorkerSide:
         self.layout = layout
         self.chunk_size = config.chunk_size
         self.block_size = block_size
-        # tiers per config (a cluster node wires its own); mode: server = the host's `kvfabric server`
-        self.engine = open_cache(config, layout, model_id, name=f"vllm-worker-{os.getpid()}")
+        # tiers per config (a cluster node wires its own); mode: server = the host's `kvfabric server`. Made on a
+        # released thread: the cache's own threads (writer, premap) inherit its placement, not the forward's core
+        self.engine = on_released(lambda: open_cache(config, layout, model_id, name=f"vllm-worker-{os.getpid()}"))
         self.mirrored = "cpu" in config.tiers and config.mode != "server"  # a process-memory tier of ours
         self.layers: dict[str, tuple[int, CpuPagedLayer]] = {}
         self.group_of: dict[int, int] = {}  # layer index -> its KV cache group (0 with one group)
@@ -138,6 +140,8 @@ class WorkerSide:
         logger.info("kvfabric: KV cache mapped (%.0f MB in %.2f s)", num_bytes / 1e6, time.perf_counter() - started)
         self.loader.bind([layer for _, layer in sorted(self.layers.values(), key=lambda item: item[0])],
                          [self.group_of[i] for i in indices], window)
+        if some is not None:  # the blobs of full chunks, as `layer_save` asks for them, mapped ahead from now
+            self.engine.premap(self.chunk_size, some.blocks if self.chunk_size % self.block_size == 0 else None)
         sys.setswitchinterval(LOAD_SWITCH_INTERVAL_S)  # the load threads get the GIL back sooner (see the constant)
 
     def _layer(self, name: str, kv: torch.Tensor | None = None) -> tuple[int, CpuPagedLayer] | None:
@@ -156,6 +160,8 @@ class WorkerSide:
         self.failed_reqs = set()
         if self.meta is None:
             return
+        # the forward fills both cores on a CPU engine: mapping cache memory ahead waits until the step ends
+        self.engine.premap(0, is_paused=not self.meta.is_idle)
         for spec in self.meta.loads:
             if spec.is_async:
                 self._tier_touched = True
@@ -252,6 +258,7 @@ class WorkerSide:
         if self.stats_path and self.meta is not None and self.meta.loads:
             self.write_stats()
         self.saves = []
+        self.engine.premap(0, is_paused=False)
 
     def finished_loads(self) -> set[str]:
         """Requests whose asynchronous load ended (loaded, or failed with its blocks reported)."""
