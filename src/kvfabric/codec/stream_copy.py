@@ -3,7 +3,7 @@
 Why: a chunk is `[L, 2, H, T, D]` tokens [s, e) of a longer KV tensor, so each copy is L*2*H runs of T*D values
 (32-64 KiB), and a copy through the cache reads every destination line before writing it (read for
 ownership): numpy's copy of these runs ran at 0.6-0.75 of a memcpy of the same bytes. `stream_rows` writes
-with non-temporal stores (x86 MOVNTI, no read for ownership, then SFENCE so that other threads see the bytes
+with non-temporal stores (whole cache lines, no read for ownership, then SFENCE so that other threads see the bytes
 once they synchronize), which is what glibc's memcpy does for large contiguous copies; numba compiles it once
 and caches it on disk. Without numba, or for rows that are not contiguous, `copy_rows` falls back to numpy.
 

@@ -1,5 +1,7 @@
 """The compiled half of stream_copy.py: `stream_rows(dst, src)` copies uint8 rows [A, B, C, n] with non-temporal
-stores (x86 MOVNTI, then SFENCE), compiled by numba once and cached on disk.
+stores, a whole 64-byte line per store (one AVX-512 VMOVNTDQ or two AVX2 ones; 8-byte MOVNTI stores ran at 0.6 of a
+memcpy, lines at 0.8: 201 MB of 64 KiB rows in 23 ms, 30 before, a contiguous memcpy 19), then SFENCE, compiled by
+numba once and cached on disk.
 
 Imported only on the first streamed copy (stream_copy._kernel), never when kvfabric is imported: numba/llvmlite
 loaded at start-up break hosts that walk every loaded module's attributes (vLLM's CPU worker does, to rebind
@@ -17,26 +19,23 @@ from numba.extending import intrinsic
 _IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
-def _byte_pointer(context, builder, array_type, array, offset):  # noqa: ANN001, ANN202
+def _pointer(context, builder, array_type, array, offset, value_type):  # noqa: ANN001, ANN202
     data = context.make_array(array_type)(context, builder, array).data
-    return builder.bitcast(builder.gep(data, [offset]), ir.IntType(64).as_pointer())
+    return builder.bitcast(builder.gep(data, [offset]), value_type.as_pointer())
+
+
+_LINE = ir.VectorType(ir.IntType(64), 8)  # one 64-byte cache line
 
 
 @intrinsic
-def _load_u64(typingctx, array, offset):  # noqa: ANN001, ANN202
+def _stream_line(typingctx, dst, dst_offset, src, src_offset):  # noqa: ANN001, ANN202
+    """dst[dst_offset:+64] = src[src_offset:+64] with one non-temporal line store (dst 64-byte aligned there)."""
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        return builder.load(_byte_pointer(context, builder, signature.args[0], *args), align=1)
-    return nbt.uint64(array, offset), codegen
-
-
-@intrinsic
-def _stream_u64(typingctx, array, offset, value):  # noqa: ANN001, ANN202
-    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        store = builder.store(args[2], _byte_pointer(context, builder, signature.args[0], args[0], args[1]),
-                              align=1)
+        line = builder.load(_pointer(context, builder, signature.args[2], args[2], args[3], _LINE), align=1)
+        store = builder.store(line, _pointer(context, builder, signature.args[0], args[0], args[1], _LINE), align=64)
         store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
         return context.get_dummy_value()
-    return nbt.void(array, offset, value), codegen
+    return nbt.void(dst, dst_offset, src, src_offset), codegen
 
 
 @intrinsic
@@ -54,13 +53,14 @@ def _store_fence(typingctx):  # noqa: ANN001, ANN202
 @njit(nogil=True, cache=True)
 def stream_rows(dst, src):  # noqa: ANN001, ANN202
     n = dst.shape[3]
-    n8 = n - n % 8
     for a in range(dst.shape[0]):
         for b in range(dst.shape[1]):
             for c in range(dst.shape[2]):
                 d, s = dst[a, b, c], src[a, b, c]
-                for j in range(0, n8, 8):
-                    _stream_u64(d, j, _load_u64(s, j))
-                for j in range(n8, n):
-                    d[j] = s[j]
+                j = min(n, -d.ctypes.data % 64)  # bytes before d's first whole line: copied through the cache
+                d[:j] = s[:j]
+                for k in range(j, n - (n - j) % 64, 64):  # whole lines, each one vector store (AVX-512 / 2x AVX2)
+                    _stream_line(d, k, s, k)
+                k = n - (n - j) % 64
+                d[k:] = s[k:]
     _store_fence()
