@@ -115,15 +115,17 @@ def test_unsealed_blob_is_served_in_process_and_sealed_for_peers():
 def test_premap_maps_buffers_of_the_largest_size_ahead_within_the_budget():
     budget = [10 * (BLOB_BYTES + ALIGN)]
     pool = BlobPool(lambda: budget[0], premap_bytes=4 * BLOB_BYTES)
-    assert pool.wait_premapped(5) and pool.num_premapped == 0  # no size asked for yet: nothing mapped
-    first = pool.take(BLOB_BYTES)  # a fresh buffer, and the premap thread learns the size
+    first = pool.take(BLOB_BYTES)  # a fresh buffer: no size expected yet, nothing is mapped ahead
+    assert pool.wait_premapped(5) and pool.num_premapped == 0
+    pool.expect(BLOB_BYTES)
     assert pool.wait_premapped(30)
     assert pool.num_premapped == 4 and pool.num_free_bytes == 4 * BLOB_BYTES
     blobs = [pool.take(BLOB_BYTES) for _ in range(4)]
     assert pool.num_fresh == 1 and pool.num_reused == 4  # all four came mapped ahead
     assert all((address(b) + 0) % ALIGN == 0 for b in blobs)
-    small = pool.take(BLOB_BYTES // 2)  # smaller than the ahead size: not premapped
-    assert pool.wait_premapped(30) and BLOB_BYTES // 2 not in {len(b) for b in pool._free.get(BLOB_BYTES // 2, [])}
+    small = pool.take(BLOB_BYTES // 2)  # not the expected size: not mapped ahead
+    pool.expect(BLOB_BYTES // 2)  # smaller than the size expected before: ignored
+    assert pool.wait_premapped(30) and not pool._free.get(BLOB_BYTES // 2)
     num_premapped = pool.num_premapped
     budget[0] = BLOB_BYTES  # the tier filled up: nothing more is mapped ahead while the free ones exceed it
     again = pool.take(BLOB_BYTES)
@@ -135,6 +137,7 @@ def test_premap_maps_buffers_of_the_largest_size_ahead_within_the_budget():
 
 def test_cpu_tier_close_stops_its_premap_thread():
     tier = CpuTier(8 * BLOB_BYTES, premap_bytes=2 * BLOB_BYTES)
+    tier.premap(BLOB_BYTES)
     blob = tier.new_blob(BLOB_BYTES)
     blob[:] = make_blob(key(1), seed=1)
     assert tier.put(key(1), blob)

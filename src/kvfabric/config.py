@@ -90,8 +90,8 @@ class CpuTierConfig(_TierSection):
     eviction: EvictionName = "lru"  # which chunk leaves when the tier is full (heat: best on the Mooncake
     # traces, +1.6 to +5 points of prefix hits, but its bookkeeping costs ~2x LRU's: over 2 us/access here)
     admission: AdmissionName = "always"  # whether a new chunk is stored at all ("second": on its second miss)
-    premap: ByteSizeOrZero = 512 * 2**20  # free chunk buffers a background thread keeps mapped ahead of the stores (0:
-    # none): a store into fresh memory faults every page in, on the saving thread (vLLM's engine thread)
+    premap: ByteSizeOrZero = 512 * 2**20  # free chunk buffers a background thread keeps mapped ahead of the saves of
+    # the vLLM worker, between steps (0: none): a save into fresh memory faults every page in on the engine thread
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,8 +5,9 @@ A reader holding a blob keeps it alive after eviction (Python references), and p
 `new_blob` hands out buffers of dropped chunks (tiers/pool.py): the pool never recycles a buffer that a reader,
 a view, or a queued write to a slower tier still references, and the tier's chunks plus its free buffers stay
 within 1.125 x `capacity_bytes` plus two buffers (the free ones within what the chunks leave, or an eighth).
-With `premap_bytes`, up to that many free buffers of a full chunk's size are mapped ahead of the stores by a
-background thread (tiers/pool.py), so a store into a tier that is still filling up faults no fresh pages.
+With `premap_bytes`, once `premap(size)` names a full chunk's blob size, up to that many free buffers of it are
+mapped ahead of the stores by a background thread (tiers/pool.py), so a store into a tier that is still filling
+up faults no fresh pages (the vLLM worker asks at attach; an in-process engine only if its owner calls it).
 """
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ Contract:
 - Free buffers are bounded by `budget()` bytes, or MIN_KEPT buffers when that is more (the cpu tier passes what
   its chunks leave of its capacity, at least an eighth of it); `clear()` lets go of all of them.
 - Blobs the pool did not make (bytes, bytearrays) are ignored by `give`. Thread-safe.
-- With `premap_bytes` > 0, a background thread keeps up to that many free buffers of the largest size taken so far
-  (a full chunk's blob) mapped ahead of `take`, within the budget: a tier that is still filling up hands out
+- With `premap_bytes` > 0, a background thread keeps up to that many free buffers of the size named by `expect`
+  (a full chunk's blob; nothing before that call) mapped ahead of `take`, within the budget: a tier that is still filling up hands out
   buffers mapped off the caller's thread. Why: growing a process by fresh memory costs far more than a copy on
   some hosts (2.3 ms per MB in the gVisor-like sandbox we measure on, 15 memcpys of the same bytes; ~0.15 ms per MB
   on bare Linux), and a vLLM save writes its blobs on the engine's thread. The thread inherits its creator's CPU
@@ -74,8 +74,8 @@ class BlobPool:
             self._premapper.start()
 
     def expect(self, size: int) -> None:
-        """Buffers of `size` will be taken: map them ahead from now (when premapping, and at least as large as any
-        size before; each take of that size wakes the premap thread to replace the buffer)."""
+        """Buffers of `size` will be taken: map them ahead from now, and after each take of that size (when
+        premapping, and `size` at least as large as any expected before)."""
         with self._lock:
             if size >= self._ahead_size and self._premapper is not None:
                 self._ahead_size = size
@@ -89,8 +89,9 @@ class BlobPool:
                 self._wake.notify_all()
 
     def take(self, size: int) -> memoryview:
-        self.expect(size)
         with self._lock:
+            if size == self._ahead_size:  # the premap thread replaces the buffer this take uses
+                self._wake.notify_all()
             bucket = self._free.get(size)
             for _ in range(min(len(bucket), NUM_TRIED) if bucket else 0):
                 if _refs(bucket) == self._unreferenced:
