@@ -27,8 +27,8 @@ from kvfabric.tiers.stack import TierStack
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
 DECLARATIONS = ("is_trusted", "is_read_only", "is_persistent", "is_shared", "honors_capacity", "honors_pins",
                 "is_zero_copy")
-METHODS = ("contains_many", "get", "get_into", "prefetch", "file_of", "put", "delete", "keys", "usage", "pin",
-           "unpin", "clear", "close")
+METHODS = ("contains_many", "get", "get_into", "prefetch", "premap", "new_blob", "file_of", "put", "delete", "keys",
+           "usage", "pin", "unpin", "clear", "close")
 
 
 def make_blob(key: bytes, num_tokens: int = 16, seed: int = 0) -> bytes:
@@ -96,6 +96,15 @@ class TierContract:
         tier.delete(key(1))  # the writer reuses the entry: a reader that copied from the view must know
         assert not view.is_current()
         assert tier.get_view(key(1)) is None
+
+    def test_premap_then_new_blob(self, tier):
+        # The vLLM worker names its chunk size to the first writable tier of any kind (a P/D pool is shm only).
+        tier.premap(4096)
+        tier.premap(4096, is_paused=True)
+        tier.premap(4096, is_paused=False)
+        blob = tier.new_blob(4096)
+        assert len(blob) == 4096
+        memoryview(blob)[:1] = b"x"
 
     def test_missing_key_is_none(self, tier):
         assert tier.get(key(99)) is None

@@ -178,6 +178,9 @@ class TierBase:
     def prefetch(self, keys: Sequence[bytes]) -> None:
         """A hint that `get` will soon ask for these keys; by default nothing to do."""
 
+    def premap(self, size: int, is_paused: bool = False) -> None:
+        """A hint that `new_blob(size)` will be asked for; by default nothing to map ahead (fresh memory)."""
+
     def file_of(self, key: bytes) -> Path | None:
         """The immutable file holding this chunk, if the tier keeps chunks as files; by default None."""
         return None
