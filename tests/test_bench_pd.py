@@ -35,3 +35,15 @@ def test_p2p_pair_config_is_a_cluster_of_two_serving_process_memory(tmp_path):
     assert all(c.tiers == ("cpu", "peer") and c.cpu.capacity == 64 << 20 for c in configs)
     assert [c.cluster.instance_id for c in configs] == ["prefill", "decode"]
     assert all(c.cluster.serve_tiers == ("cpu",) and not c.cluster.keep_fetched for c in configs)
+
+
+def test_loaded_counters_are_read_from_the_stats_file_and_subtracted(tmp_path):
+    from kvfabric.bench.pd import Loaded, _loaded
+
+    stats = tmp_path / "decode.json"
+    assert _loaded(stats) == Loaded()  # not written yet
+    stats.write_text('{"connector": {"load_read_ns": 3000000000, "load_scatter_ns": 1000000000, '
+                     '"load_verify_ns": 500000000, "bytes_loaded.shm": 70, "bytes_loaded.disk": 30}}')
+    got = _loaded(stats)
+    assert got == Loaded(3.0, 1.0, 0.5, 100)
+    assert got.minus(Loaded(1.0, 0.25, 0.5, 40)) == Loaded(2.0, 0.75, 0.0, 60)

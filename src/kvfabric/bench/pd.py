@@ -10,8 +10,11 @@ Paths (each started here, one after the other, never two pairs at once):
                instance finds it through the controller and fetches it (tier "peer")
     redis      the same pair sharing KV through a Redis server (`--redis-url`; skipped without)
 
-Per (path, prompt size, concurrency): TTFT mean and P99 measured on the client through the proxy (prefill + decode
-first token), `transfer_s`: the decode instance's mean KV load time per request (its connector's counters),
+Per (path, prompt size, concurrency), REQUESTS distinct prompts (or `concurrency`, where more): TTFT mean and P99
+measured on the client through the proxy (prefill + decode first token), `transfer_s`: the decode instance's KV
+load time per request (its connector's counters; at concurrency 1 the median of one sample per request, in
+`transfer_samples`, else the group's mean), `scatter_s` / `verify_s`: the copies into the paged cache and the
+payload checks within it (CPU time of the load threads, per request),
 `memcpy_s`: the same bytes copied in memory once, `socket_s`: the same bytes over a raw loopback socket, both
 measured in this run; `e2e_mean_s`: to the end of the answer's stream; `kv_bytes_per_token` (measured) and
 `copies` (of each of those bytes on the path, see COPIES); `same_output`: greedy text equal to the colocated
@@ -43,7 +46,8 @@ from kvfabric.pd.proxy import ProxyThread
 from kvfabric.tiers.shm import ShmTier
 
 CHUNK = 256
-CHUNK_BYTES = 1 << 20  # the raw socket baseline sends the bytes in pieces of this size
+CHUNK_BYTES = 1 << 20
+REQUESTS = 5  # per group at least: transfer_s is a median of at least 5 samples  # the raw socket baseline sends the bytes in pieces of this size
 PATHS = ("colocated", "shm", "p2p", "redis")  # redis only with a server's URL
 # Copies of each KV byte from the prefill instance's paged cache to the decode instance's, by path (counted from
 # the code, not measured): shm: the gather into a chunk blob, its write into the pool, the scatter straight out
@@ -103,11 +107,25 @@ class Answer:
 
 
 @dataclass(frozen=True, slots=True)
+class Loaded:
+    """A decode instance's load counters so far (its connector's stats file)."""
+    read_s: float = 0.0  # load time, summed over loads
+    scatter_s: float = 0.0  # copies into the paged cache, summed over the load threads
+    verify_s: float = 0.0  # payload checks, summed over the load threads
+    num_bytes: int = 0
+
+    def minus(self, other: Loaded) -> Loaded:
+        return Loaded(self.read_s - other.read_s, self.scatter_s - other.scatter_s, self.verify_s - other.verify_s,
+                      self.num_bytes - other.num_bytes)
+
+
+@dataclass(frozen=True, slots=True)
 class GroupResult:
-    """One path's (prompt size, concurrency) group: per request, and the decode instance's mean transfer."""
+    """One path's (prompt size, concurrency) group: per request, and the decode instance's transfers."""
     answers: list[Answer]
-    transfer_s: float  # the decode instance's KV load time per request (its connector's counters)
-    num_bytes: int  # KV bytes it loaded per request
+    transfer_s: float  # the decode instance's KV load time per request (median of transfer_samples, or the mean)
+    transfer_samples: list[float]  # one per request at concurrency 1, else empty
+    per_request: Loaded  # the group's load counters / its requests
 
 
 def ask(client: httpx.Client, model: str, prompt: list[int], max_tokens: int) -> Answer:
@@ -149,13 +167,15 @@ def copy_baselines(num_bytes: int, repeats: int = 5) -> tuple[float, float]:
     return memcpy_s, socket_s
 
 
-def _loaded(stats: Path) -> tuple[int, int]:
-    """(load_read_ns, bytes loaded) so far by a decode instance (its connector's stats file)."""
+def _loaded(stats: Path) -> Loaded:
+    """What a decode instance has loaded so far (its connector's stats file)."""
     try:
         counters = json.loads(stats.read_text())["connector"]
     except (OSError, ValueError, KeyError):
-        return 0, 0
-    return counters.get("load_read_ns", 0), sum(v for k, v in counters.items() if k.startswith("bytes_loaded."))
+        return Loaded()
+    return Loaded(counters.get("load_read_ns", 0) / 1e9, counters.get("load_scatter_ns", 0) / 1e9,
+                  counters.get("load_verify_ns", 0) / 1e9,
+                  sum(v for k, v in counters.items() if k.startswith("bytes_loaded.")))
 
 
 def run_path(path: str, python: str, model: str, work: Path, groups: list[tuple[int, int]], max_tokens: int,
@@ -190,13 +210,22 @@ def run_path(path: str, python: str, model: str, work: Path, groups: list[tuple[
             url = stack.enter_context(ProxyThread(prefill.base_url, decode.base_url, free_port())).url
         drive(url, prompts_of(64, 1, seed=999), 1, 2)  # warm-up
         for num_tokens, concurrency in groups:
-            prompts = prompts_of(num_tokens, max(2, concurrency), seed=num_tokens * 10 + concurrency)
-            before = _loaded(stats)
-            results = drive(url, prompts, concurrency, max_tokens)
-            after = _loaded(stats)
+            prompts = prompts_of(num_tokens, max(REQUESTS, concurrency), seed=num_tokens * 10 + concurrency)
+            first = before = _loaded(stats)
+            if concurrency == 1:  # one at a time: a transfer sample per request
+                results, samples = [], []
+                for prompt in prompts:
+                    results += drive(url, [prompt], 1, max_tokens)
+                    after = _loaded(stats)
+                    samples.append(after.minus(before).read_s)
+                    before = after
+            else:
+                results, samples = drive(url, prompts, concurrency, max_tokens), []
+            total = _loaded(stats).minus(first)
             n = len(prompts)
-            out[(num_tokens, concurrency)] = GroupResult(results, (after[0] - before[0]) / 1e9 / n,
-                                                         (after[1] - before[1]) // n)
+            per_request = Loaded(total.read_s / n, total.scatter_s / n, total.verify_s / n, total.num_bytes // n)
+            out[(num_tokens, concurrency)] = GroupResult(
+                results, statistics.median(samples) if samples else per_request.read_s, samples, per_request)
             log(f"[bench pd] {path} {num_tokens} tokens x{concurrency}: ttft "
                 f"{statistics.fmean(a.ttft_s for a in results):.2f} s")
     return out
@@ -226,7 +255,7 @@ def run(sizes: list[int], concurrencies: list[int], as_json: bool = False, max_t
             got, base = results[path][group], results["colocated"][group]
             ttfts = [a.ttft_s for a in got.answers]
             is_pd = path != "colocated"
-            ttft, transfer_s, num_bytes = statistics.fmean(ttfts), got.transfer_s, got.num_bytes
+            ttft, transfer_s, num_bytes = statistics.fmean(ttfts), got.transfer_s, got.per_request.num_bytes
             memcpy_s, socket_s = copy_baselines(num_bytes) if num_bytes else (None, None)
             rows.append({"path": path, "prompt_tokens": group[0], "concurrency": group[1], "requests": len(ttfts),
                          "ttft_mean_s": ttft, "ttft_p99_s": percentile(ttfts, 99),
@@ -234,14 +263,18 @@ def run(sizes: list[int], concurrencies: list[int], as_json: bool = False, max_t
                          "e2e_mean_s": statistics.fmean(a.e2e_s for a in got.answers),
                          "transfer_s": transfer_s if is_pd else None,
                          "transfer_share": transfer_s / ttft if is_pd else None,
+                         "transfer_samples": got.transfer_samples if is_pd else None,
+                         "scatter_s": got.per_request.scatter_s if is_pd else None,
+                         "verify_s": got.per_request.verify_s if is_pd else None,
                          "bytes_per_request": num_bytes,
                          "kv_bytes_per_token": num_bytes / group[0] if is_pd else None,
                          "copies": COPIES.get(path), "memcpy_s": memcpy_s, "socket_s": socket_s,
                          "transfer_vs_memcpy": transfer_s / memcpy_s if memcpy_s else None,
+                         "verify_vs_memcpy": got.per_request.verify_s / memcpy_s if memcpy_s and is_pd else None,
                          "socket_gbps": num_bytes / socket_s / 1e9 if socket_s else None,
                          "same_output": [a.text for a in got.answers] == [a.text for a in base.answers]
                          if is_pd else None})
     emit(rows, as_json, "bench pd: prefill/decode disaggregation (TTFT on the client, through pd-proxy)",
          ["path", "prompt_tokens", "concurrency", "ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "transfer_s",
-          "memcpy_s", "socket_s", "transfer_vs_memcpy", "copies", "same_output"])
+          "scatter_s", "verify_s", "memcpy_s", "socket_s", "transfer_vs_memcpy", "copies", "same_output"])
     return rows
