@@ -57,3 +57,21 @@ def test_a_source_shorter_than_its_slabs_is_refused():
     with pytest.raises(ValueError, match="slabs"):
         placer.place(runs, payload[0].nbytes, src=payload.reshape(-1).view(np.uint8)[:-2], check=True)
     placer.close()
+
+
+@pytest.mark.parametrize("misalign", [2, 8, 40, 62])
+def test_destinations_off_a_cache_line_are_copied_exactly(misalign):
+    # the copies stream whole 64-byte lines of the destination: the bytes before its first line and after its
+    # last go through the cache
+    layers, payload, staging, runs = _setup(4)
+    nbytes = layers[0].nbytes
+    raw = [np.zeros(nbytes + 128, dtype=np.uint8) for _ in layers]
+    starts = [(-r.ctypes.data % 64) + misalign for r in raw]
+    layers = [r[at:at + nbytes].view(np.float16).reshape(layers[0].shape) for r, at in zip(raw, starts)]
+    placer = ChunkPlacer(layers, staging)
+    is_whole, _ = placer.place(runs, payload[0].nbytes, src=payload.reshape(-1).view(np.uint8), check=False)
+    assert is_whole
+    _expected(layers, payload, runs)
+    for r, at in zip(raw, starts):  # nothing written outside the layer
+        assert not r[:at].any() and not r[at + nbytes:].any()
+    placer.close()

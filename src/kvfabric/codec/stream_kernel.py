@@ -39,6 +39,17 @@ def _stream_line(typingctx, dst, dst_offset, src, src_offset):  # noqa: ANN001, 
 
 
 @intrinsic
+def _stream_line_at(typingctx, dst, src):  # noqa: ANN001, ANN202
+    """The 64 bytes at address src to address dst (64-byte aligned) with one non-temporal line store."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        line = builder.load(builder.inttoptr(args[1], _LINE.as_pointer()), align=1)
+        store = builder.store(line, builder.inttoptr(args[0], _LINE.as_pointer()), align=64)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+    return nbt.void(dst, src), codegen
+
+
+@intrinsic
 def _store_fence(typingctx):  # noqa: ANN001, ANN202
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
         if _IS_X86:  # non-temporal stores are weakly ordered: SFENCE orders them before later stores
@@ -63,4 +74,21 @@ def stream_rows(dst, src):  # noqa: ANN001, ANN202
                     _stream_line(d, k, s, k)
                 k = n - (n - j) % 64
                 d[k:] = s[k:]
+    _store_fence()
+
+
+@njit(nogil=True, inline="always")
+def stream_lines(dst, src, n):  # noqa: ANN001, ANN202
+    """Copy the whole 64-byte lines of n bytes from address src to address dst with non-temporal stores; dst must
+    be 64-byte aligned. Bytes copied (n rounded down to lines: the caller copies the rest through the cache and
+    calls store_fence before it publishes the copy)."""
+    whole = n - n % 64
+    for k in range(0, whole, 64):
+        _stream_line_at(dst + k, src + k)
+    return whole
+
+
+@njit(nogil=True, inline="always")
+def store_fence():  # noqa: ANN202
+    """Order every non-temporal store before the stores that follow (e.g. the flag that says a copy is done)."""
     _store_fence()

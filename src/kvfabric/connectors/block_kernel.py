@@ -22,6 +22,8 @@ import numpy as np
 import xxhash._xxhash
 from numba import njit
 
+from kvfabric.codec.stream_kernel import store_fence, stream_lines
+
 _SIZE = ctypes.c_size_t
 
 
@@ -54,6 +56,20 @@ def _now(clock):  # noqa: ANN001, ANN202
     return clock[0] * 1_000_000_000 + clock[1]
 
 
+@njit(nogil=True, inline="always")
+def _copy(dst, src, size):  # noqa: ANN001, ANN202
+    """size bytes from address src to address dst, the whole lines of dst with non-temporal stores. Why: a piece
+    is below the size at which memcpy streams, so its stores would first read each destination line into the
+    cache (read for ownership) and then evict it: a third more memory traffic, for KV the forward reads much
+    later (measured: the copies of a 4k load at 1.09 of one large memcpy with memcpy per piece)."""
+    head = min(size, (64 - dst % 64) % 64)
+    if head:
+        _MEMCPY(dst, src, head)
+    done = head + stream_lines(dst + head, src + head, size - head)
+    if done < size:
+        _MEMCPY(dst + done, src + done, size - done)
+
+
 PIECE_BYTES = 128 << 10  # a piece read, copied and hashed while it is in L2 (2 MiB a core here)
 
 
@@ -74,17 +90,19 @@ def _place(fd, file_offset, src, slab_bytes, staging, state, dst, runs, block_by
             base = src + layer * slab_bytes  # the address block 0 of this slab has (or would have)
             if fd >= 0:
                 if _PREAD(fd, staging, size, file_offset + layer * slab_bytes + first * block_bytes) != size:
+                    store_fence()
                     return layer
                 base = staging - first * block_bytes
             for r in range(runs.shape[0]):
                 lo, hi = max(runs[r, 0], first), min(runs[r, 0] + runs[r, 2], last)
                 if lo < hi:
-                    _MEMCPY(dst[layer] + (runs[r, 1] + lo - runs[r, 0]) * block_bytes, base + lo * block_bytes,
-                            (hi - lo) * block_bytes)
+                    _copy(dst[layer] + (runs[r, 1] + lo - runs[r, 0]) * block_bytes, base + lo * block_bytes,
+                          (hi - lo) * block_bytes)
             if state != 0:  # after the copy, which brought the piece into cache: the hash reads it from there
                 started = _now(clock)
                 _UPDATE(state, base + first * block_bytes, size)
                 clock[2] += _now(clock) - started
+    store_fence()  # the streamed stores are weakly ordered: all of them land before the load is reported done
     return dst.shape[0]
 
 
