@@ -42,8 +42,8 @@ def test_loaded_counters_are_read_from_the_stats_file_and_subtracted(tmp_path):
 
     stats = tmp_path / "decode.json"
     assert _loaded(stats) == Loaded()  # not written yet
-    stats.write_text('{"connector": {"load_read_ns": 3000000000, "load_scatter_ns": 1000000000, '
+    stats.write_text('{"connector": {"load_read_ns": 3000000000, "load_chunk_read_ns": 0, "load_scatter_ns": 1000000000, '
                      '"load_verify_ns": 500000000, "bytes_loaded.shm": 70, "bytes_loaded.disk": 30}}')
     got = _loaded(stats)
-    assert got == Loaded(3.0, 1.0, 0.5, 100)
-    assert got.minus(Loaded(1.0, 0.25, 0.5, 40)) == Loaded(2.0, 0.75, 0.0, 60)
+    assert got == Loaded(3.0, 0.0, 1.0, 0.5, 100)
+    assert got.minus(Loaded(1.0, 0.0, 0.25, 0.5, 40)) == Loaded(2.0, 0.0, 0.75, 0.0, 60)

@@ -13,8 +13,9 @@ Paths (each started here, one after the other, never two pairs at once):
 Per (path, prompt size, concurrency), REQUESTS distinct prompts (or `concurrency`, where more): TTFT mean and P99
 measured on the client through the proxy (prefill + decode first token), `transfer_s`: the decode instance's KV
 load time per request (its connector's counters; at concurrency 1 the median of one sample per request, in
-`transfer_samples`, else the group's mean), `scatter_s` / `verify_s`: the copies into the paged cache and the
-payload checks within it (CPU time of the load threads, per request),
+`transfer_samples`, else the group's mean), `chunk_read_s`: finding, opening and checking the chunks (wall time
+of the load threads), `scatter_s` / `verify_s`: the copies into the paged cache and the payload checks within
+them (CPU time of the load threads), each per request,
 `memcpy_s`: the same bytes copied in memory once, `socket_s`: the same bytes over a raw loopback socket, both
 measured in this run; `e2e_mean_s`: to the end of the answer's stream; `kv_bytes_per_token` (measured) and
 `copies` (of each of those bytes on the path, see COPIES); `same_output`: greedy text equal to the colocated
@@ -110,13 +111,14 @@ class Answer:
 class Loaded:
     """A decode instance's load counters so far (its connector's stats file)."""
     read_s: float = 0.0  # load time, summed over loads
+    chunk_read_s: float = 0.0  # finding, opening and checking chunks (wall time, summed over the load threads)
     scatter_s: float = 0.0  # copies into the paged cache, summed over the load threads
     verify_s: float = 0.0  # payload checks, summed over the load threads
     num_bytes: int = 0
 
     def minus(self, other: Loaded) -> Loaded:
-        return Loaded(self.read_s - other.read_s, self.scatter_s - other.scatter_s, self.verify_s - other.verify_s,
-                      self.num_bytes - other.num_bytes)
+        return Loaded(self.read_s - other.read_s, self.chunk_read_s - other.chunk_read_s,
+                      self.scatter_s - other.scatter_s, self.verify_s - other.verify_s, self.num_bytes - other.num_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +175,8 @@ def _loaded(stats: Path) -> Loaded:
         counters = json.loads(stats.read_text())["connector"]
     except (OSError, ValueError, KeyError):
         return Loaded()
-    return Loaded(counters.get("load_read_ns", 0) / 1e9, counters.get("load_scatter_ns", 0) / 1e9,
+    return Loaded(counters.get("load_read_ns", 0) / 1e9, counters.get("load_chunk_read_ns", 0) / 1e9,
+                  counters.get("load_scatter_ns", 0) / 1e9,
                   counters.get("load_verify_ns", 0) / 1e9,
                   sum(v for k, v in counters.items() if k.startswith("bytes_loaded.")))
 
@@ -223,7 +226,8 @@ def run_path(path: str, python: str, model: str, work: Path, groups: list[tuple[
                 results, samples = drive(url, prompts, concurrency, max_tokens), []
             total = _loaded(stats).minus(first)
             n = len(prompts)
-            per_request = Loaded(total.read_s / n, total.scatter_s / n, total.verify_s / n, total.num_bytes // n)
+            per_request = Loaded(total.read_s / n, total.chunk_read_s / n, total.scatter_s / n, total.verify_s / n,
+                                 total.num_bytes // n)
             out[(num_tokens, concurrency)] = GroupResult(
                 results, statistics.median(samples) if samples else per_request.read_s, samples, per_request)
             log(f"[bench pd] {path} {num_tokens} tokens x{concurrency}: ttft "
@@ -264,6 +268,7 @@ def run(sizes: list[int], concurrencies: list[int], as_json: bool = False, max_t
                          "transfer_s": transfer_s if is_pd else None,
                          "transfer_share": transfer_s / ttft if is_pd else None,
                          "transfer_samples": got.transfer_samples if is_pd else None,
+                         "chunk_read_s": got.per_request.chunk_read_s if is_pd else None,
                          "scatter_s": got.per_request.scatter_s if is_pd else None,
                          "verify_s": got.per_request.verify_s if is_pd else None,
                          "bytes_per_request": num_bytes,
