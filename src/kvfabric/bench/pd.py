@@ -47,8 +47,8 @@ from kvfabric.pd.proxy import ProxyThread
 from kvfabric.tiers.shm import ShmTier
 
 CHUNK = 256
-CHUNK_BYTES = 1 << 20
-REQUESTS = 5  # per group at least: transfer_s is a median of at least 5 samples  # the raw socket baseline sends the bytes in pieces of this size
+CHUNK_BYTES = 1 << 20  # the raw socket baseline sends the bytes in pieces of this size
+REQUESTS = 5  # per group at least: transfer_s is a median of at least 5 samples
 PATHS = ("colocated", "shm", "p2p", "redis")  # redis only with a server's URL
 # Copies of each KV byte from the prefill instance's paged cache to the decode instance's, by path (counted from
 # the code, not measured): shm: the gather into a chunk blob, its write into the pool, the scatter straight out
