@@ -47,3 +47,25 @@ def test_populated_empty_is_resident_before_its_first_write():
     first = array.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
     length = -(-(array.ctypes.data + array.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE - first
     assert _resident_pages(first, length) == length // mmap.PAGESIZE
+
+
+def test_map_file_maps_the_range_read_only_or_says_the_file_is_short(tmp_path):
+    import os
+
+    import numpy as np
+
+    data = np.random.default_rng(0).integers(0, 255, 3 * 4096 + 77, dtype=np.uint8)
+    path = tmp_path / "f"
+    data.tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapping = pages.map_file(fd, 128, data.size - 128)  # an offset inside a page, as a chunk's payload has
+        assert mapping is not None and np.array_equal(mapping.array, data[128:])
+        with pytest.raises(ValueError):
+            mapping.array[0] = 1  # read-only
+        mapping.close()
+        assert mapping.array is None
+        assert pages.map_file(fd, 128, data.size - 127) is None  # one byte past the end: not mapped
+        assert pages.map_file(fd, 0, 0) is None
+    finally:
+        os.close(fd)

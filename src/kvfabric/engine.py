@@ -70,6 +70,7 @@ from kvfabric.events import ChunkEvents, EventPublisher
 from kvfabric.hashing import ChunkKey, chunk_keys, root_key
 from kvfabric.layout import KVLayout
 from kvfabric.metrics import EngineCollector, Histograms, MetricsEndpoint, engine_registry
+from kvfabric.pages import FileMapping, map_file
 from kvfabric.tiers.base import Blob, RangedBlob, Scratch, Tier, TierUsage, TierView
 from kvfabric.tiers.factory import build_tiers, codec_spec
 from kvfabric.tiers.policies import NO_META, AccessMeta, prefill_cost_s
@@ -121,6 +122,14 @@ class SlabReader:
         self.dtype = WORD_DTYPES[layout.itemsize]
         self.fd = source.fd  # for a native reader (connectors.block_kernel): slab i at file_offset + i * slab_bytes
         self.file_offset = HEADER_BYTES
+        self.payload_bytes = header.payload_len
+
+    def map_payload(self) -> FileMapping | None:
+        """The whole payload mapped from the chunk file (`pages.map_file`: no copy into a buffer), or None where
+        the source is not a file or the file is shorter than its header says (read by slabs then: found short)."""
+        if self.fd is None or self.fd < 0:
+            return None
+        return map_file(self.fd, self.file_offset, self.payload_bytes)
 
     def slab(self, index: int) -> np.ndarray | None:
         buf = self.scratch.view(self.slab_bytes)

@@ -9,6 +9,12 @@ a fresh process-memory blob) are populated when they are made, not faulted in du
 - `populate(address, size)` maps the pages of [address, address + size) for writing, contents unchanged;
   on a kernel without MADV_POPULATE_WRITE (Linux < 5.14) each page gets one write of the byte it holds.
 - `populated_empty(size)` is `np.empty(size, uint8)` with its pages populated.
+- `map_file(fd, offset, size)` maps [offset, offset + size) of a file read-only with its page-table entries made
+  at once (MAP_POPULATE): a reader copies straight out of the page cache, one copy fewer than `pread` into a
+  buffer (an 8k load's 377 MB from cached chunk files, hashed and copied: 33 ms, 55 ms through pread pieces, a
+  memcpy 30 ms). None where the file is shorter. A file truncated while mapped raises SIGBUS on access:
+  kvfabric never truncates a chunk file (it writes a new one and renames it), and the caller closes the mapping
+  right after its copy.
 
 Huge pages are not asked for: MADV_HUGEPAGE on malloc'd buffers measured slower here (0.43 s per 48 MB).
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
+import os
 
 import numpy as np
 
@@ -47,3 +54,24 @@ def populated_empty(size: int) -> np.ndarray:
     array = np.empty(size, dtype=np.uint8)
     populate(array.ctypes.data, size)
     return array
+
+
+class FileMapping:
+    """A read-only mapping of part of a file: `array`, uint8. `close()` it as soon as the copy out of it is done."""
+    __slots__ = ("_mm", "array")
+
+    def __init__(self, mm: mmap.mmap, offset: int, size: int) -> None:
+        self._mm = mm
+        self.array: np.ndarray | None = np.frombuffer(mm, dtype=np.uint8, count=size, offset=offset)
+
+    def close(self) -> None:
+        self.array = None  # the buffer export first: a mapping with an exported view cannot close
+        self._mm.close()
+
+
+def map_file(fd: int, offset: int, size: int) -> FileMapping | None:
+    """[offset, offset + size) of the file open as fd, mapped read-only and populated; None when it is shorter."""
+    if size <= 0 or os.fstat(fd).st_size < offset + size:
+        return None
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return FileMapping(mmap.mmap(fd, offset + size, flags=flags, prot=mmap.PROT_READ), offset, size)

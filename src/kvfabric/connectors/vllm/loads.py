@@ -322,7 +322,13 @@ class Loader:
         runs = self._runs(job, i) if placer is not None and hit.blocks is not None and hit.layers is None else None
         if runs is not None:  # one native call: read, hash and copy every layer's slab
             check = hit.unchecked_sum is not None
-            if hit.reader is not None:
+            mapping = hit.reader.map_payload() if hit.reader is not None else None
+            if mapping is not None:  # straight out of the page cache: no pread copy into the staging buffer
+                try:
+                    is_whole, digest_sum = placer.place(runs, hit.reader.slab_bytes, src=mapping.array, check=check)
+                finally:
+                    mapping.close()
+            elif hit.reader is not None:  # a file shorter than its header says: found short, slab by slab
                 is_whole, digest_sum = placer.place(runs, hit.reader.slab_bytes, fd=hit.reader.fd,
                                                     file_offset=hit.reader.file_offset, check=check)
             else:
