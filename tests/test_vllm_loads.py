@@ -286,8 +286,17 @@ def test_async_load_of_block_layout_chunks_checks_them_while_copying(tmp_path):
         engine.close()
 
 
+def _fresh_loader(config):
+    """(engine, zeroed paged layers, a loader bound to them) over chunks stored before."""
+    engine = CacheEngine(config, LAYOUT, "m")
+    layers = [CpuPagedLayer(torch.zeros(20, 2, BLOCK, 16), BLOCK) for _ in range(LAYOUT.num_layers)]
+    loader = Loader(engine, Counters(), BLOCK, num_threads=2)
+    loader.bind(layers)
+    return engine, layers, loader
+
+
 def test_async_load_of_a_truncated_block_layout_chunk_is_recomputed(tmp_path):
-    """A chunk file shorter than its header says is not mapped (pages.map_file): read slab by slab, found short,
+    """A chunk file shorter than its header says (found before any mapping or by the slab reads) fails its chunk:
     its blocks and the rest of the load are recomputed; the chunks before it are in place."""
     config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
     source = [CpuPagedLayer(torch.randn(20, 2, BLOCK, 16), BLOCK) for _ in range(LAYOUT.num_layers)]
@@ -295,12 +304,9 @@ def test_async_load_of_a_truncated_block_layout_chunk_is_recomputed(tmp_path):
     keys = _store_blocks(config, source, table, list(range(1, 4 * CHUNK + 1)))
     path = next(tmp_path.glob(f"??/{keys[1].hex()}.kvc"))
     path.write_bytes(path.read_bytes()[:-100])
-    engine = CacheEngine(config, LAYOUT, "m")
-    layers = [CpuPagedLayer(torch.zeros(20, 2, BLOCK, 16), BLOCK) for _ in range(LAYOUT.num_layers)]
-    loader = Loader(engine, Counters(), BLOCK, num_threads=2)
-    loader.bind(layers)
+    engine, layers, loader = _fresh_loader(config)
+    dst = list(range(10, 18))
     try:
-        dst = [10, 11, 12, 13, 14, 15, 16, 17]
         loader.start_async(LoadSpec("r", keys, 0, 4 * CHUNK, dst, is_async=True))
         (outcome,) = _wait_async(loader)
         assert outcome.end == CHUNK and outcome.bad_blocks == (12, 13, 14, 15, 16, 17)
