@@ -38,9 +38,10 @@ Contract:
   engine's, token-major) are converted once and scattered. An async load verifies such a chunk while it copies
   it (``check_later``): each layer's slab is hashed right before its copy, while in cache, instead of a separate
   pass over the whole chunk; a mismatch is found before the load is reported and fails the chunk like a missing
-  one (its blocks are recomputed, the chunk is discarded). From the disk tier such a chunk is read one layer's
-  slab at a time into the thread's staging buffer (``ChunkHit.slab``), which stays in cache for the hash and
-  the copy: one pass over memory per byte, as in a plain read. Where numba is there, that whole chunk (read,
+  one (its blocks are recomputed, the chunk is discarded). From the disk tier such a chunk's file is mapped
+  (``SlabReader.map_payload``: page-table entries made at once) and copied straight out of the page cache, each
+  piece hashed right after its copy, while in cache; a file shorter than its header says is read one layer's
+  slab at a time into the thread's staging buffer (``ChunkHit.slab``) and found short. Where numba is there, that whole chunk (read,
   hash, copies, every layer) is one call that holds no GIL (``block_kernel.ChunkPlacer``, made per thread at
   `bind`): the engine thread holds the GIL most of the time, and each hand-back costs a loader thread up to a
   switch interval. A chunk whose part ends inside a block (a prompt's last block) is copied from Python.
