@@ -127,9 +127,7 @@ class SlabReader:
     def map_payload(self) -> FileMapping | None:
         """The whole payload mapped from the chunk file (`pages.map_file`: no copy into a buffer), or None where
         the source is not a file or the file is shorter than its header says (read by slabs then: found short)."""
-        if self.fd is None or self.fd < 0:
-            return None
-        return map_file(self.fd, self.file_offset, self.payload_bytes)
+        return map_file(self.fd, self.file_offset, self.payload_bytes) if self.fd >= 0 else None
 
     def slab(self, index: int) -> np.ndarray | None:
         buf = self.scratch.view(self.slab_bytes)

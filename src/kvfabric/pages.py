@@ -70,8 +70,12 @@ class FileMapping:
 
 
 def map_file(fd: int, offset: int, size: int) -> FileMapping | None:
-    """[offset, offset + size) of the file open as fd, mapped read-only and populated; None when it is shorter."""
-    if size <= 0 or os.fstat(fd).st_size < offset + size:
+    """[offset, offset + size) of the file open as fd, mapped read-only and populated; None when it is shorter or
+    cannot be mapped (the caller reads it instead)."""
+    try:
+        if size <= 0 or os.fstat(fd).st_size < offset + size:
+            return None
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return FileMapping(mmap.mmap(fd, offset + size, flags=flags, prot=mmap.PROT_READ), offset, size)
+    except OSError:
         return None
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    return FileMapping(mmap.mmap(fd, offset + size, flags=flags, prot=mmap.PROT_READ), offset, size)

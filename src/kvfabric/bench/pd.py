@@ -120,6 +120,10 @@ class Loaded:
         return Loaded(self.read_s - other.read_s, self.chunk_read_s - other.chunk_read_s,
                       self.scatter_s - other.scatter_s, self.verify_s - other.verify_s, self.num_bytes - other.num_bytes)
 
+    def per(self, n: int) -> Loaded:
+        return Loaded(self.read_s / n, self.chunk_read_s / n, self.scatter_s / n, self.verify_s / n,
+                      self.num_bytes // n)
+
 
 @dataclass(frozen=True, slots=True)
 class GroupResult:
@@ -224,10 +228,7 @@ def run_path(path: str, python: str, model: str, work: Path, groups: list[tuple[
                     before = after
             else:
                 results, samples = drive(url, prompts, concurrency, max_tokens), []
-            total = _loaded(stats).minus(first)
-            n = len(prompts)
-            per_request = Loaded(total.read_s / n, total.chunk_read_s / n, total.scatter_s / n, total.verify_s / n,
-                                 total.num_bytes // n)
+            per_request = _loaded(stats).minus(first).per(len(prompts))
             out[(num_tokens, concurrency)] = GroupResult(
                 results, statistics.median(samples) if samples else per_request.read_s, samples, per_request)
             log(f"[bench pd] {path} {num_tokens} tokens x{concurrency}: ttft "

@@ -19,23 +19,7 @@ from numba.extending import intrinsic
 _IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
-def _pointer(context, builder, array_type, array, offset, value_type):  # noqa: ANN001, ANN202
-    data = context.make_array(array_type)(context, builder, array).data
-    return builder.bitcast(builder.gep(data, [offset]), value_type.as_pointer())
-
-
 _LINE = ir.VectorType(ir.IntType(64), 8)  # one 64-byte cache line
-
-
-@intrinsic
-def _stream_line(typingctx, dst, dst_offset, src, src_offset):  # noqa: ANN001, ANN202
-    """dst[dst_offset:+64] = src[src_offset:+64] with one non-temporal line store (dst 64-byte aligned there)."""
-    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        line = builder.load(_pointer(context, builder, signature.args[2], args[2], args[3], _LINE), align=1)
-        store = builder.store(line, _pointer(context, builder, signature.args[0], args[0], args[1], _LINE), align=64)
-        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
-        return context.get_dummy_value()
-    return nbt.void(dst, dst_offset, src, src_offset), codegen
 
 
 @intrinsic
@@ -71,7 +55,7 @@ def stream_rows(dst, src):  # noqa: ANN001, ANN202
                 j = min(n, -d.ctypes.data % 64)  # bytes before d's first whole line: copied through the cache
                 d[:j] = s[:j]
                 for k in range(j, n - (n - j) % 64, 64):  # whole lines, each one vector store (AVX-512 / 2x AVX2)
-                    _stream_line(d, k, s, k)
+                    _stream_line_at(d.ctypes.data + k, s.ctypes.data + k)
                 k = n - (n - j) % 64
                 d[k:] = s[k:]
     _store_fence()
