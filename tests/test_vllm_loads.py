@@ -67,6 +67,26 @@ def test_async_load_places_every_layer(setup):
     assert not engine.tier_keys("cpu")  # read for vLLM's cache only: not promoted into process memory
 
 
+def test_idle_worker_thread_loads_the_chunks_itself(setup):
+    """help(): the thread that bound the layers (the worker's) claims and loads the chunks no loader thread took;
+    another thread has no placer or staging buffer and helps with nothing."""
+    engine, loader, layers, tokens, kv, _ = setup
+    loader.stop()  # no loader thread left: every chunk is the helper's
+    keys = engine.keys(tokens)
+    block_ids = [7, 3, 12, 0, 5, 9, 1, 18]
+    loader.start_async(LoadSpec("r", keys, 0, 4 * CHUNK, block_ids, is_async=True))
+    other = []
+    thread = threading.Thread(target=lambda: other.append(loader.help(5.0)))
+    thread.start()
+    thread.join()
+    assert other == [0] and loader.num_async == 1 and not loader.take_finished()
+    assert loader.help(5.0) == 4
+    (outcome,) = loader.take_finished()
+    assert outcome.end == 4 * CHUNK and not outcome.bad_blocks
+    assert torch.equal(_paged_kv(layers, block_ids, 0, 4 * CHUNK), kv)
+    assert loader.help(5.0) == 0  # nothing left to claim
+
+
 def test_async_load_stops_at_a_corrupt_chunk(setup):
     engine, loader, layers, tokens, kv, tmp_path = setup
     keys = engine.keys(tokens)

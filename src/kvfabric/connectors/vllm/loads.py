@@ -56,6 +56,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
@@ -69,6 +70,9 @@ from kvfabric.connectors.vllm.threads import release
 from kvfabric.counters import Counters
 from kvfabric.engine import CacheEngine, ChunkHit, ChunkMiss
 from kvfabric.tiers.base import Scratch
+
+if TYPE_CHECKING:
+    from kvfabric.connectors.block_kernel import ChunkPlacer
 
 logger = init_logger(__name__)
 
@@ -88,6 +92,7 @@ class _Job:
     chunk_size: int
     started: float = field(default_factory=time.perf_counter)
     num_left: int = 0
+    num_claimed: int = 0  # chunks [0, num_claimed) taken by a thread (the loader's or, on idle steps, the worker's)
     first_bad: int | None = None  # index of the first chunk that failed
     by_tier: dict[str, int] = field(default_factory=dict)
 
@@ -142,7 +147,8 @@ class Loader:
         self.layers: list[CpuPagedLayer] = []
         self.groups: list[int] = []
         self.window_layers: frozenset[int] = frozenset()
-        self._tasks: queue.Queue[tuple[_Job, int] | _Layered | _Warmup | None] = queue.Queue()
+        self._tasks: queue.Queue[_Job | _Layered | _Warmup | None] = queue.Queue()  # a _Job: claim its next chunk
+        self._active: list[_Job] = []  # async loads with chunks not yet claimed
         self._local = threading.local()  # per thread: its ChunkPlacer (None: copies from Python)
         self._num_threads = num_threads
         self._finished: list[LoadOutcome] = []
@@ -169,6 +175,11 @@ class Loader:
             warmup = _Warmup(threading.Barrier(self._num_threads), slab_bytes)
             for _ in range(self._num_threads):
                 self._tasks.put(warmup)
+            # the calling thread (the worker's) helps with async loads on idle steps (`help`): its own placer and
+            # staging buffer, made now
+            self._local.staging = Scratch()
+            self._local.staging.view(self.engine.chunk_blob_bytes())
+            self._local.placer = _make_placer(self.layers, slab_bytes)
 
     def _scatter(self, job: _Job, i: int, hit: ChunkHit, index: int, layer: CpuPagedLayer,
                  slab: np.ndarray | None = None) -> None:
@@ -192,11 +203,44 @@ class Loader:
         self.counters.add("loads_async")
         with self._cond:
             self._num_async += 1
+            if spec.keys:
+                self._active.append(job)
         if not spec.keys:
             self._finish(job)
             return
-        for i in range(len(spec.keys)):
-            self._tasks.put((job, i))
+        for _ in range(len(spec.keys)):
+            self._tasks.put(job)
+
+    def _claim(self, job: _Job) -> int | None:
+        """The index of job's next chunk, now this thread's to load, or None when every chunk is taken."""
+        with self._cond:
+            if job.num_claimed == len(job.spec.keys):
+                return None
+            job.num_claimed += 1
+            if job.num_claimed == len(job.spec.keys):
+                self._active.remove(job)
+            return job.num_claimed - 1
+
+    def help(self, budget_s: float) -> int:
+        """Load chunks of the started async loads on the calling thread (the worker's, at its own priority, not
+        niced) until none is left unclaimed or `budget_s` has passed: on a step with nothing scheduled the worker's
+        thread would only wait, and the loader's niced threads get a small share of a core that vLLM's own
+        busy-polling readers keep busy. Returns the number of chunks it loaded."""
+        staging = getattr(self._local, "staging", None)
+        if staging is None:  # not the thread that bound the layers
+            return 0
+        deadline = time.perf_counter() + budget_s
+        num_done = 0
+        while time.perf_counter() < deadline:
+            with self._cond:
+                job = self._active[0] if self._active else None
+            if job is None:
+                break
+            if (i := self._claim(job)) is not None:
+                self._run_chunk(job, i, staging)
+                num_done += 1
+        self.counters.add("load_helped_chunks", num_done)
+        return num_done
 
     @property
     def num_async(self) -> int:
@@ -246,13 +290,14 @@ class Loader:
             self._tids.append(tid)
             self._cond.notify_all()
         while (task := self._tasks.get()) is not None:
+            i = None
             try:
                 if isinstance(task, _Warmup):
                     self._warm_up(task)
                 elif isinstance(task, _Layered):
                     self._run_layered(task)
-                else:
-                    self._run_chunk(*task, staging)
+                elif (i := self._claim(task)) is not None:
+                    self._run_chunk(task, i, staging)
             except Exception:  # a bug must fail the load, not kill the thread
                 logger.exception("kvfabric: load job failed")
                 if isinstance(task, _Layered):
@@ -262,18 +307,12 @@ class Loader:
                     for event in task.layer_done:
                         event.set()
                     task.done.set()
-                else:
-                    self._chunk_done(task[0], task[1], None)
+                elif i is not None:
+                    self._chunk_done(task, i, None)
 
     def _warm_up(self, task: _Warmup) -> None:
         """This thread's ChunkPlacer over the bound layers (compiled here, off the engine's thread)."""
-        try:
-            from kvfabric.connectors.block_kernel import ChunkPlacer
-            arrays = [layer.block_array for layer in self.layers]
-            self._local.placer = ChunkPlacer(arrays, np.zeros(task.slab_bytes, dtype=np.uint8))
-        except (ImportError, OSError, AttributeError) as exc:  # no numba, or an xxhash build without the symbols
-            logger.info("kvfabric: block loads copy from Python (%s)", exc)
-            self._local.placer = None
+        self._local.placer = _make_placer(self.layers, task.slab_bytes)
         try:
             task.barrier.wait(timeout=120)
         except threading.BrokenBarrierError:
@@ -412,3 +451,14 @@ class Loader:
             self._tasks.put(None)
         for thread in self._threads:
             thread.join(timeout=10)
+
+
+def _make_placer(layers: Sequence[CpuPagedLayer], slab_bytes: int) -> ChunkPlacer | None:
+    """A ChunkPlacer over the layers (compiled on the calling thread), or None where it cannot run: copies from
+    Python then."""
+    try:
+        from kvfabric.connectors.block_kernel import ChunkPlacer
+        return ChunkPlacer([layer.block_array for layer in layers], np.zeros(slab_bytes, dtype=np.uint8))
+    except (ImportError, OSError, AttributeError) as exc:  # no numba, or an xxhash build without the symbols
+        logger.info("kvfabric: block loads copy from Python (%s)", exc)
+        return None

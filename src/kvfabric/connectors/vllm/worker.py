@@ -18,8 +18,9 @@ Contract, per step (vLLM calls the hooks in this order):
   reported once, success or not; a failed one's blocks are reported by `take_invalid_blocks` in the same pass, so
   vLLM recomputes from the first bad block (several KV cache groups: the request is reported by
   `take_failed_loads` instead, as a failed receive, and vLLM recomputes it whole). On a step with nothing
-  scheduled it first waits a few ms for a load to end (vLLM would otherwise poll in a tight loop, taking the
-  cores the load needs).
+  scheduled the worker's own thread first loads chunks of the started loads itself (``Loader.help``, for up to
+  ``HELP_S``: it would only wait, and it runs at vLLM's priority, not niced), then waits a few ms for a load to
+  end (vLLM would otherwise poll in a tight loop, taking the cores the load needs).
 - `worker_meta()`: per-request ``RequestStats`` of the step, the keys that entered or left the process-memory
   tier (the scheduler mirrors them for its lookups; with ``mode: server`` the cache is the host's
   ``kvfabric server`` and the scheduler asks it instead), and the keys of chunks that failed a load (the scheduler
@@ -71,6 +72,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 IDLE_WAIT_S = 0.005  # on a step with nothing scheduled, wait this long for an async load to end
+HELP_S = 0.05  # ... after loading its chunks for at most this long: a request arriving meanwhile waits for the step
 
 
 class WorkerSide:
@@ -263,6 +265,7 @@ class WorkerSide:
     def finished_loads(self) -> set[str]:
         """Requests whose asynchronous load ended (loaded, or failed with its blocks reported)."""
         if self.meta is not None and self.meta.is_idle:
+            self.loader.help(HELP_S)
             self.loader.wait_finished(IDLE_WAIT_S)
         outcomes = self.loader.take_finished()
         for outcome in outcomes:
