@@ -87,22 +87,6 @@ def test_idle_worker_thread_loads_the_chunks_itself(setup):
     assert loader.help(5.0) == 0  # nothing left to claim
 
 
-def test_paused_threads_claim_nothing_until_resumed(setup):
-    """While the engine's forward runs (pause) the load threads take no chunk: the worker's thread, helping after
-    the forward, loads them all; resumed threads find nothing left and load nothing twice."""
-    engine, loader, layers, tokens, kv, _ = setup
-    keys = engine.keys(tokens)
-    block_ids = list(range(8))
-    loader.pause()
-    loader.start_async(LoadSpec("r", keys, 0, 4 * CHUNK, block_ids, is_async=True))
-    assert loader.help(5.0) == 4
-    loader.resume()
-    (outcome,) = _wait_async(loader)
-    assert outcome.end == 4 * CHUNK and not outcome.bad_blocks
-    assert torch.equal(_paged_kv(layers, block_ids, 0, 4 * CHUNK), kv)
-    assert loader.counters.get("load_helped_chunks") == 4
-
-
 def test_async_load_stops_at_a_corrupt_chunk(setup):
     engine, loader, layers, tokens, kv, tmp_path = setup
     keys = engine.keys(tokens)

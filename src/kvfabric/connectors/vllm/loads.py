@@ -8,17 +8,13 @@ Contract:
   vLLM's hybrid manager, the window layers, which get only rows from ``LoadSpec.window_from`` (a chunk wholly
   before it is read without its window part: ``CacheEngine.read_chunk(window=False)``).
 - The threads run on every CPU the engine was given (``threads.release``: not on the core vLLM bound the
-  worker's main thread to), niced (`nice`: the connector's ``load_nice``, default 15) for their whole life, and
-  start no async chunk while the engine's forward runs (`pause` / `resume`, called by the worker around it): the
-  forward's OpenMP threads fill the cores and wait on each other at every op, so a load thread that takes one
-  core's slice for a moment stalls them all (measured: an 8k load beside a decoding request, ITL 1.26x alone
-  with niced threads running through the forward, 1.10x when they wait). The worker's own thread takes chunks
-  too (`help(budget_s)`): on a step with nothing scheduled, where it would only wait (at vLLM's priority, not
-  niced: vLLM's busy-polling readers would leave niced threads little of the core), and for a couple of ms
-  after each forward, so that a load under a steady decode still ends within a few steps. Chunks are claimed
-  one at a time per load, by whichever thread is free. (SCHED_IDLE, used before, starved a load whenever
-  another request decoded: seconds of TTFT under a steady decode. A priority that changes from step to step
-  would need CAP_SYS_NICE to raise again; a constant niceness needs no privilege.)
+  worker's main thread to), niced (`nice`: the connector's ``load_nice``, default 15) for their whole life:
+  where the forward keeps the cores busy, an asynchronous load gets the share of CPU time its weight gives it (at nice 15
+  a few percent of a core against one forward thread; more in practice: a niced thread that holds the GIL
+  also holds up the forward), so the requests that keep decoding slow by about that much and the load still
+  progresses. (SCHED_IDLE, used before, starved a load whenever another request decoded: seconds of TTFT
+  under a steady decode. A priority that changes from step to step would need CAP_SYS_NICE to raise again; a
+  constant niceness needs no privilege.)
 - `start_async(spec)` (vLLM's WAITING_FOR_REMOTE_KVS path): the load's chunks are spread over the threads; a
   thread reads a chunk into its staging buffer (``CacheEngine.read_chunk(promote=False)``: checksums and layout
   verified, no copy into process memory: vLLM's own prefix cache will hold the KV) and scatters it into every
@@ -153,8 +149,6 @@ class Loader:
         self.window_layers: frozenset[int] = frozenset()
         self._tasks: queue.Queue[_Job | _Layered | _Warmup | None] = queue.Queue()  # a _Job: claim its next chunk
         self._active: list[_Job] = []  # async loads with chunks not yet claimed
-        self._between_forwards = threading.Event()  # clear while the engine's forward runs (`pause`)
-        self._between_forwards.set()
         self._local = threading.local()  # per thread: its ChunkPlacer (None: copies from Python)
         self._num_threads = num_threads
         self._finished: list[LoadOutcome] = []
@@ -217,15 +211,6 @@ class Loader:
         for _ in range(len(spec.keys)):
             self._tasks.put(job)
 
-    def pause(self) -> None:
-        """The engine's forward starts: the threads start no async chunk until `resume` (the forward's OpenMP
-        threads fill every core and wait on each other; a load thread that takes a core's slice for a moment
-        stalls them all, so a niced load still costs a decoding request several times its CPU time)."""
-        self._between_forwards.clear()
-
-    def resume(self) -> None:
-        self._between_forwards.set()
-
     def _claim(self, job: _Job) -> int | None:
         """The index of job's next chunk, now this thread's to load, or None when every chunk is taken."""
         with self._cond:
@@ -254,8 +239,7 @@ class Loader:
             if (i := self._claim(job)) is not None:
                 self._run_chunk(job, i, staging)
                 num_done += 1
-        if num_done:
-            self.counters.add("load_helped_chunks", num_done)
+        self.counters.add("load_helped_chunks", num_done)
         return num_done
 
     @property
@@ -312,7 +296,7 @@ class Loader:
                     self._warm_up(task)
                 elif isinstance(task, _Layered):
                     self._run_layered(task)
-                elif self._between_forwards.wait() and (i := self._claim(task)) is not None:
+                elif (i := self._claim(task)) is not None:
                     self._run_chunk(task, i, staging)
             except Exception:  # a bug must fail the load, not kill the thread
                 logger.exception("kvfabric: load job failed")

@@ -2,8 +2,8 @@
 
 Contract, per step (vLLM calls the hooks in this order):
 - `bind(meta)`: the step's ``KVFabricMetadata`` (loads and saves with their chunk keys; the worker never hashes).
-  Asynchronous loads (vLLM's WAITING_FOR_REMOTE_KVS path) start here, on the ``Loader``'s background threads,
-  which wait while the step's forward runs (``Loader.pause``; `end_step` resumes them) and go on between forwards.
+  Asynchronous loads (vLLM's WAITING_FOR_REMOTE_KVS path) start here, on the ``Loader``'s background threads:
+  the forward of other requests goes on while they read and scatter.
 - `start_loads()` (``start_load_kv``): the step's synchronous loads start, layer-wise (``Loader.start_layered``).
 - `layer_load(layer)` (``wait_for_layer_load``): waits for that layer of the synchronous loads only.
 - `layer_save(layer, kv)`: right after the layer's attention, copies the KV of the step's finished chunks out of
@@ -20,8 +20,7 @@ Contract, per step (vLLM calls the hooks in this order):
   `take_failed_loads` instead, as a failed receive, and vLLM recomputes it whole). On a step with nothing
   scheduled the worker's own thread first loads chunks of the started loads itself (``Loader.help``, for up to
   ``HELP_S``: it would only wait, and it runs at vLLM's priority, not niced), then waits a few ms for a load to
-  end (vLLM would otherwise poll in a tight loop, taking the cores the load needs). After a forward it loads for
-  ``HELP_BUSY_S`` (2 ms) while a load is under way.
+  end (vLLM would otherwise poll in a tight loop, taking the cores the load needs).
 - `worker_meta()`: per-request ``RequestStats`` of the step, the keys that entered or left the process-memory
   tier (the scheduler mirrors them for its lookups; with ``mode: server`` the cache is the host's
   ``kvfabric server`` and the scheduler asks it instead), and the keys of chunks that failed a load (the scheduler
@@ -74,8 +73,6 @@ logger = init_logger(__name__)
 
 IDLE_WAIT_S = 0.005  # on a step with nothing scheduled, wait this long for an async load to end
 HELP_S = 0.05  # ... after loading its chunks for at most this long: a request arriving meanwhile waits for the step
-HELP_BUSY_S = 0.002  # after a forward, the worker's thread loads chunks for this long (the decoding requests' ITL
-# grows by it, a few percent, while a load lasts; between forwards the load threads go on)
 
 
 class WorkerSide:
@@ -165,10 +162,8 @@ class WorkerSide:
         self.failed_reqs = set()
         if self.meta is None:
             return
-        # the forward fills both cores on a CPU engine: mapping cache memory ahead and async loads wait until it ends
+        # the forward fills both cores on a CPU engine: mapping cache memory ahead waits until the step ends
         self.engine.premap(0, is_paused=not self.meta.is_idle)
-        if not self.meta.is_idle:
-            self.loader.pause()
         for spec in self.meta.loads:
             if spec.is_async:
                 self._tier_touched = True
@@ -266,16 +261,12 @@ class WorkerSide:
             self.write_stats()
         self.saves = []
         self.engine.premap(0, is_paused=False)
-        self.loader.resume()
 
     def finished_loads(self) -> set[str]:
         """Requests whose asynchronous load ended (loaded, or failed with its blocks reported)."""
-        self.loader.resume()  # the forward is over (end_step resumed them already where vLLM called it)
         if self.meta is not None and self.meta.is_idle:
             self.loader.help(HELP_S)
             self.loader.wait_finished(IDLE_WAIT_S)
-        elif self.loader.num_async:  # after a forward: a few ms of it, so that a load under a steady decode ends
-            self.loader.help(HELP_BUSY_S)
         outcomes = self.loader.take_finished()
         for outcome in outcomes:
             self._apply(outcome)
