@@ -15,6 +15,12 @@ Contract:
   progresses. (SCHED_IDLE, used before, starved a load whenever another request decoded: seconds of TTFT
   under a steady decode. A priority that changes from step to step would need CAP_SYS_NICE to raise again; a
   constant niceness needs no privilege.)
+- `help(budget_s)`: the calling thread (the worker's, which bound the layers and has its own placer and staging
+  buffer) loads chunks of the started async loads itself, at vLLM's priority: the worker calls it on a step with
+  nothing scheduled, where it would otherwise only wait, and niced threads would share the core with vLLM's
+  busy-polling message-queue readers. Each load's chunks are claimed one at a time by whichever thread is free.
+  (Holding the niced threads back while a forward runs was tried: an 8k load cost a decoding request 1.10x ITL
+  instead of 1.26x, but under `bench serve` chat a load then waited out whole prefills: TTFT mean +11 %.)
 - `start_async(spec)` (vLLM's WAITING_FOR_REMOTE_KVS path): the load's chunks are spread over the threads; a
   thread reads a chunk into its staging buffer (``CacheEngine.read_chunk(promote=False)``: checksums and layout
   verified, no copy into process memory: vLLM's own prefix cache will hold the KV) and scatters it into every
