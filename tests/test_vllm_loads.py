@@ -87,6 +87,21 @@ def test_idle_worker_thread_loads_the_chunks_itself(setup):
     assert loader.help(5.0) == 0  # nothing left to claim
 
 
+def test_a_bug_in_a_helped_chunk_fails_that_load_not_the_worker(setup, monkeypatch):
+    """help() runs on vLLM's worker thread: an exception in a chunk fails the chunk (recomputed), never escapes."""
+    engine, loader, layers, tokens, kv, _ = setup
+    loader.stop()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(loader, "_place", broken)
+    loader.start_async(LoadSpec("r", engine.keys(tokens), 0, 4 * CHUNK, list(range(8)), is_async=True))
+    assert loader.help(5.0) == 4
+    (outcome,) = loader.take_finished()
+    assert outcome.end == 0 and outcome.bad_blocks == tuple(range(8))
+
+
 def test_async_load_stops_at_a_corrupt_chunk(setup):
     engine, loader, layers, tokens, kv, tmp_path = setup
     keys = engine.keys(tokens)

@@ -243,7 +243,7 @@ class Loader:
             if job is None:
                 break
             if (i := self._claim(job)) is not None:
-                self._run_chunk(job, i, staging)
+                self._try_chunk(job, i, staging)
                 num_done += 1
         self.counters.add("load_helped_chunks", num_done)
         return num_done
@@ -296,14 +296,15 @@ class Loader:
             self._tids.append(tid)
             self._cond.notify_all()
         while (task := self._tasks.get()) is not None:
-            i = None
+            if isinstance(task, _Job):
+                if (i := self._claim(task)) is not None:
+                    self._try_chunk(task, i, staging)
+                continue
             try:
                 if isinstance(task, _Warmup):
                     self._warm_up(task)
-                elif isinstance(task, _Layered):
+                else:
                     self._run_layered(task)
-                elif (i := self._claim(task)) is not None:
-                    self._run_chunk(task, i, staging)
             except Exception:  # a bug must fail the load, not kill the thread
                 logger.exception("kvfabric: load job failed")
                 if isinstance(task, _Layered):
@@ -313,8 +314,15 @@ class Loader:
                     for event in task.layer_done:
                         event.set()
                     task.done.set()
-                elif i is not None:
-                    self._chunk_done(task, i, None)
+
+    def _try_chunk(self, job: _Job, i: int, staging: Scratch) -> None:
+        """Chunk i of the job; a bug fails that chunk (its blocks are recomputed), never the calling thread: a
+        load thread, or the worker's own in `help`."""
+        try:
+            self._run_chunk(job, i, staging)
+        except Exception:
+            logger.exception("kvfabric: load job failed")
+            self._chunk_done(job, i, None)
 
     def _warm_up(self, task: _Warmup) -> None:
         """This thread's ChunkPlacer over the bound layers (compiled here, off the engine's thread)."""
