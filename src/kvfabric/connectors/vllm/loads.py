@@ -238,14 +238,16 @@ class Loader:
         deadline = time.perf_counter() + budget_s
         num_done = 0
         while time.perf_counter() < deadline:
-            with self._cond:
-                job = self._active[0] if self._active else None
-            if job is None:
-                break
-            if (i := self._claim(job)) is not None:
-                self._try_chunk(job, i, staging)
-                num_done += 1
-        self.counters.add("load_helped_chunks", num_done)
+            with self._cond:  # re-entrant: _claim takes it too; an active job always has a chunk to claim
+                if not self._active:
+                    break
+                job = self._active[0]
+                i = self._claim(job)
+            assert i is not None
+            self._try_chunk(job, i, staging)
+            num_done += 1
+        if num_done:
+            self.counters.add("load_helped_chunks", num_done)
         return num_done
 
     @property
