@@ -48,10 +48,22 @@ def test_free_buffers_stay_within_the_budget():
     assert pool.num_free_bytes <= budget[0]
     budget[0] = 0
     for size in (10, 20, 30):
-        pool.give(memoryview(np.empty(size, np.uint8)))
+        pool.give(pool.take(size))
     assert pool.num_free_bytes == 50  # over budget, the two most recent are kept
     pool.give(memoryview(bytearray(10)))  # not the pool's kind of buffer: ignored
     pool.give(b"x")
+    assert pool.num_free_bytes == 50
+
+
+def test_a_buffer_the_pool_did_not_make_is_never_adopted():
+    pool, other = BlobPool(lambda: 1 << 30), BlobPool(lambda: 1 << 30)
+    foreign = [memoryview(np.empty(64, np.uint8)), other.take(64)]  # a scratch's array, another pool's buffer
+    for blob in foreign:
+        pool.give(blob)
+    assert pool.num_free_bytes == 0
+    own = pool.take(64)
+    pool.give(own)
+    assert pool.num_free_bytes == 64
 
 
 def test_a_reader_holding_a_dropped_chunk_keeps_its_bytes():
@@ -154,3 +166,19 @@ def test_a_paused_pool_maps_nothing_until_resumed():
     pool.pause(False)
     assert pool.wait_premapped(30) and pool.num_premapped == 2
     pool.close()
+
+
+def test_the_disk_tier_reuses_a_written_buffer_and_its_file_keeps_the_bytes(tmp_path):
+    tier = DiskTier(tmp_path, 16 * BLOB_BYTES)
+    blob = tier.new_blob(BLOB_BYTES)
+    blob[:] = make_blob(key(1), seed=1)
+    first = address(blob)
+    held = tier.new_blob(BLOB_BYTES)  # a buffer still held is never handed out twice
+    assert address(held) != first
+    assert tier.put(key(1), blob)
+    del blob
+    again = tier.new_blob(BLOB_BYTES)  # written and let go of: its memory comes back, no fresh pages
+    assert address(again) == first
+    again[:] = make_blob(key(2), seed=2)
+    assert bytes(tier.get(key(1))) == make_blob(key(1), seed=1)
+    tier.close()

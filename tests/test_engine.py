@@ -310,3 +310,40 @@ def test_store_chunk_and_read_chunk_from_two_threads(config):
         assert all(isinstance(r, ChunkMiss) or torch.equal(r.kv, kv) for r in reads)
         assert all(isinstance(engine.read_chunk(key), ChunkHit) for key in keys)
         assert 40 <= engine.stats().counters["chunks_stored"] <= 80  # a race may store a chunk twice, never lose one
+
+
+def test_retrieve_hints_the_disk_a_bounded_distance_ahead(config, monkeypatch):
+    """Read-ahead hints go READ_AHEAD_BYTES past the chunk being read, never for the whole prompt at once (the
+    kernel would read every file side by side and the first chunk would arrive last)."""
+    import kvfabric.engine as engine_module
+
+    events: list[tuple[str, bytes]] = []
+
+    class Recording(DiskTier):
+        def prefetch(self, keys):
+            events.extend(("hint", k) for k in keys)
+            super().prefetch(keys)
+
+        def get_into(self, key, scratch, meta=None):
+            events.append(("read", key))
+            return super().get_into(key, scratch) if meta is None else super().get_into(key, scratch, meta)
+
+    chunk_bytes = LAYOUT.num_bytes(16)
+    monkeypatch.setattr(engine_module, "READ_AHEAD_BYTES", 2 * chunk_bytes)  # two chunks ahead
+    disk = Recording(config.disk.path, 1 << 30)
+    tokens, kv = list(range(16 * 8)), make_kv(16 * 8)
+    with CacheEngine(Config(chunk_size=16, tiers=("disk",), disk=config.disk), LAYOUT, "m", tiers=[disk]) as engine:
+        engine.store(tokens, kv)
+        engine.flush()
+        keys = engine.keys(tokens)
+        events.clear()
+        assert torch.equal(engine.retrieve(tokens), kv)
+    hinted = [keys.index(k) for kind, k in events if kind == "hint"]
+    assert sorted(hinted) == list(range(1, 8))  # each chunk after the first, once
+    num_read = 0
+    for kind, k in events:
+        if kind == "read":
+            num_read += 1
+        else:
+            # the reader thread reads one chunk past the one being decoded; hints go two past that, no further
+            assert keys.index(k) <= num_read + 1 + 2

@@ -330,7 +330,7 @@ def bench() -> None:
 
 @bench.command("tiers")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
-@click.option("--repeats", default=3, show_default=True)
+@click.option("--repeats", default=5, show_default=True, help="Samples per figure (their median).")
 @click.option("--quick", is_flag=True, help="Fewer chunks (a smoke run).")
 @click.option("--redis-url", default=None, help="Also measure the redis tier against raw redis-py on this server.")
 @click.option("--mooncake", is_flag=True, help="Also measure the mooncake tier against raw Mooncake and a loopback "

@@ -169,6 +169,7 @@ class EngineStats:
 
 
 _MISSING = ChunkMiss("missing")
+READ_AHEAD_BYTES = 32 << 20  # how far ahead of the decoding a retrieve asks slow tiers to start reading
 
 
 def _whole(found: StackHit, scratch: Scratch) -> StackHit | None:
@@ -577,7 +578,6 @@ class CacheEngine:
         parts = self._parts
         pinned = keys if parts is None else [*keys, *map(parts.window_key, keys)]
         with self.stack.pinned(pinned), self.stack.load_permit() as permit:
-            self.stack.prefetch(keys)
             if parts is not None:  # the window parts a hit of the whole prompt needs
                 first = parts.first_live_chunk(num_tokens, self.chunk_size)
                 self.stack.prefetch([parts.window_key(k) for k in keys[first:]])
@@ -656,8 +656,16 @@ class CacheEngine:
         pair = self._scratch.pair
         metas = [self._meta(i, len(keys), *self._span(i, num_tokens)) for i in range(len(keys))]
         ahead: Future | None = None
+        # Read-ahead hints (disk: posix_fadvise) for READ_AHEAD_BYTES past the chunk being read, not for the whole
+        # prompt: hinted at once, the kernel reads the files side by side and the first chunk arrives late (33.6 MB
+        # chunks from disk: 0.69-0.73 of a plain read of the same bytes with hints for all, 0.77-0.83 with one
+        # ahead, 0.86-0.90 with none; 5.9 MB chunks: 1.04-1.18 with hints, 0.86-0.88 without).
+        num_hinted = READ_AHEAD_BYTES // max(1, self.layout.num_bytes(self.chunk_size))
+        self.stack.prefetch(keys[1:num_hinted + 1])
         try:
             for i, key in enumerate(keys):
+                if num_hinted and i + num_hinted + 1 < len(keys):
+                    self.stack.prefetch(keys[i + num_hinted + 1:i + num_hinted + 2])
                 current = ahead.result() if ahead is not None else \
                     self.stack.get(key, pair[i % 2], metas[i], permit)
                 ahead = None

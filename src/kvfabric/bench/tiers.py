@@ -114,7 +114,7 @@ def bench_lookup(num_tokens: int = 32768, repeats: int = 50) -> dict:
             "hash_ms": round(hash_s * 1e3, 3), "target_ms": 1.0, "ok": seconds < 1e-3}
 
 
-def run(as_json: bool = False, repeats: int = 3, quick: bool = False, redis_url: str | None = None,
+def run(as_json: bool = False, repeats: int = 5, quick: bool = False, redis_url: str | None = None,
         mooncake: bool = False) -> list[dict]:
     torch.set_num_threads(os.cpu_count() or 1)
     rows: list[dict] = []
@@ -125,7 +125,7 @@ def run(as_json: bool = False, repeats: int = 3, quick: bool = False, redis_url:
             rows += bench_disk(name, layout, num_chunks, repeats, Path(tmp) / name)
     try:
         from kvfabric.bench.tiers_shared import bench_redis, bench_shm
-        rows += bench_shm(repeats=repeats)
+        rows += bench_shm(repeats=max(repeats, 21))  # one chunk of 0.1-3 ms a sample: more samples are cheap
         if redis_url:
             rows += bench_redis(redis_url, repeats=repeats)
     except ImportError:

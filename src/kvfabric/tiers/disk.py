@@ -14,6 +14,10 @@ Contract:
   bytes this process keeps on disk never exceed `capacity_bytes`, and a refused chunk is never written.
   Pinned keys are never evicted. An evicted chunk is read back for the evict listener (demotion) only when
   one is set.
+- `new_blob` hands out buffers of chunks already written (tiers/pool.py: never one a reader or a queued write
+  still holds), at most WRITE_BUFFERS_BYTES of them (a quarter of the capacity when that is less) kept free: a
+  fresh buffer costs a page fault per 4 KiB, and a store of 33.6 MB chunks into fresh memory ran at 0.58 of a
+  plain file write of the same bytes here, most of it faults on the engine's thread.
 - A directory deleted while running is made again by the next put (the index starts over); a full file system
   makes puts fail (False, counted by the stack) until there is room again.
 """
@@ -26,12 +30,15 @@ import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from kvfabric.codec.format import HEADER_BYTES
 from kvfabric.counters import Counters
 from kvfabric.tiers.base import Blob, PolicyTier, Scratch
 from kvfabric.tiers.policies import NO_META, AccessMeta, EvictionPolicy, make_index
+from kvfabric.tiers.pool import BlobPool
 
 SUFFIX = ".kvc"
 STALE_TMP_S = 3600.0
+WRITE_BUFFERS_BYTES = 256 << 20  # free write buffers kept for reuse, at most
 
 
 def fadvise(paths: Iterable[str | os.PathLike], advice: int) -> None:
@@ -86,6 +93,7 @@ class DiskTier(PolicyTier):
         self._writing: set[bytes] = set()  # booked in the index, file not yet in place
         self._dropped: set[bytes] = set()  # of those, evicted or deleted meanwhile: unlinked once written
         self._events = Counters()
+        self.pool = BlobPool(lambda: min(WRITE_BUFFERS_BYTES, capacity_bytes // 4), align_offset=HEADER_BYTES)
         self._rebuild()
 
     def path(self, key: bytes) -> Path:
@@ -198,7 +206,16 @@ class DiskTier(PolicyTier):
             self._adopt(key)
         return blob
 
+    def new_blob(self, size: int) -> memoryview:
+        return self.pool.take(size)
+
     def put(self, key: bytes, blob: Blob, meta: AccessMeta = NO_META) -> bool:
+        try:
+            return self._put(key, blob, meta)
+        finally:
+            self.pool.give(blob)  # written (or refused): reused once nobody else holds it
+
+    def _put(self, key: bytes, blob: Blob, meta: AccessMeta) -> bool:
         if not self._index.can_fit(len(blob)):
             return False
         with self._index.lock:
@@ -281,4 +298,4 @@ class DiskTier(PolicyTier):
                             os.unlink(entry.path)
 
     def close(self) -> None:
-        pass
+        self.pool.close()

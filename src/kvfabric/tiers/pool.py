@@ -17,7 +17,8 @@ Contract:
   reader holds never changes under it, and a chunk is never served from a recycled buffer.
 - Free buffers are bounded by `budget()` bytes, or MIN_KEPT buffers when that is more (the cpu tier passes what
   its chunks leave of its capacity, at least an eighth of it); `clear()` lets go of all of them.
-- Blobs the pool did not make (bytes, bytearrays) are ignored by `give`. Thread-safe.
+- Blobs the pool did not make (bytes, bytearrays, another pool's or a scratch's arrays) are ignored by `give`:
+  a tier that stores a buffer it did not take never adopts it. Thread-safe.
 - With `premap_bytes` > 0, a background thread keeps up to that many free buffers of the size named by `expect`
   (a full chunk's blob; nothing before that call) mapped ahead of `take`, within the budget: a tier that is still filling up hands out
   buffers mapped off the caller's thread. Why: growing a process by fresh memory costs far more than a copy on
@@ -33,6 +34,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -67,6 +69,7 @@ class BlobPool:
         self._ahead_size = 0  # the largest size taken: what the premap thread maps ahead
         self._is_closed = self._is_paused = False
         self.num_reused = self.num_fresh = self.num_premapped = 0
+        self._made: dict[int, weakref.ref] = {}  # id -> the buffers this pool made, alive (weak: no refcount)
         self._unreferenced = _refs(deque([np.empty(1, dtype=np.uint8)]))  # the count of a buffer only we hold
         self._premapper: threading.Thread | None = None
         if premap_bytes > 0:
@@ -106,7 +109,9 @@ class BlobPool:
     def _mapped(self, size: int) -> np.ndarray:
         whole = populated_empty(size + ALIGN)  # mapped now: the copy into it must not fault page by page
         start = -(whole.ctypes.data + self.align_offset) % ALIGN
-        return whole[start:start + size]
+        array = whole[start:start + size]
+        self._made[id(array)] = weakref.ref(array, lambda _, made=self._made, ident=id(array): made.pop(ident, None))
+        return array
 
     def _is_short(self) -> bool:
         """Fewer than `premap_bytes` free of the ahead size, and room in the budget for one more (under the lock)."""
@@ -160,7 +165,10 @@ class BlobPool:
         array = blob.obj if isinstance(blob, memoryview) else None
         if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 1 or \
                 not array.flags.writeable or not array.flags.c_contiguous or len(blob) != array.nbytes:
-            return  # not a buffer this pool made: leave it to the garbage collector
+            return  # not a buffer of this shape: leave it to the garbage collector
+        made = self._made.get(id(array))
+        if made is None or made() is not array:
+            return  # another pool's buffer (or a scratch's): its owner recycles it
         with self._lock:
             self._add(array)
 
