@@ -52,8 +52,9 @@ def read_back(layers: list[CpuPagedLayer], block_ids: list[int], start: int, end
 def test_conversion_round_trips_exactly(block_size, num_tokens, dtype):
     layout = KVLayout(2, 3, 4, dtype)
     kv = torch.randn(layout.shape(num_tokens), generator=torch.Generator().manual_seed(1)).to(layout.torch_dtype)
-    for key_dt, value_dt in itertools.product((False, True), repeat=2):
-        blocks = BlockLayout(block_size, key_dt, value_dt)
+    cpu = [BlockLayout(block_size, key_dt, value_dt) for key_dt, value_dt in itertools.product((False, True), repeat=2)]
+    gpu = [BlockLayout(block_size, family="vllm", token_major=token_major) for token_major in (False, True)]
+    for blocks in cpu + gpu:
         words = {2: np.int16, 4: np.int32}[kv.element_size()]
         payload = np.full(blocks.payload_shape(2, 3, num_tokens, 4), 7, dtype=words)
         from_tokens(as_words(kv), blocks, payload)
@@ -61,8 +62,12 @@ def test_conversion_round_trips_exactly(block_size, num_tokens, dtype):
         to_tokens(payload, blocks, as_words(back))
         assert torch.equal(back, kv)
         if num_tokens % block_size:  # the partial block's free slots are zero, not left over
-            tail = np.asarray(payload[:, -1]).reshape(2, 3, 2, -1)
-            assert (tail != 7).all()
+            tail = np.asarray(payload[:, -1])
+            if blocks.family == "vllm-cpu":  # [L, H, 2, B*D] -> every (K|V, head) region's last slots
+                assert (tail.reshape(2, 3, 2, -1) != 7).all()
+            else:  # [L, H, B, 2D] or [L, B, H, 2D]: every slot from num_tokens % B on
+                by_token = tail if blocks.token_major else tail.swapaxes(1, 2)
+                assert (by_token[:, num_tokens % block_size:] == 0).all()
 
 
 def test_descriptor_packs_and_rejects_unknown_bytes():

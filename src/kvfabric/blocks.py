@@ -7,9 +7,13 @@ Contract:
   cache holds them (`payload_shape`), so that a load into an engine of the same layout copies whole runs of
   blocks per layer, with no transpose and no staging. The chunk header names the layout (`pack` / `unpack`:
   16 bytes, all zero for token-major); chunk keys never depend on it, so every engine finds every chunk.
-- Only family "vllm-cpu" exists today: vLLM's CPU attention cache, one layer a tensor (num_blocks, H, B, 2*D)
-  whose every (block, head) holds a K region of B*D values then a V region of B*D values; a region is token-major
+- Family "vllm-cpu": vLLM's CPU attention cache, one layer a tensor (num_blocks, H, B, 2*D) whose every
+  (block, head) holds a K region of B*D values then a V region of B*D values; a region is token-major
   ("td": [B, D], `*_dt` False) or dim-major ("dt": [D, B], True). So one block is [H, 2, B*D].
+- Family "vllm": vLLM 0.32's GPU attention backends (FLASH_ATTN, FLASHINFER, TRITON_ATTN: connectors/paged_views),
+  one block of one layer as its `KVCacheLayout` keeps it in memory: [H, B, 2*D] (LBHNC = FlashInfer HND, LHBNC,
+  BLHNC, BHLNC) or, `token_major`, [B, H, 2*D] (LBNHC = NHD, vLLM's default, and BLNHC); each token's 2*D values
+  are its K then its V.
 - A partial last block (T not a multiple of B) is stored whole; its slots from T on are zero.
 - `to_tokens(payload, blocks, out)` and `from_tokens(kv, blocks, out)` convert either way, exactly (a copy of
   bits, any dtype, numpy views: bfloat16 travels as 16-bit words).
@@ -22,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-FAMILIES = {"vllm-cpu": 1}
-_PACK = struct.Struct("<BBBBI8x")  # family, key_dt, value_dt, reserved, block size, reserved: 16 bytes
+FAMILIES = {"vllm-cpu": 1, "vllm": 2}
+_PACK = struct.Struct("<BBBBI8x")  # family, key_dt | token_major, value_dt, reserved, block size: 16 bytes
 PACKED_BYTES = _PACK.size
 TOKEN_MAJOR = bytes(PACKED_BYTES)
 
@@ -45,13 +49,18 @@ class BlockLayoutError(ValueError):
 @dataclass(frozen=True, slots=True)
 class BlockLayout:
     block_size: int
-    key_dt: bool  # K region dim-major [D, B] (vLLM 0.32's CPU "vec" ISA) instead of token-major [B, D]
-    value_dt: bool
+    key_dt: bool = False  # vllm-cpu: K region dim-major [D, B] (vLLM 0.32's CPU "vec" ISA), not token-major [B, D]
+    value_dt: bool = False
     family: str = "vllm-cpu"
+    token_major: bool = False  # vllm: a block is [B, H, 2*D] (NHD), not [H, B, 2*D] (HND)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise BlockLayoutError(f"unknown block layout family {self.family!r}")
+        if self.family == "vllm" and (self.key_dt or self.value_dt):
+            raise BlockLayoutError("a vllm (GPU) block keeps K and V token by token: no dim-major regions")
+        if self.family == "vllm-cpu" and self.token_major:
+            raise BlockLayoutError("a vllm-cpu block is [H, 2, B*D]: token_major names vllm (GPU) blocks")
         if not isinstance(self.block_size, int) or not 0 < self.block_size < 1 << 16:
             raise BlockLayoutError(f"block_size must be in [1, 65536), got {self.block_size!r}")
 
@@ -59,15 +68,21 @@ class BlockLayout:
         return -(-num_tokens // self.block_size)
 
     def block_shape(self, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
-        """One block of one layer: [H, 2, B*D] (K region, then V region, per head)."""
+        """One block of one layer: vllm-cpu [H, 2, B*D] (K region, then V region, per head); vllm [H, B, 2*D] or,
+        token_major, [B, H, 2*D]."""
+        if self.family == "vllm":
+            outer = (self.block_size, num_kv_heads) if self.token_major else (num_kv_heads, self.block_size)
+            return *outer, 2 * head_dim
         return num_kv_heads, 2, self.block_size * head_dim
 
     def payload_shape(self, num_layers: int, num_kv_heads: int, num_tokens: int,
                       head_dim: int) -> tuple[int, int, int, int, int]:
-        """The payload of a chunk of num_tokens: [L, num_blocks, H, 2, B*D]."""
+        """The payload of a chunk of num_tokens: [L, num_blocks, *block_shape]."""
         return (num_layers, self.num_blocks(num_tokens), *self.block_shape(num_kv_heads, head_dim))
 
     def describe(self) -> str:
+        if self.family == "vllm":
+            return f"vllm/B{self.block_size}/{'NHD' if self.token_major else 'HND'}"
         orders = "".join("dt" if dt else "td" for dt in (self.key_dt, self.value_dt))
         return f"{self.family}/B{self.block_size}/{orders[:2]}+{orders[2:]}"
 
@@ -75,18 +90,21 @@ class BlockLayout:
 def pack(blocks: BlockLayout | None) -> bytes:
     if blocks is None:
         return TOKEN_MAJOR
-    return _PACK.pack(FAMILIES[blocks.family], int(blocks.key_dt), int(blocks.value_dt), 0, blocks.block_size)
+    first = int(blocks.token_major) if blocks.family == "vllm" else int(blocks.key_dt)
+    return _PACK.pack(FAMILIES[blocks.family], first, int(blocks.value_dt), 0, blocks.block_size)
 
 
 def unpack(raw: bytes) -> BlockLayout | None:
     """The layout a header's 16 bytes name (None: token-major); BlockLayoutError for anything else."""
     if raw == TOKEN_MAJOR:
         return None
-    family, key_dt, value_dt, reserved, block_size = _PACK.unpack(raw)
+    family, first, value_dt, reserved, block_size = _PACK.unpack(raw)
     names = {code: name for name, code in FAMILIES.items()}
-    if family not in names or key_dt > 1 or value_dt > 1 or reserved or raw[8:] != bytes(8):
+    if family not in names or first > 1 or value_dt > 1 or reserved or raw[8:] != bytes(8):
         raise BlockLayoutError(f"unknown block layout descriptor {raw.hex()}")
-    return BlockLayout(block_size, bool(key_dt), bool(value_dt), names[family])
+    if names[family] == "vllm":
+        return BlockLayout(block_size, False, bool(value_dt), "vllm", token_major=bool(first))
+    return BlockLayout(block_size, bool(first), bool(value_dt), names[family])
 
 
 def region_tokens(region: np.ndarray, block_size: int, is_dt: bool) -> np.ndarray:
@@ -105,19 +123,28 @@ def _pairs(payload: np.ndarray, kv: np.ndarray, blocks: BlockLayout):
 
 
 def to_tokens(payload: np.ndarray, blocks: BlockLayout, out: np.ndarray) -> None:
-    """payload [L, n, H, 2, B*D] (n = ceil(T / B)) -> out [L, 2, H, T, D], same itemsize."""
+    """payload [L, n, *block_shape] (n = ceil(T / B)) -> out [L, 2, H, T, D], same itemsize."""
     _convert(payload, out, blocks, into_tokens=True)
 
 
 def from_tokens(kv: np.ndarray, blocks: BlockLayout, out: np.ndarray) -> None:
-    """kv [L, 2, H, T, D] -> out [L, n, H, 2, B*D] (the partial last block's free slots zeroed)."""
+    """kv [L, 2, H, T, D] -> out [L, n, *block_shape] (the partial last block's free slots zeroed)."""
     _convert(out, kv, blocks, into_tokens=False)
+
+
+def _gpu_pairs(payload: np.ndarray, kv: np.ndarray, blocks: BlockLayout):
+    """The vllm family's (K or V values as [L, n, H, B, D], kv's [L, H, T, D]) views."""
+    by_block = payload.swapaxes(2, 3) if blocks.token_major else payload  # [L, n, H, B, 2D]
+    head_dim = kv.shape[-1]
+    for which in (0, 1):
+        yield by_block[..., which * head_dim:(which + 1) * head_dim], kv[:, which]
 
 
 def _convert(payload: np.ndarray, kv: np.ndarray, blocks: BlockLayout, into_tokens: bool) -> None:
     num_tokens, size = kv.shape[3], blocks.block_size
     whole, tail = divmod(num_tokens, size)
-    for region, tokens in _pairs(payload, kv, blocks):  # region [L, n, H, B, D], tokens [L, H, T, D]
+    pairs = _gpu_pairs(payload, kv, blocks) if blocks.family == "vllm" else _pairs(payload, kv, blocks)
+    for region, tokens in pairs:  # region [L, n, H, B, D], tokens [L, H, T, D]
         num_layers, _, num_heads, _, head_dim = region.shape
         views = []  # (region part, tokens part) of the same shape
         if whole:

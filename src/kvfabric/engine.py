@@ -94,7 +94,7 @@ class ChunkHit:
     reader: SlabReader | None = None  # a block-layout chunk read layer by layer (kv is None then)
 
     def slab(self, index: int) -> np.ndarray | None:
-        """Layer `index` of a block-layout hit as integer words [num_blocks, H, 2, B*D]: a view of kv, or read
+        """Layer `index` of a block-layout hit as integer words [num_blocks, *block_shape]: a view of kv, or read
         now into the read's scratch (valid until the next slab); None when the stored blob turned out short."""
         if self.reader is not None:
             return self.reader.slab(index)

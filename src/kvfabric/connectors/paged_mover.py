@@ -1,0 +1,145 @@
+"""Chunks between one cache group's paged layers (vLLM 0.32's GPU layouts, K|V content, any device) and a
+CacheEngine, through a CopyStream: the worker-side data path for vLLM's GPU attention backends.
+
+Contract:
+- `PagedMover(engine, views, layout, stream)`: `views` are the group's per-layer logical views [B, H, N, C] as
+  vLLM hands them over (or `paged_views.layer_views` builds them), all on `stream.device`.
+- `save(key, block_ids, start, end)` -> `SaveJob`: tokens [start, end) (start block-aligned) of every layer are
+  copied on the copy stream after the engine's current work (`after_compute`: the copies see the forward's
+  writes; the forward never waits for them). `job.is_done()` polls; `job.finish()` (a saver thread) waits for
+  the copies and stores the chunk: True when stored, False when a tier held it already (the caller, like the
+  CPU path's scheduler, saves only what the cache lacks).
+- `load(key, block_ids, start, end, first=, chunk_tokens=)` -> `LoadJob`, or None on a miss (the caller recomputes
+  those tokens). The chunk holds chunk_tokens tokens from `first` (block-aligned); tokens [start, end) of it go
+  in. It is read and verified on the calling thread; its blocks
+  are copied into the layers on the copy stream. `job.done` is the copies' `CopyDone` (`hold_compute()`: the
+  engine's stream waits for them, the host does not); `job.finish()` waits and gives the staging back.
+- Whole runs of blocks are copied as they are when the chunk was written in this layout (`block_layout`), else
+  the chunk is converted once (kvfabric.blocks) and scattered token-major; chunks of any layout load.
+- On a CPU device the copies go straight between the layers and the chunk's payload. On a staged stream (CUDA)
+  they go through pinned host buffers of the stream's pool (a copy between a device and pageable memory is not
+  asynchronous), one host copy between that buffer and the chunk's payload, on the saver's or loader's thread.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvfabric.connectors.copy_stream import CopyDone, CopyStream
+from kvfabric.connectors.paged_views import (block_layout, gather, load_blocks, physical_blocks, save_blocks, scatter,
+                                             zero_tail)
+from kvfabric.engine import CacheEngine, ChunkHit, ChunkPayload
+from kvfabric.tiers.base import Scratch
+
+
+@dataclass(frozen=True, slots=True)
+class SaveJob:
+    mover: PagedMover
+    key: bytes
+    payload: ChunkPayload
+    staging: torch.Tensor | None  # pinned, on a device: [L, ...] of the payload's shape
+    done: CopyDone
+
+    def is_done(self) -> bool:
+        return self.done.is_done()
+
+    def finish(self) -> bool:
+        self.done.wait()
+        if self.staging is not None:
+            self.payload.kv.copy_(self.staging)
+            self.mover.stream.release(self.staging.view(-1).view(torch.uint8))
+        if self.payload.blocks is not None:  # the copies have landed: clear what follows the chunk's last token
+            axis = self.mover.blocks[0].token_axis
+            for layer in self.payload.kv:
+                zero_tail(layer, axis, self.payload.block_tokens)
+        return self.mover.engine.store_chunk(self.key, self.payload)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    mover: PagedMover
+    staging: torch.Tensor | None
+    done: CopyDone
+
+    def finish(self) -> None:
+        self.done.wait()
+        if self.staging is not None:
+            self.mover.stream.release(self.staging.view(-1).view(torch.uint8))
+
+
+class PagedMover:
+    def __init__(self, engine: CacheEngine, views: Sequence[torch.Tensor], layout: str, stream: CopyStream) -> None:
+        if len(views) != engine.layout.num_layers:
+            raise ValueError(f"{len(views)} layer views for a {engine.layout.num_layers}-layer model")
+        self.engine = engine
+        self.views = list(views)
+        self.layout = layout
+        self.stream = stream
+        self.blocks = [physical_blocks(view, layout) for view in self.views]
+        self.block_layout = block_layout(layout, self.blocks[0].block_size)
+        self.is_staged = stream.is_staged
+        self._scratch = Scratch()
+
+    def _staging(self, like: torch.Tensor) -> torch.Tensor | None:
+        """A pinned host tensor shaped like `like` (None on a CPU device: no staging)."""
+        if not self.is_staged:
+            return None
+        raw = self.stream.host_buffer(like.numel() * like.element_size())
+        return raw.view(like.dtype).view(like.shape)
+
+    def save(self, key: bytes, block_ids: Sequence[int], start: int, end: int) -> SaveJob:
+        payload = self.engine.new_payload(end - start, self.block_layout)
+        staging = self._staging(payload.kv)
+        target = payload.kv if staging is None else staging
+
+        def copy() -> None:
+            for index, view in enumerate(self.views):
+                if payload.blocks is not None:  # whole blocks as they are
+                    save_blocks(self.blocks[index], block_ids, start, end, target[index])
+                else:  # a codec or split layout wants [L, 2, H, T, D]
+                    gather(view, "kv", block_ids, start, end, target[index])
+
+        self.stream.after_compute()
+        self.stream.run(copy)
+        return SaveJob(self, key, payload, staging, self.stream.record())
+
+    def load(self, key: bytes, block_ids: Sequence[int], start: int, end: int, *, first: int,
+             chunk_tokens: int) -> LoadJob | None:
+        if not first <= start <= end <= first + chunk_tokens:
+            raise ValueError(f"tokens [{start}, {end}) are not in the chunk's [{first}, {first + chunk_tokens})")
+        hit = self.engine.read_chunk(key, num_tokens=chunk_tokens, scratch=self._scratch, promote=False,
+                                     blocks=self.block_layout)
+        if not isinstance(hit, ChunkHit):
+            return None
+        try:
+            dtype, staging = self.views[0].dtype, None
+            if hit.blocks is None:  # [L, 2, H, T, D] from `first`: only [start, end) goes in
+                source = hit.kv[:, :, :, start - first:end - first, :]
+                staging = self._staging(source)
+                if staging is not None:
+                    staging.copy_(source)
+                    source = staging
+                chunk = source
+                self.stream.run(lambda: [scatter(view, "kv", block_ids, start, end, chunk[index])
+                                         for index, view in enumerate(self.views)])
+                return LoadJob(self, staging, self.stream.record())
+            # this layout's blocks, layer by layer (a slab read from a file is valid until the next one)
+            for index, blocks in enumerate(self.blocks):
+                slab = hit.slab(index)
+                if slab is None:  # the stored blob turned out short: a miss (the caller recomputes)
+                    self.stream.record().wait()
+                    if staging is not None:
+                        self.stream.release(staging.view(-1).view(torch.uint8))
+                    return None
+                layer = torch.from_numpy(slab).view(dtype)
+                if self.is_staged:
+                    if staging is None:
+                        staging = self._staging(layer.expand(len(self.blocks), *layer.shape))
+                    staging[index].copy_(layer)
+                    layer = staging[index]
+                self.stream.run(lambda b=blocks, x=layer: load_blocks(b, block_ids, start, end, x, first))
+            return LoadJob(self, staging, self.stream.record())
+        finally:
+            hit.close()
