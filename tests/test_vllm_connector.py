@@ -525,3 +525,21 @@ def test_hybrid_manager_failed_load_is_a_failed_receive_not_block_ids(tmp_path):
         assert side.take_invalid_blocks() == blocks and side.take_failed_loads() == receives
         assert side.take_failed_loads() == set()  # reported once
         side.close()
+
+
+def test_a_kv_cache_on_a_gpu_is_refused_in_one_line_naming_the_device(tmp_path):
+    """vLLM under a GPU backend hands over device tensors; this version moves the CPU cache only: one line saying
+    so (not a shape error from inside the paged copy). A meta tensor stands in for the device tensor here."""
+    pytest.importorskip("vllm")
+    from kvfabric.config import Config
+    from kvfabric.connectors.vllm.worker import WorkerSide
+    from kvfabric.layout import KVLayout
+
+    config = Config.from_dict({"chunk_size": 256, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
+    side = WorkerSide(config, KVLayout(1, 2, 8, "float32"), "m", 16, {"load_threads": 1})
+    try:
+        with pytest.raises(ValueError, match=r"the KV cache is on meta; this version moves vLLM's CPU attention "
+                                             r"cache only \(GPU backends: in progress"):
+            side.register({"model.layers.0.self_attn.attn": torch.empty(10, 2, 16, 16, device="meta")})
+    finally:
+        side.close()

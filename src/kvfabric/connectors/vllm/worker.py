@@ -123,6 +123,10 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
+        devices = sorted({str(kv.device) for kv in kv_caches.values() if kv.device.type != "cpu"})
+        if devices:  # one line, not a shape error from deep inside: what runs where is in the README
+            raise ValueError(f"KVFabricConnector: the KV cache is on {', '.join(devices)}; this version moves vLLM's "
+                             "CPU attention cache only (GPU backends: in progress, see the README's 'On GPUs')")
         for name, kv in kv_caches.items():
             self.layers[name] = (extract_layer_index(name), self._paged(kv))
             self.group_of[self.layers[name][0]] = self.groups.layer_group.get(name, 0)
