@@ -49,7 +49,7 @@ class SaveJob:
         self.done.wait()
         if self.staging is not None:
             self.payload.kv.copy_(self.staging)
-            self.mover.stream.release(self.staging.view(-1).view(torch.uint8))
+            self.mover.release(self.staging)
         if self.payload.blocks is not None:  # the copies have landed: clear what follows the chunk's last token
             axis = self.mover.blocks[0].token_axis
             for layer in self.payload.kv:
@@ -65,8 +65,7 @@ class LoadJob:
 
     def finish(self) -> None:
         self.done.wait()
-        if self.staging is not None:
-            self.mover.stream.release(self.staging.view(-1).view(torch.uint8))
+        self.mover.release(self.staging)
 
 
 class PagedMover:
@@ -79,15 +78,19 @@ class PagedMover:
         self.stream = stream
         self.blocks = [physical_blocks(view, layout) for view in self.views]
         self.block_layout = block_layout(layout, self.blocks[0].block_size)
-        self.is_staged = stream.is_staged
         self._scratch = Scratch()
 
     def _staging(self, like: torch.Tensor) -> torch.Tensor | None:
         """A pinned host tensor shaped like `like` (None on a CPU device: no staging)."""
-        if not self.is_staged:
+        if not self.stream.is_staged:
             return None
         raw = self.stream.host_buffer(like.numel() * like.element_size())
         return raw.view(like.dtype).view(like.shape)
+
+    def release(self, staging: torch.Tensor | None) -> None:
+        """A staging tensor back to the stream's pool (once its copies have landed)."""
+        if staging is not None:
+            self.stream.release(staging.view(-1).view(torch.uint8))
 
     def save(self, key: bytes, block_ids: Sequence[int], start: int, end: int) -> SaveJob:
         payload = self.engine.new_payload(end - start, self.block_layout)
@@ -122,19 +125,22 @@ class PagedMover:
                     staging.copy_(source)
                     source = staging
                 chunk = source
-                self.stream.run(lambda: [scatter(view, "kv", block_ids, start, end, chunk[index])
-                                         for index, view in enumerate(self.views)])
+
+                def copy() -> None:
+                    for index, view in enumerate(self.views):
+                        scatter(view, "kv", block_ids, start, end, chunk[index])
+
+                self.stream.run(copy)
                 return LoadJob(self, staging, self.stream.record())
             # this layout's blocks, layer by layer (a slab read from a file is valid until the next one)
             for index, blocks in enumerate(self.blocks):
                 slab = hit.slab(index)
                 if slab is None:  # the stored blob turned out short: a miss (the caller recomputes)
                     self.stream.record().wait()
-                    if staging is not None:
-                        self.stream.release(staging.view(-1).view(torch.uint8))
+                    self.release(staging)
                     return None
                 layer = torch.from_numpy(slab).view(dtype)
-                if self.is_staged:
+                if self.stream.is_staged:
                     if staging is None:
                         staging = self._staging(layer.expand(len(self.blocks), *layer.shape))
                     staging[index].copy_(layer)
