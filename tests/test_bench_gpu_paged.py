@@ -17,3 +17,14 @@ def test_the_gpu_check_runs_on_cpu_and_every_row_is_exact(capsys):
     for row in rows:
         assert row["exact"] is True and row["tokens"] == 300 and row["gbps"] > 0 and row["baseline_gbps"] > 0
         assert row["ratio_vs_pinned_copy"] > 0 and row["default_stream_blocked_ms"] is None  # no CUDA stream here
+
+
+def test_a_mistyped_device_or_layout_is_one_line_and_exit_2(capsys):
+    import pytest
+
+    for argv, says in ((["--device", "meta"], "--device must be cpu or cuda"),
+                       (["--device", "cpu", "--layouts", "NCHW"], "unknown KV cache layout 'NCHW'")):
+        with pytest.raises(SystemExit) as exit_info:
+            gpu_paged.main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and says in err and "Traceback" not in err

@@ -25,7 +25,7 @@ from kvfabric import CacheEngine, Config, KVLayout
 from kvfabric.config import CpuTierConfig, DiskTierConfig
 from kvfabric.connectors.copy_stream import make_copy_stream
 from kvfabric.connectors.paged_mover import PagedMover
-from kvfabric.connectors.paged_views import LAYOUTS, PagedSpec, gather, layer_views
+from kvfabric.connectors.paged_views import LAYOUTS, PagedSpec, gather, layer_views, layout_order
 
 BLOCK, CHUNK = 16, 256
 
@@ -144,7 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    try:  # a mistyped device or layout: one line (argparse's), not a traceback
+        device = torch.device(args.device)
+        for name in args.layouts.split(","):
+            layout_order(name)
+    except (RuntimeError, ValueError) as exc:
+        parser.error(str(exc).splitlines()[0])
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, got {args.device!r}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvfabric-gpu-") as tmp:
         for name in args.layouts.split(","):
