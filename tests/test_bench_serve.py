@@ -81,7 +81,7 @@ def test_summary_fields():
     from kvfabric.bench.workloads import Request, Workload
 
     workload = Workload("w", [[Request("a", [1] * 10, 4)], [Request("b", [2] * 20, 4)]], 30)
-    timings = [Timing(0.5, (0.1, 0.1, 0.1), 4, 0, 10), Timing(1.5, (0.2, 0.2, 0.2), 4, 16, 20)]
+    timings = [Timing("a", 0.0, 0.5, (0.1, 0.1, 0.1), 4, 0, 10), Timing("b", 0.0, 1.5, (0.2, 0.2, 0.2), 4, 16, 20)]
     row = summarize("kvfabric", workload, timings, wall=2.0)
     for field in ("system", "workload", "requests", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "throughput_rps",
                   "hit_tokens"):
@@ -89,3 +89,20 @@ def test_summary_fields():
     assert row["requests"] == 2 and row["throughput_rps"] == 1.0 and row["hit_tokens"] == 16
     assert row["ttft_mean_s"] == 1.0 and row["ttft_p99_s"] == 1.5 and row["tokens_per_s"] == 4.0
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+
+
+def test_per_request_lines(tmp_path):
+    """`--per-request FILE`: one JSON line per request, appended per (system, workload)."""
+    import json
+
+    from kvfabric.bench.serve import write_per_request
+
+    path = tmp_path / "requests.jsonl"
+    timings = [Timing("s1-r0", 0.0, 0.5, (), 1, 0, 10), Timing("s1-r1", 0.9, 0.25, (0.1,), 2, 256, 300)]
+    write_per_request(path, "kvfabric", "chat", timings)
+    write_per_request(path, "lmcache", "chat", timings[:1])
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["system"], r["request"]) for r in lines] == [("kvfabric", "s1-r0"), ("kvfabric", "s1-r1"),
+                                                           ("lmcache", "s1-r0")]
+    assert lines[1] == {"system": "kvfabric", "workload": "chat", "request": "s1-r1", "sent_s": 0.9, "ttft_s": 0.25,
+                        "hit_tokens": 256, "prompt_tokens": 300, "num_output": 2}

@@ -547,6 +547,31 @@ def test_capabilities_get_into_and_prefetch(pool_name: str) -> None:
     assert tier.get_into(key_of(1), scratch) is None  # closed: a miss
 
 
+def test_large_gets_reuse_dropped_buffers_and_never_one_still_held(pool_name: str) -> None:
+    """A `get` of a large entry copies into a recycled buffer (no fresh pages per read), but never into one
+    that a caller still holds: a held blob keeps its bytes whatever is read after it."""
+    import numpy as np
+
+    tier = ShmTier(pool_name, 64 << 20)
+    blobs = {i: make_blob(key_of(i), 3 << 20, seed=i) for i in (1, 2)}
+    for i, blob in blobs.items():
+        assert tier.put(key_of(i), blob)
+
+    def address(blob) -> int:
+        return np.frombuffer(blob, dtype=np.uint8).ctypes.data
+
+    held = tier.get(key_of(1))
+    again = tier.get(key_of(2))  # the first is still held: another buffer
+    assert address(again) != address(held)
+    assert bytes(held) == bytes(blobs[1]) and bytes(again) == bytes(blobs[2])
+    first = address(held)
+    del held
+    reused = tier.get(key_of(2))  # the first was dropped: its buffer comes back
+    assert address(reused) == first and bytes(reused) == bytes(blobs[2])
+    assert bytes(again) == bytes(blobs[2])
+    tier.close()
+
+
 # ---- reads in place (get(in_place=True): the P/D decode instance's path) -----------------------------------
 def test_stack_reads_in_place_and_flags_a_reused_slot(pool_name: str) -> None:
     tier = ShmTier(pool_name, 1 << 20)

@@ -47,6 +47,8 @@ STORE_GB = 3.0  # both connectors' process-memory store: holds either workload's
 
 @dataclass(frozen=True, slots=True)
 class Timing:
+    name: str
+    sent_s: float  # when the request was sent, from the workload's start
     ttft_s: float
     itls_s: tuple[float, ...]
     num_output: int
@@ -54,8 +56,9 @@ class Timing:
     prompt_tokens: int
 
 
-def stream_completion(client: httpx.Client, model: str, request: Request) -> Timing:
-    """One streamed completion; times measured on the client from sending the request."""
+def stream_completion(client: httpx.Client, model: str, request: Request, origin: float = 0.0) -> Timing:
+    """One streamed completion; times measured on the client from sending the request (`origin`: the
+    workload's start, on the `perf_counter` clock)."""
     body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
@@ -74,8 +77,8 @@ def stream_completion(client: httpx.Client, model: str, request: Request) -> Tim
     if not stamps:
         raise RuntimeError(f"no tokens streamed for request {request.name}")
     details = usage.get("prompt_tokens_details") or {}
-    return Timing(stamps[0] - started, tuple(b - a for a, b in zip(stamps, stamps[1:])), len(stamps),
-                  int(details.get("cached_tokens") or 0), int(usage.get("prompt_tokens") or len(request.prompt)))
+    return Timing(request.name, started - origin, stamps[0] - started,
+                  tuple(b - a for a, b in zip(stamps, stamps[1:])), len(stamps), int(details.get("cached_tokens") or 0), int(usage.get("prompt_tokens") or len(request.prompt)))
 
 
 def drive(base_url: str, workload: Workload) -> tuple[list[Timing], float]:
@@ -89,7 +92,7 @@ def drive(base_url: str, workload: Workload) -> tuple[list[Timing], float]:
         def user(requests: Sequence[Request]) -> None:
             try:
                 for request in requests:
-                    results[request.name] = stream_completion(client, model, request)
+                    results[request.name] = stream_completion(client, model, request, started)
             except BaseException as exc:  # noqa: BLE001 - reported after the join
                 errors.append(exc)
 
@@ -103,6 +106,17 @@ def drive(base_url: str, workload: Workload) -> tuple[list[Timing], float]:
     if errors:
         raise errors[0]
     return [results[r.name] for requests in workload.users for r in requests], wall
+
+
+def write_per_request(path: Path, system: str, workload: str, timings: Sequence[Timing]) -> None:
+    """One JSON line per request (the per-request view behind a row's means: which requests were slow, and
+    whether they hit)."""
+    with path.open("a") as out:
+        for t in timings:
+            out.write(json.dumps({"system": system, "workload": workload, "request": t.name,
+                                  "sent_s": round(t.sent_s, 4), "ttft_s": round(t.ttft_s, 4),
+                                  "hit_tokens": t.cached_tokens, "prompt_tokens": t.prompt_tokens,
+                                  "num_output": t.num_output}) + "\n")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -131,9 +145,9 @@ def server_argv(python: str, model: str, port: int, kv_bytes: int, max_len: int)
 
 def run_system(system: str, workloads: Sequence[Workload], model: str, work: Path, kv_bytes: int, max_len: int,
                log, python: str, store_gb: float = STORE_GB,  # noqa: ANN001
-               load_nice: int | None = None) -> list[dict[str, Any]]:
+               load_nice: int | None = None, per_request: Path | None = None) -> list[dict[str, Any]]:
     """Start the system's server once (`python`: one with vllm, and lmcache for that system), run every workload
-    on it (each with its own prompts), stop it."""
+    on it (each with its own prompts), stop it. `per_request`: append one JSON line per request there."""
     port = free_port()
     argv = server_argv(python, model, port, kv_bytes, max_len)
     lmcache = None
@@ -161,6 +175,8 @@ def run_system(system: str, workloads: Sequence[Workload], model: str, work: Pat
                 log(f"[bench serve] {system}: {workload.name} ({workload.num_requests} requests) ...")
                 load_before = os.getloadavg()[0]
                 timings, wall = drive(server.base_url, workload)
+                if per_request is not None:
+                    write_per_request(per_request, system, workload.name, timings)
                 # the machine's 1-minute load average before and after: the systems run one after the other, so a
                 # busier machine during one of them skews the comparison
                 rows.append({**summarize(system, workload, timings, wall),
@@ -177,7 +193,7 @@ def run(systems: Sequence[str] = SYSTEMS, workload_names: Sequence[str] = ("docq
         max_len: int = 4096, docs: int = 4, doc_tokens: int = 1800, questions: int = 3, users: int = 2,
         sessions: int = 6, trace: str | None = None, python: str | None = None,
         store_gb: float = STORE_GB, load_nice: int | None = None,
-        num_requests: int | None = None) -> list[dict[str, Any]]:
+        num_requests: int | None = None, per_request: str | None = None) -> list[dict[str, Any]]:
     if model is None:
         from kvfabric.engines.model import ensure_model
         model = str(ensure_model())
@@ -208,7 +224,7 @@ def run(systems: Sequence[str] = SYSTEMS, workload_names: Sequence[str] = ("docq
             continue
         try:
             rows += run_system(system, workloads, model, work, kv_bytes, max_len, log, system_python, store_gb,
-                               load_nice)
+                               load_nice, Path(per_request) if per_request else None)
         except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
             notes.append(f"{system} failed: {str(exc)[:500]} (logs in {work})")
     for note in notes:  # also with --json: a system that did not run must never pass silently
@@ -273,6 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=6, help="chat sessions taken from the trace")
     ap.add_argument("--load-nice", type=int, default=None,
                     help="kvfabric's load_nice (niceness of its load threads; default: the connector's)")
+    ap.add_argument("--per-request", default=None, metavar="FILE",
+                    help="append one JSON line per request (system, workload, request, sent_s, ttft_s, hit_tokens, "
+                         "prompt_tokens) to FILE")
     ap.add_argument("--trace", default=None, help="conversation trace (default ../shared/data/mooncake_conversation_"
                                                   "trace.jsonl)")
     args = ap.parse_args(argv)
@@ -280,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         run([s for s in args.systems.split(",") if s], [w for w in args.workloads.split(",") if w], args.json,
             args.plot, args.model, args.workdir, args.kv_tokens, docs=args.docs, doc_tokens=args.doc_tokens,
             questions=args.questions, users=args.users, sessions=args.sessions, trace=args.trace,
-            python=args.python, store_gb=args.store_gb, load_nice=args.load_nice, num_requests=args.requests)
+            python=args.python, store_gb=args.store_gb, load_nice=args.load_nice, num_requests=args.requests,
+            per_request=args.per_request)
     except (ValueError, FileNotFoundError) as exc:  # a workload that cannot be built (no trace, too few sessions)
         print(f"kvfabric bench serve: {exc}", file=sys.stderr)
         return 2
