@@ -527,9 +527,9 @@ def test_hybrid_manager_failed_load_is_a_failed_receive_not_block_ids(tmp_path):
         side.close()
 
 
-def test_a_kv_cache_on_a_gpu_is_refused_in_one_line_naming_the_device(tmp_path):
-    """vLLM under a GPU backend hands over device tensors; this version moves the CPU cache only: one line saying
-    so (not a shape error from inside the paged copy). A meta tensor stands in for the device tensor here."""
+def test_a_device_cache_given_to_the_cpu_worker_side_is_refused_in_one_line_naming_the_device(tmp_path):
+    """The CPU backend's worker side never moves device tensors (vLLM on a GPU gets DeviceWorkerSide): one line
+    saying so, not a shape error from inside the paged copy. A meta tensor stands in for the device tensor."""
     pytest.importorskip("vllm")
     from kvfabric.config import Config
     from kvfabric.connectors.vllm.worker import WorkerSide
@@ -538,8 +538,31 @@ def test_a_kv_cache_on_a_gpu_is_refused_in_one_line_naming_the_device(tmp_path):
     config = Config.from_dict({"chunk_size": 256, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
     side = WorkerSide(config, KVLayout(1, 2, 8, "float32"), "m", 16, {"load_threads": 1})
     try:
-        with pytest.raises(ValueError, match=r"the KV cache is on meta; this version moves vLLM's CPU attention "
-                                             r"cache only \(GPU backends: in progress"):
+        with pytest.raises(ValueError, match=r"the KV cache is on meta, but vLLM's device is the CPU"):
             side.register({"model.layers.0.self_attn.attn": torch.empty(10, 2, 16, 16, device="meta")})
     finally:
         side.close()
+
+
+def test_on_a_gpu_the_connector_asks_vllm_for_a_block_outermost_layout():
+    """`get_required_kvcache_layout`: BLHNC by default on a GPU (a block's KV of every layer in one run), the
+    configured `kv_cache_layout` otherwise, nothing for "" or on the CPU (one layout there); a name vLLM does not
+    know is a one-line config error. Every name is a member of vLLM's own KVCacheLayout."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from kvfabric.config import ConfigError
+    from kvfabric.connectors.vllm import KVFabricConnector
+
+    def ask(device: str, extra: dict):
+        config = SimpleNamespace(device_config=SimpleNamespace(device_type=device),
+                                 kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+        return KVFabricConnector.get_required_kvcache_layout(config)
+
+    assert ask("cuda", {}) == "BLHNC" and KVCacheLayout["BLHNC"].is_block_outermost
+    assert ask("cuda", {"kv_cache_layout": "LBHNC"}) == "LBHNC" and ask("cuda", {"kv_cache_layout": ""}) is None
+    assert ask("cpu", {}) is None
+    with pytest.raises(ConfigError, match="kv_cache_layout: 'NCHW' is not one of"):
+        ask("cuda", {"kv_cache_layout": "NCHW"})

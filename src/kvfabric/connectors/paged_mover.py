@@ -62,6 +62,8 @@ class LoadJob:
     mover: PagedMover
     staging: torch.Tensor | None
     done: CopyDone
+    tier: str  # where the chunk was found
+    num_bytes: int  # its bytes read
 
     def finish(self) -> None:
         self.done.wait()
@@ -131,7 +133,7 @@ class PagedMover:
                         scatter(view, "kv", block_ids, start, end, chunk[index])
 
                 self.stream.run(copy)
-                return LoadJob(self, staging, self.stream.record())
+                return LoadJob(self, staging, self.stream.record(), hit.tier, hit.num_bytes)
             # this layout's blocks, layer by layer (a slab read from a file is valid until the next one)
             for index, blocks in enumerate(self.blocks):
                 slab = hit.slab(index)
@@ -146,6 +148,6 @@ class PagedMover:
                     staging[index].copy_(layer)
                     layer = staging[index]
                 self.stream.run(lambda b=blocks, x=layer: load_blocks(b, block_ids, start, end, x, first))
-            return LoadJob(self, staging, self.stream.record())
+            return LoadJob(self, staging, self.stream.record(), hit.tier, hit.num_bytes)
         finally:
             hit.close()

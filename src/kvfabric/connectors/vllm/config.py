@@ -35,6 +35,11 @@ Contract:
     load_nice            their niceness, 0-19 (default 15): the share of the cores an asynchronous load takes from
                          forwards that run meanwhile (0: an equal share, the load ends soonest, the other requests'
                          decode slows most; 19: almost none)
+    pinned_bytes         on a GPU: pinned host buffers kept for reuse by the copy stream (default 1 GiB; more are
+                         made when a burst needs them, then freed)
+    kv_cache_layout      on a GPU: the KVCacheLayout asked of vLLM (default "BLHNC": block-outermost, a block's KV
+                         of every layer one contiguous run; "" lets vLLM choose); a backend that cannot use it gets
+                         vLLM's own choice, with vLLM's warning
 
 - `layout_from_vllm` / `model_id_from_vllm`: the KVLayout (layer groups from the model config, as kvfabric's HF
   engine has them: Gemma 3's window layers, so both engines' keys agree) and key namespace; anything the connector
@@ -63,6 +68,7 @@ from vllm.logger import init_logger
 
 from kvfabric.config import ENV_PREFIX, RESERVED_ENV, Config, ConfigError
 from kvfabric.connectors.paged import REGION_LAYOUTS, render_region
+from kvfabric.connectors.paged_views import LAYOUTS
 from kvfabric.engines.runtime import layout_for
 from kvfabric.layout import KVLayout
 
@@ -73,11 +79,13 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 CONNECTOR_KEYS = ("model_id", "config_file", "load_failure_policy", "stats_path", "save_queue_bytes", "key_mode",
-                  "load_mode", "load_threads", "load_nice")
+                  "load_mode", "load_threads", "load_nice", "pinned_bytes", "kv_cache_layout")
 KEY_MODES = ("tokens", "vllm")
 LOAD_MODES = ("async", "layerwise")
 DEFAULT_LOAD_THREADS = 2
 DEFAULT_LOAD_NICE = 15
+DEFAULT_PINNED_BYTES = 1 << 30  # pinned host buffers of a GPU's copy stream, kept for reuse
+DEFAULT_KV_CACHE_LAYOUT = "BLHNC"  # asked of vLLM on a GPU: block-outermost (a block's layers in one run)
 PARAMS_KEY = "kvfabric"  # our entry in a request's kv_transfer_params
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -135,8 +143,20 @@ def resolve_config(extra: dict[str, Any] | None) -> tuple[Config, dict[str, Any]
     nice = options.setdefault("load_nice", DEFAULT_LOAD_NICE)
     if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= 19:
         raise ConfigError(f"load_nice: {nice!r} is not an integer in [0, 19]")
+    pinned = options.setdefault("pinned_bytes", DEFAULT_PINNED_BYTES)
+    if not isinstance(pinned, int) or isinstance(pinned, bool) or pinned < 0:
+        raise ConfigError(f"pinned_bytes: {pinned!r} is not a byte count (an integer >= 0)")
+    options["kv_cache_layout"] = kv_cache_layout_option(options)
     base = Config.load(options.get("config_file"), environ=_config_environ())  # YAML + KVFABRIC_* env
     return Config.from_dict(_merge(base.to_dict(), extra)), options
+
+
+def kv_cache_layout_option(extra: dict[str, Any] | None) -> str:
+    """The ``kv_cache_layout`` the connector asks vLLM for on a GPU (a KVCacheLayout name; "" for none)."""
+    name = (extra or {}).get("kv_cache_layout", DEFAULT_KV_CACHE_LAYOUT)
+    if name != "" and name not in LAYOUTS:
+        raise ConfigError(f"kv_cache_layout: {name!r} is not one of {', '.join(LAYOUTS)} (or \"\" for vLLM's choice)")
+    return name
 
 
 def _config_environ() -> dict[str, str]:

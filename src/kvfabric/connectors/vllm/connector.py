@@ -19,9 +19,13 @@ Contract:
   ``is_async=True``, the request waits in WAITING_FOR_REMOTE_KVS while other requests run, ``get_finished``
   reports its load once the KV is in place, a failed chunk's blocks through ``get_block_ids_with_load_errors``
   in the same pass), or synchronous and layer-wise (``load_mode: layerwise``: ``start_load_kv`` starts them,
-  ``wait_for_layer_load`` waits for one layer). The connector never delays a request's blocks
-  (``request_finished`` answers False): it is a cache, so a dropped save is a future miss
+  ``wait_for_layer_load`` waits for one layer). On the CPU the connector never delays a request's
+  blocks (``request_finished`` answers False): it is a cache, so a dropped save is a future miss
   (``requires_kv_delivery`` is False).
+- On a GPU (vLLM's device is not the CPU) the worker is a ``DeviceWorkerSide`` (``device``): saves are copied out
+  of the blocks after the step on a side stream, so ``request_finished`` answers True for a request that had a
+  save, and ``get_finished`` reports it sent once those copies landed; ``handle_preemptions`` waits for copies
+  in flight. ``get_required_kvcache_layout`` asks vLLM for the connector's ``kv_cache_layout`` (BLHNC).
 - vLLM's ``kv_role`` (``role_of``): a ``kv_producer`` (P/D prefill) loads hits (the pool is its prefix cache too),
   stores, and ends each step only once its KV is stored; a ``kv_consumer`` (P/D decode) loads and never stores;
   ``kv_both`` loads and stores.
@@ -50,6 +54,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvfabric.connectors.vllm.config import (
     describe_groups,
     kv_cache_groups,
+    kv_cache_layout_option,
     layout_from_vllm,
     model_id_from_vllm,
     resolve_config,
@@ -64,6 +69,7 @@ from kvfabric.connectors.vllm.metrics import (
     SchedulerEvents,
     worker_events,
 )
+from kvfabric.connectors.vllm.device import DeviceWorkerSide
 from kvfabric.connectors.vllm.scheduler import SchedulerSide
 from kvfabric.connectors.vllm.worker import WorkerSide
 
@@ -101,6 +107,11 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = self.groups.block_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._vllm_config = vllm_config
+        # vLLM's GPU backends: saves copy out of the blocks after the step (device.py), so a request that saved
+        # keeps its blocks until the worker reports the copies landed
+        self._is_device = vllm_config.device_config.device_type != "cpu"
+        self._saving: set[str] = set()  # (scheduler) requests with a save scheduled, on a device
         events_config = getattr(vllm_config, "kv_events_config", None)
         has_events = bool(events_config is not None and events_config.enable_kv_cache_events)
         self._lookups = LookupStats()
@@ -118,8 +129,9 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
                                              self.options["key_mode"], self.options["load_mode"], self.kv_role,
                                              self.groups)
         else:
-            self._worker = WorkerSide(self.config, self.layout, self.model_id, block_size, self.options,
-                                      is_sync_store=self.kv_role.is_sync_store, groups=self.groups)
+            side = DeviceWorkerSide if self._is_device else WorkerSide
+            self._worker = side(self.config, self.layout, self.model_id, block_size, self.options,
+                                is_sync_store=self.kv_role.is_sync_store, groups=self.groups)
             self._engine_stats = EngineStatsSource(self._worker.engine)
             if has_events:
                 self._worker.engine.events = worker_events(self.config.chunk_size)
@@ -134,7 +146,24 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- worker ----
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        self._worker.register(kv_caches)
+        if isinstance(self._worker, DeviceWorkerSide):
+            self._worker.register(kv_caches, self._vllm_config.cache_config.get_resolved_kv_cache_layout().name)
+        else:
+            self._worker.register(kv_caches)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """On a GPU, the layout named by the connector's ``kv_cache_layout`` (default BLHNC: block-outermost, so
+        a block's KV for every layer is one contiguous run, the fewest and largest copies; vLLM falls back to its
+        own choice, with a warning, where the backend cannot use it). None on CPU: its backend has one layout."""
+        transfer = vllm_config.kv_transfer_config
+        if vllm_config.device_config.device_type == "cpu" or transfer is None:
+            return None
+        return kv_cache_layout_option(transfer.kv_connector_extra_config) or None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None:
+            self._worker.preempted()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -161,7 +190,8 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        return None, self._worker.finished_loads() or None
+        sent, received = self._worker.finished(finished_req_ids)
+        return sent or None, received or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = super().get_transfer_results(finished_req_ids)
@@ -229,6 +259,8 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         meta = self._scheduler.build_meta(scheduler_output)
+        if self._is_device:
+            self._saving.update(save.req_id for save in meta.saves)
         if self._events is not None:
             for save in meta.saves:
                 self._events.saving(save.req_id, save.start, save.end)
@@ -244,9 +276,11 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
         params = self._scheduler.finished(request) if self._scheduler is not None else None
         if self._events is not None:
             self._events.forget(request.request_id)
-        return False, params
+        is_saving = request.request_id in self._saving  # its copies may still be landing (a device's saves)
+        self._saving.discard(request.request_id)
+        return is_saving, params
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        """SupportsHMA's request_finished: the blocks are never held past it (saves gather within the step)."""
+        """SupportsHMA's request_finished (several groups: CPU only, where saves gather within the step)."""
         return self.request_finished(request, block_ids[0] if block_ids else [])

@@ -4,9 +4,11 @@ Contract:
 - The worker gathers each chunk's KV [L, 2, H, C, D] from the paged cache into a ``ChunkPayload`` of the engine
   (``CacheEngine.new_payload``), layer by layer right after each layer's attention (the blocks may be reused once
   the step ends, so this is the one copy; with the raw codec it is the payload of the blob that will be stored).
-- `submit(save)` hands a complete save to the thread, or returns False (the caller counts the drop) when the
+- `submit(save)` hands a complete save (anything with `req_id`, `keys`, `num_bytes` and `store()`: an
+  ``ActiveSave`` of the CPU path, a ``device.DeviceSave`` whose copies are still landing) to the thread, or
+  returns False (the caller counts the drop) when the
   gathered bytes waiting would exceed `max_bytes`: the step never waits for checksums, disk or network.
-- The thread stores each chunk with ``CacheEngine.store_chunk`` (header and checksums, or the codec's encoding;
+- The thread calls the save's `store()`: each chunk goes through ``CacheEngine.store_chunk`` (header and checksums, or the codec's encoding;
   a chunk already held is skipped; slow tiers are written by the engine's own writer thread). A failing save is
   logged and counted (``save_errors``), never fatal. `take_stored()` returns the keys stored since the last call
   (tracked only when there is a process-memory tier the scheduler mirrors).
@@ -19,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from vllm.logger import init_logger
 
@@ -37,8 +40,28 @@ class ActiveSave:
     layers_done: set[int] = field(default_factory=set)
 
     @property
+    def req_id(self) -> str:
+        return self.spec.req_id
+
+    @property
+    def keys(self) -> list[bytes]:
+        return self.spec.keys
+
+    @property
     def num_bytes(self) -> int:
         return sum(chunk.kv.numel() * chunk.kv.element_size() for chunk in self.chunks)  # either layout
+
+    def store(self, engine: CacheEngine) -> int:
+        """Store every chunk; the number stored (a chunk the cache held already is not)."""
+        return sum(engine.store_chunk(key, chunk) for key, chunk in zip(self.spec.keys, self.chunks))
+
+
+class Save(Protocol):
+    req_id: str
+    keys: list[bytes]
+    num_bytes: int
+
+    def store(self, engine: CacheEngine) -> int: ...
 
 
 class Saver:
@@ -49,14 +72,19 @@ class Saver:
         self.max_bytes = max_bytes
         self._track_stored = track_stored
         self._on_stored = on_stored  # called after each stored save (the worker's stats file)
-        self._queue: queue.Queue[ActiveSave | None] = queue.Queue()
+        self._queue: queue.Queue[Save | None] = queue.Queue()
         self._queued_bytes = 0
         self._lock = threading.Lock()
         self._stored_keys: list[bytes] = []
         self._thread = threading.Thread(target=self._loop, name="kvfabric-saver", daemon=True)
         self._thread.start()
 
-    def submit(self, save: ActiveSave) -> bool:
+    def has_room(self, num_bytes: int) -> bool:
+        """Whether a save of `num_bytes` would be taken now (only the worker's thread submits)."""
+        with self._lock:
+            return self._queued_bytes + num_bytes <= self.max_bytes
+
+    def submit(self, save: Save) -> bool:
         size = save.num_bytes
         with self._lock:
             if self._queued_bytes + size > self.max_bytes:
@@ -73,19 +101,18 @@ class Saver:
     def _loop(self) -> None:
         release()  # off the core vLLM bound the worker's main thread to
         while (save := self._queue.get()) is not None:
-            spec = save.spec
             try:
                 started = time.perf_counter_ns()
-                num = sum(self.engine.store_chunk(key, chunk) for key, chunk in zip(spec.keys, save.chunks))
+                num = save.store(self.engine)
                 self.counters.add("save_store_ns", time.perf_counter_ns() - started)
                 self.counters.add("chunks_stored", num)
                 if self._on_stored is not None:
                     self._on_stored()
                 if self._track_stored:
                     with self._lock:
-                        self._stored_keys.extend(spec.keys)
+                        self._stored_keys.extend(save.keys)
             except Exception:  # a bug here must not kill the saver
-                logger.exception("kvfabric: storing KV of request %s failed", spec.req_id)
+                logger.exception("kvfabric: storing KV of request %s failed", save.req_id)
                 self.counters.add("save_errors")
             finally:
                 with self._lock:

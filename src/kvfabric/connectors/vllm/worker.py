@@ -93,8 +93,8 @@ class WorkerSide:
         self.region_layouts: tuple[str, str] | None = None  # (K, V), measured on first use
         self.counters = Counters()
         self.stats_path = options.get("stats_path")
-        self.loader = Loader(self.engine, self.counters, block_size, options.get("load_threads", DEFAULT_LOAD_THREADS),
-                             options.get("load_nice", DEFAULT_LOAD_NICE))
+        self.options = options
+        self.loader = self._new_loader(options)
         # the scheduler mirrors the keys stored in our process-memory tier (it cannot see that tier)
         self.saver = Saver(self.engine, self.counters, int(options.get("save_queue_bytes") or 2**30),
                            track_stored=self.mirrored,
@@ -113,6 +113,11 @@ class WorkerSide:
         self._closed = False
         atexit.register(self.close)
 
+    def _new_loader(self, options: dict[str, Any]) -> Any:
+        """The load threads (a subclass for another device brings its own)."""
+        return Loader(self.engine, self.counters, self.block_size, options.get("load_threads", DEFAULT_LOAD_THREADS),
+                      options.get("load_nice", DEFAULT_LOAD_NICE))
+
     # -- layers
     def _paged(self, kv: torch.Tensor) -> CpuPagedLayer:
         if self.region_layouts is None:
@@ -125,8 +130,8 @@ class WorkerSide:
         from vllm.model_executor.models.utils import extract_layer_index
         devices = sorted({str(kv.device) for kv in kv_caches.values() if kv.device.type != "cpu"})
         if devices:  # one line, not a shape error from deep inside: what runs where is in the README
-            raise ValueError(f"KVFabricConnector: the KV cache is on {', '.join(devices)}; this version moves vLLM's "
-                             "CPU attention cache only (GPU backends: in progress, see the README's 'On GPUs')")
+            raise ValueError(f"KVFabricConnector: the KV cache is on {', '.join(devices)}, but vLLM's device is the "
+                             "CPU (a GPU's cache goes through DeviceWorkerSide)")
         for name, kv in kv_caches.items():
             self.layers[name] = (extract_layer_index(name), self._paged(kv))
             self.group_of[self.layers[name][0]] = self.groups.layer_group.get(name, 0)
@@ -265,6 +270,14 @@ class WorkerSide:
             self.write_stats()
         self.saves = []
         self.engine.premap(0, is_paused=False)
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(requests whose blocks may be freed now: none, a save here never outlives its step; requests whose
+        async load ended)."""
+        return set(), self.finished_loads()
+
+    def preempted(self) -> None:
+        """Nothing to wait for before vLLM reuses preempted blocks: saves copy within their step."""
 
     def finished_loads(self) -> set[str]:
         """Requests whose asynchronous load ended (loaded, or failed with its blocks reported)."""

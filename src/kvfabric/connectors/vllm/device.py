@@ -1,0 +1,251 @@
+"""Worker side for vLLM's GPU attention backends: the KV cache as vLLM 0.32 hands it to `register_kv_caches` (one
+[B, H, N, C] view of K|V content per layer, in the group's `KVCacheLayout`), moved by `PagedMover`.
+
+Contract (what differs from ``WorkerSide``, the CPU backend's path; the rest, stats, stored-key mirroring and
+close, is shared):
+- `register(kv_caches, layout_name)`: every layer on one device, one KV cache group of full attention (vLLM's
+  hybrid manager with window groups, and MLA latents, are refused at start-up in one line), asynchronous loads
+  only. The copies go through `make_copy_stream(device, pinned_bytes)`: on CUDA a side stream with pinned host
+  buffers (a pool bounded by the connector's ``pinned_bytes``, reused); on a CPU device (the tests of every GPU
+  layout) the same code with plain copies.
+- Saves: at `end_step` (``wait_for_save``: every layer of the step has been computed on the engine's stream) each
+  chunk of the step's saves is copied out on the copy stream after that compute (`PagedMover.save`); the
+  saver thread waits for the copies and stores the chunk (``DeviceSave.store``). The forward never waits for a
+  save. A request that had a save keeps its blocks past its end: the scheduler answers ``request_finished``
+  True for it, and `finished` reports it as sent once every copy out of its blocks has landed. Before vLLM
+  reuses a preempted request's blocks (``handle_preemptions``), `preempted` waits for the copies in flight.
+  A save that would overfill the saver's queue is dropped (counted) before any copy is made.
+- Loads (vLLM's WAITING_FOR_REMOTE_KVS path): one load thread reads and verifies each chunk on the host and
+  queues its copies into the request's blocks (`PagedMover.load`); `finished` reports a load once all its copies
+  have landed. A missing or corrupt chunk ends the load there: the blocks from it on are reported bad and vLLM
+  recomputes them, as on the CPU path.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+
+from kvfabric.connectors.copy_stream import CopyDone, make_copy_stream
+from kvfabric.connectors.paged import blocks_of
+from kvfabric.connectors.paged_mover import LoadJob, PagedMover, SaveJob
+from kvfabric.connectors.vllm.config import DEFAULT_PINNED_BYTES
+from kvfabric.connectors.vllm.loads import LoadOutcome
+from kvfabric.connectors.vllm.metadata import LoadSpec, RequestStats
+from kvfabric.connectors.vllm.threads import release
+from kvfabric.connectors.vllm.worker import WorkerSide
+from kvfabric.counters import Counters
+from kvfabric.engine import CacheEngine
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSave:
+    """One request's chunks of a step, their copies out of the device still landing (the Saver's `Save`)."""
+    req_id: str
+    keys: list[bytes]
+    jobs: list[SaveJob]
+    num_bytes: int
+
+    def store(self, engine: CacheEngine) -> int:
+        return sum(job.finish() for job in self.jobs)  # waits for each chunk's copies, then stores it
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    chunk_size: int
+    started: float = field(default_factory=time.perf_counter)
+    jobs: list[LoadJob] = field(default_factory=list)
+    end: int = -1  # tokens [spec.start, end) are queued; -1 while chunks are still being read
+    bad_key: bytes | None = None
+    by_tier: dict[str, int] = field(default_factory=dict)  # bytes read per tier
+
+    def outcome(self, block_size: int) -> LoadOutcome:
+        spec = self.spec
+        stats = RequestStats(loaded_tokens=self.end - spec.start, failed_tokens=spec.end - self.end,
+                             load_read_s=time.perf_counter() - self.started,
+                             bytes_loaded=tuple(sorted(self.by_tier.items())))
+        return LoadOutcome(spec.req_id, self.end, tuple(blocks_of(spec.block_ids, block_size, self.end, spec.end)),
+                           self.bad_key, stats)
+
+
+class DeviceLoads:
+    """Asynchronous loads on one thread (PagedMover reads into one scratch buffer)."""
+
+    def __init__(self, counters: Counters, block_size: int, chunk_size: int) -> None:
+        self.counters = counters
+        self.block_size = block_size
+        self.chunk_size = chunk_size
+        self.mover: PagedMover | None = None
+        self._queue: queue.Queue[_Load | None] = queue.Queue()
+        self._issued: list[_Load] = []
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="kvfabric-device-load", daemon=True)
+        self._thread.start()
+
+    def bind(self, mover: PagedMover) -> None:
+        self.mover = mover
+
+    def start_async(self, spec: LoadSpec) -> None:
+        self.counters.add("loads_async")
+        load = _Load(spec, self.chunk_size)
+        with self._cond:
+            self._issued.append(load)
+        self._queue.put(load)
+
+    def _run(self) -> None:
+        release()  # off the core vLLM bound the worker's main thread to
+        while (load := self._queue.get()) is not None:
+            try:
+                self._read(load)
+            except Exception:  # a bug fails the load (its blocks are recomputed), never the thread
+                logger.exception("kvfabric: device load of request %s failed", load.spec.req_id)
+                with self._cond:
+                    load.end = load.spec.start if load.end < 0 else load.end
+                    self._cond.notify_all()
+
+    def _read(self, load: _Load) -> None:
+        spec, size = load.spec, self.chunk_size
+        assert self.mover is not None
+        end = spec.start
+        for i, key in enumerate(spec.keys):
+            first = (spec.start // size + i) * size
+            lo, hi = max(spec.start, first), min(spec.end, first + size)
+            prompt = spec.num_prompt_tokens or first + size
+            job = self.mover.load(key, spec.block_ids, lo, hi, first=first,
+                                  chunk_tokens=max(1, min(size, prompt - first)))
+            if job is None:  # missing or corrupt: the rest is recomputed
+                self.counters.add("load_missing_chunks")
+                load.bad_key = key
+                break
+            load.jobs.append(job)
+            load.by_tier[job.tier] = load.by_tier.get(job.tier, 0) + job.num_bytes
+            self.counters.add(f"bytes_loaded.{job.tier}", job.num_bytes)
+            end = hi
+        with self._cond:
+            load.end = end
+            self._cond.notify_all()
+
+    def take_finished(self) -> list[LoadOutcome]:
+        """Loads whose chunks were all read and whose copies have all landed, each returned once."""
+        with self._cond:
+            done = [load for load in self._issued if load.end >= 0 and all(job.done.is_done() for job in load.jobs)]
+            for load in done:
+                self._issued.remove(load)
+        for load in done:
+            for job in load.jobs:
+                job.finish()  # the staging buffers back to the pool
+        return [load.outcome(self.block_size) for load in done]
+
+    def help(self, budget_s: float) -> int:
+        """Nothing for the worker's thread to do on an idle step: the copies run on the device."""
+        return 0
+
+    def wait_finished(self, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: any(load.end >= 0 for load in self._issued) or not self._issued, timeout)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+
+class DeviceWorkerSide(WorkerSide):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.options.get("load_mode", "async") != "async":
+            raise ValueError("KVFabricConnector: on a GPU loads are asynchronous only (load_mode: async)")
+        self.pinned_bytes = int(self.options.get("pinned_bytes") or DEFAULT_PINNED_BYTES)
+        self.mover: PagedMover | None = None
+        self._saving: set[str] = set()  # requests with a save bound: the scheduler holds their blocks at the end
+        self._copies: dict[str, list[CopyDone]] = {}  # per request: copies out of its blocks, maybe in flight
+        self._ending: set[str] = set()  # finished requests whose blocks wait for their copies
+
+    def _new_loader(self, options: dict[str, Any]) -> DeviceLoads:
+        return DeviceLoads(self.counters, self.block_size, self.chunk_size)
+
+    def register(self, kv_caches: dict[str, torch.Tensor], layout_name: str = "LBNHC") -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+        devices = sorted({str(kv.device) for kv in kv_caches.values()})
+        if self.groups.is_hybrid or len(devices) != 1:
+            raise ValueError(f"KVFabricConnector: on {', '.join(devices)} the connector moves one KV cache group of "
+                             "full-attention layers on one device (this model has several groups or devices)")
+        named = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
+        views = [kv for _, kv in named]
+        layout = self.layout
+        if (len(views) != layout.num_layers or any(v.dim() != 4 or v.shape[1] != layout.num_kv_heads or
+                                                   v.shape[3] != 2 * layout.head_dim or v.dtype != layout.torch_dtype
+                                                   for v in views)):
+            shapes = [(name, tuple(kv.shape), kv.dtype) for name, kv in named[:2]]
+            raise ValueError(f"KVFabricConnector: KV caches {shapes}... are not [blocks, {layout.num_kv_heads} heads, "
+                             f"tokens, 2 x {layout.head_dim}] views of K|V for {layout} (MLA latents: not yet)")
+        self.mover = PagedMover(self.engine, views, layout_name, make_copy_stream(devices[0], self.pinned_bytes))
+        self.loader.bind(self.mover)
+        self.engine.premap(self.chunk_size, self.mover.block_layout)
+        logger.info("kvfabric: %d layers on %s in layout %s (pinned host pool %d MB)", len(views), devices[0],
+                    layout_name, self.pinned_bytes >> 20)
+
+    def bind(self, meta: Any) -> None:
+        super().bind(meta)  # every load is async here (layer-wise loads are refused at start-up)
+        if self.meta is not None:
+            self._saving.update(spec.req_id for spec in self.meta.saves)
+
+    def start_loads(self) -> None:
+        pass
+
+    def layer_load(self, name: str) -> None:
+        pass
+
+    def layer_save(self, name: str, kv_layer: torch.Tensor) -> None:
+        pass  # saved whole at the end of the step, after every layer's compute (`end_step`)
+
+    def end_step(self) -> None:
+        if self.meta is None or self.mover is None:
+            return
+        size = self.chunk_size
+        for spec in self.meta.saves:
+            spans = [(first, min(spec.end, first + size)) for first in range(spec.start, spec.end, size)]
+            num_bytes = sum(self.engine.layout.num_bytes(hi - lo) for lo, hi in spans)
+            if not self.saver.has_room(num_bytes):
+                self.counters.add("saves_dropped_queue_full")
+                continue
+            started = time.perf_counter_ns()
+            jobs = [self.mover.save(key, spec.block_ids, lo, hi) for key, (lo, hi) in zip(spec.keys, spans)]
+            self.counters.add("save_gather_ns", time.perf_counter_ns() - started)  # enqueueing the copies
+            self._copies.setdefault(spec.req_id, []).extend(job.done for job in jobs)
+            self.saver.submit(DeviceSave(spec.req_id, spec.keys, jobs, num_bytes))
+            self._add_stats(spec.req_id, RequestStats(saved_tokens=spec.end - spec.start))
+        if self.is_sync_store and self.meta.saves:
+            self.saver.join()
+            self.engine.flush(to_peers=True)
+        if self.stats_path and self.meta.loads:
+            self.write_stats()
+        self.engine.premap(0, is_paused=False)
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(requests whose blocks may be freed now: ended and every copy out of them landed, requests whose
+        async load ended); each reported once."""
+        received = self.finished_loads()
+        self._ending |= finished_req_ids & self._saving
+        self._saving -= finished_req_ids
+        for req_id in list(self._copies):  # forget landed copies (a long request saves chunk after chunk)
+            self._copies[req_id] = [done for done in self._copies[req_id] if not done.is_done()]
+            if not self._copies[req_id]:
+                del self._copies[req_id]
+        sent = {req_id for req_id in self._ending if req_id not in self._copies}
+        self._ending -= sent
+        return sent, received
+
+    def preempted(self) -> None:
+        """vLLM is about to reuse preempted requests' blocks: every copy out of them must have landed."""
+        for dones in self._copies.values():
+            for done in dones:
+                done.wait()
+        self._copies.clear()

@@ -1,0 +1,171 @@
+"""The connector's worker side for vLLM's GPU backends (DeviceWorkerSide), driven through its step hooks as vLLM
+calls them, on CPU tensors in the GPU layouts (vLLM's [B, H, N, C] views, built as vLLM's create_kv_cache_views
+builds them: paged_views, compared with vLLM's own in test_vllm_paged_layouts) and through the staging buffers
+a CUDA stream uses. Saves hold their request's blocks until the copies landed; async loads land exactly in
+another layout; a missing chunk is reported as bad blocks. Needs vllm importable (.venv-vllm); skips otherwise."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from kvfabric import CacheEngine, Config, KVLayout  # noqa: E402
+from kvfabric.connectors.copy_stream import CpuCopyStream  # noqa: E402
+from kvfabric.connectors.paged_views import PagedSpec, gather, layer_views  # noqa: E402
+from kvfabric.connectors.vllm.device import DeviceWorkerSide  # noqa: E402
+from kvfabric.connectors.vllm.metadata import KVFabricMetadata, LoadSpec, SaveSpec  # noqa: E402
+
+BLOCK, CHUNK = 16, 32
+LAYOUT = KVLayout(3, 2, 8, "float16")
+
+
+def caches(layout: str, seed: int) -> dict[str, torch.Tensor]:
+    spec = PagedSpec(layout, "kv", LAYOUT.num_layers, 24, LAYOUT.num_kv_heads, BLOCK, LAYOUT.head_dim, torch.float16)
+    views = layer_views(torch.empty(spec.num_bytes, dtype=torch.uint8), spec)
+    generator = torch.Generator().manual_seed(seed)
+    for view in views:
+        view.copy_(torch.randn(view.shape, generator=generator))
+    return {f"model.layers.{i}.self_attn.attn": view for i, view in enumerate(views)}
+
+
+def tokens_of(kv: dict[str, torch.Tensor], block_ids: list[int], start: int, end: int) -> torch.Tensor:
+    out = torch.empty(LAYOUT.shape(end - start), dtype=torch.float16)
+    for index, view in enumerate(kv.values()):
+        gather(view, "kv", block_ids, start, end, out[index])
+    return out
+
+
+def side(config: Config, kv: dict[str, torch.Tensor], layout: str, staged: bool = True) -> DeviceWorkerSide:
+    worker = DeviceWorkerSide(config, LAYOUT, "m", BLOCK, {"load_threads": 1})
+    worker.register(kv, layout)
+    worker.mover.stream = CpuCopyStream(staged=staged)  # the CUDA path's staging buffers, on the CPU
+    return worker
+
+
+def step(worker: DeviceWorkerSide, meta: KVFabricMetadata) -> None:
+    worker.bind(meta)
+    worker.start_loads()
+    worker.end_step()
+
+
+def wait_loaded(worker: DeviceWorkerSide, req_id: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        step(worker, KVFabricMetadata(is_idle=True))  # an idle step: the worker waits briefly for a load
+        if req_id in worker.finished(set())[1]:
+            return
+    pytest.fail(f"load of {req_id} never finished")
+
+
+@pytest.fixture
+def config(tmp_path) -> Config:
+    return Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
+
+
+@pytest.mark.parametrize("source,target", [("BLHNC", "LBNHC"), ("LBHNC", "BLNHC"), ("LBNHC", "LBNHC")])
+def test_saved_kv_loads_exactly_into_other_blocks_of_another_layout(config, source, target):
+    tokens = list(range(1, 3 * CHUNK + 1))
+    src, dst = caches(source, seed=1), caches(target, seed=2)
+    src_ids, dst_ids = [3, 4, 9, 10, 0, 1], [20, 21, 5, 6, 7, 8]
+    with CacheEngine(config, LAYOUT, "m") as keys_of:
+        keys = keys_of.keys(tokens)
+    writer = side(config, src, source)
+    step(writer, KVFabricMetadata(saves=[SaveSpec("w", keys, 0, len(tokens), src_ids)]))
+    writer.saver.join()
+    writer.engine.flush()
+    assert writer.counters.snapshot().get("chunks_stored") == 3
+    writer.close()
+    reader = side(config, dst, target)  # a fresh process: its cpu tier is empty, the chunks come from disk
+    try:
+        step(reader, KVFabricMetadata(loads=[LoadSpec("r", keys[1:], CHUNK + BLOCK, len(tokens), dst_ids,
+                                                      is_async=True)]))
+        wait_loaded(reader, "r")
+        assert torch.equal(tokens_of(dst, dst_ids, CHUNK + BLOCK, len(tokens)),
+                           tokens_of(src, src_ids, CHUNK + BLOCK, len(tokens)))
+        assert reader.take_invalid_blocks() == set()
+        untouched = caches(target, seed=2)  # blocks outside [CHUNK + BLOCK, end) kept their values
+        assert torch.equal(tokens_of(dst, dst_ids, 0, CHUNK + BLOCK), tokens_of(untouched, dst_ids, 0, CHUNK + BLOCK))
+    finally:
+        reader.close()
+
+
+def test_a_request_that_saved_is_reported_sent_only_after_its_copies_landed(config, monkeypatch):
+    kv = caches("BLHNC", seed=3)
+    worker = side(config, kv, "BLHNC")
+    try:
+        with CacheEngine(config, LAYOUT, "m") as keys_of:
+            keys = keys_of.keys(list(range(CHUNK)))
+        held = []  # copies that have not landed: a CUDA event not yet reached
+        real_save = worker.mover.save
+
+        def slow_save(*args, **kwargs):
+            job = real_save(*args, **kwargs)
+            monkeypatch.setattr(job.done, "is_done", lambda: not held)
+            return job
+
+        monkeypatch.setattr(worker.mover, "save", slow_save)
+        held.append(True)
+        step(worker, KVFabricMetadata(saves=[SaveSpec("a", keys, 0, CHUNK, [1, 2])]))
+        assert worker.finished({"a", "b"}) == (set(), set())  # "a" ended, its copies are in flight; "b" never saved
+        assert worker.finished(set()) == (set(), set())
+        held.clear()
+        assert worker.finished(set()) == ({"a"}, set())  # landed: vLLM may free its blocks now
+        assert worker.finished(set()) == (set(), set())  # once
+    finally:
+        worker.close()
+
+
+def test_preemption_waits_for_the_copies_out_of_the_blocks(config, monkeypatch):
+    worker = side(config, caches("LBNHC", seed=4), "LBNHC")
+    try:
+        with CacheEngine(config, LAYOUT, "m") as keys_of:
+            keys = keys_of.keys(list(range(CHUNK)))
+        waited = []
+        real_save = worker.mover.save
+
+        def watched_save(*args, **kwargs):
+            job = real_save(*args, **kwargs)
+            monkeypatch.setattr(job.done, "is_done", lambda: bool(waited))
+            monkeypatch.setattr(job.done, "wait", lambda: waited.append(True))
+            return job
+
+        monkeypatch.setattr(worker.mover, "save", watched_save)
+        step(worker, KVFabricMetadata(saves=[SaveSpec("p", keys, 0, CHUNK, [1, 2])]))
+        worker.preempted()
+        assert waited  # the host waited for the copies before vLLM may overwrite the blocks
+    finally:
+        worker.close()
+
+
+def test_a_missing_chunk_ends_the_load_and_its_blocks_are_recomputed(config):
+    tokens = list(range(1, 2 * CHUNK + 1))
+    src = caches("BLHNC", seed=5)
+    worker = side(config, src, "BLHNC")
+    try:
+        with CacheEngine(config, LAYOUT, "m") as keys_of:
+            keys = keys_of.keys(tokens)
+        step(worker, KVFabricMetadata(saves=[SaveSpec("w", keys[:1], 0, CHUNK, [0, 1])]))
+        worker.saver.join()
+        worker.finished({"w"})
+        step(worker, KVFabricMetadata(loads=[LoadSpec("r", keys, 0, 2 * CHUNK, [8, 9, 10, 11], is_async=True)]))
+        wait_loaded(worker, "r")
+        assert worker.take_invalid_blocks() == {10, 11}  # the second chunk was never stored
+        assert torch.equal(tokens_of(src, [8, 9], 0, CHUNK), tokens_of(src, [0, 1], 0, CHUNK))
+    finally:
+        worker.close()
+
+
+def test_hybrid_groups_and_layer_wise_loads_are_refused_in_one_line(config):
+    with pytest.raises(ValueError, match="loads are asynchronous only"):
+        DeviceWorkerSide(config, LAYOUT, "m", BLOCK, {"load_mode": "layerwise"})
+    worker = DeviceWorkerSide(config, LAYOUT, "m", BLOCK, {})
+    try:
+        kv = caches("LBNHC", seed=7)
+        kv.pop("model.layers.2.self_attn.attn")
+        with pytest.raises(ValueError, match=r"are not \[blocks, 2 heads, tokens, 2 x 8\] views of K\|V"):
+            worker.register(kv, "LBNHC")
+    finally:
+        worker.close()
