@@ -12,7 +12,7 @@ import torch
 from kvfabric import CacheEngine, Config, KVLayout
 from kvfabric.config import DiskTierConfig
 from kvfabric.connectors.copy_stream import CpuCopyStream
-from kvfabric.connectors.paged_mover import PagedMover
+from kvfabric.connectors.paged_mover import ChunkRead, PagedMover
 from kvfabric.connectors.paged_views import LAYOUTS, PagedSpec, gather, layer_views
 
 BLOCK, CHUNK = 16, 48
@@ -129,3 +129,42 @@ def test_stale_slots_past_a_partial_chunk_are_never_stored(layout, staged):
             last = torch.from_numpy(hit.slab(index)).view(torch.bfloat16)[-1]
             assert not last.narrow(axis, 4, BLOCK - 4).any() and last.narrow(axis, 0, 4).any()
         hit.close()
+
+
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("source,target", [("BLHNC", "LBNHC"), ("LBHNC", "LBHNC")])
+def test_a_layered_load_lands_layer_by_layer_and_stops_at_a_miss(tmp_path, source, target, staged):
+    """`load_layered`: every chunk read and staged first, then one CopyDone per layer covering every chunk; a
+    token-major chunk (another engine's) and a block-layout one alike; reads after a missing chunk load nothing."""
+    config = Config(chunk_size=CHUNK, tiers=("disk",), disk=DiskTierConfig(path=str(tmp_path)), save_partial_chunk=True)
+    tokens = list(range(2 * CHUNK + 20))
+    src_views, dst_views = make_views(source, seed=11), make_views(target, seed=12)
+    src_ids, dst_ids = [3, 4, 5, 9, 10, 11, 14, 15], [12, 13, 0, 1, 2, 6, 7, 8]
+    before = tokens_of(dst_views, dst_ids, 0, len(tokens))
+    with CacheEngine(config, LAYOUT, "m") as engine:
+        keys = engine.keys(tokens)
+        mover = PagedMover(engine, src_views, source, CpuCopyStream())
+        assert mover.save(keys[0], src_ids, 0, CHUNK).finish()
+        engine.store(tokens[:2 * CHUNK], tokens_of(src_views, src_ids, 0, 2 * CHUNK))  # chunk 1 token-major too
+        assert mover.save(keys[2], src_ids, 2 * CHUNK, len(tokens)).finish()
+        engine.flush()
+    with CacheEngine(config, LAYOUT, "m") as engine:
+        stream = CpuCopyStream(staged=staged)
+        mover = PagedMover(engine, dst_views, target, stream)
+        reads = [ChunkRead(keys[0], 0, BLOCK, CHUNK, CHUNK), ChunkRead(keys[1], CHUNK, CHUNK, 2 * CHUNK, CHUNK),
+                 ChunkRead(keys[2], 2 * CHUNK, 2 * CHUNK, len(tokens), 20)]
+        load = mover.load_layered(reads, dst_ids)
+        assert load.num_read == 3 and len(load.layer_done) == LAYOUT.num_layers and set(load.by_tier) == {"disk"}
+        for done in load.layer_done:
+            done.hold_compute()
+        load.finish()
+        assert torch.equal(tokens_of(dst_views, dst_ids, BLOCK, len(tokens)),
+                           tokens_of(src_views, src_ids, BLOCK, len(tokens)))
+        assert torch.equal(tokens_of(dst_views, dst_ids, 0, BLOCK), before[:, :, :, :BLOCK])
+        missing = ChunkRead(b"\1" * 32, 0, 0, CHUNK, CHUNK)
+        fresh = make_views(target, seed=13)
+        untouched = [view.clone() for view in fresh]
+        load = PagedMover(engine, fresh, target, stream).load_layered([missing, reads[1]], dst_ids)
+        load.finish()
+        assert load.num_read == 0 and all(torch.equal(a, b) for a, b in zip(fresh, untouched))
+        assert stream.num_over_budget == 0

@@ -566,3 +566,6 @@ def test_on_a_gpu_the_connector_asks_vllm_for_a_block_outermost_layout():
     assert ask("cpu", {}) is None
     with pytest.raises(ConfigError, match="kv_cache_layout: 'NCHW' is not one of"):
         ask("cuda", {"kv_cache_layout": "NCHW"})
+    # layer-wise loads wait inside the forward: CUDA graphs must run piecewise then
+    assert KVFabricConnector.requires_piecewise_for_cudagraph({"load_mode": "layerwise"})
+    assert not KVFabricConnector.requires_piecewise_for_cudagraph({})

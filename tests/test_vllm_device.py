@@ -22,6 +22,27 @@ BLOCK, CHUNK = 16, 32
 LAYOUT = KVLayout(3, 2, 8, "float16")
 
 
+class WatchedStream(CpuCopyStream):
+    """The CPU stream, noting each CopyDone it records and which ones the engine's stream was told to wait for."""
+
+    def __init__(self, staged: bool) -> None:
+        super().__init__(staged=staged)
+        self.recorded: list[int] = []
+        self.held: list[int] = []
+
+    def record(self):  # noqa: ANN201
+        done, number, held = super().record(), len(self.recorded), self.held
+
+        class Noted:
+            is_done, wait = done.is_done, done.wait
+
+            def hold_compute(self) -> None:
+                held.append(number)
+
+        self.recorded.append(number)
+        return Noted()
+
+
 def caches(layout: str, seed: int) -> dict[str, torch.Tensor]:
     spec = PagedSpec(layout, "kv", LAYOUT.num_layers, 24, LAYOUT.num_kv_heads, BLOCK, LAYOUT.head_dim, torch.float16)
     views = layer_views(torch.empty(spec.num_bytes, dtype=torch.uint8), spec)
@@ -158,9 +179,38 @@ def test_a_missing_chunk_ends_the_load_and_its_blocks_are_recomputed(config):
         worker.close()
 
 
-def test_hybrid_groups_and_layer_wise_loads_are_refused_in_one_line(config):
-    with pytest.raises(ValueError, match="loads are asynchronous only"):
-        DeviceWorkerSide(config, LAYOUT, "m", BLOCK, {"load_mode": "layerwise"})
+def test_a_layer_wise_load_lands_before_each_layer_and_a_failed_one_saves_nothing(config):
+    """load_mode: layerwise: start_load_kv reads every chunk, wait_for_layer_load holds the engine's stream per
+    layer; end_step reports a missing chunk's blocks and drops that request's save of the step."""
+    tokens = list(range(1, 2 * CHUNK + 1))
+    src, dst = caches("BLNHC", seed=8), caches("LBHNC", seed=9)
+    with CacheEngine(config, LAYOUT, "m") as keys_of:
+        keys = keys_of.keys(tokens)
+    writer = side(config, src, "BLNHC")
+    step(writer, KVFabricMetadata(saves=[SaveSpec("w", keys[:1], 0, CHUNK, [0, 1])]))
+    writer.saver.join()
+    writer.close()
+    reader = DeviceWorkerSide(config, LAYOUT, "m", BLOCK, {"load_mode": "layerwise"})
+    try:
+        reader.register(dst, "LBHNC")
+        reader.mover.stream = stream = WatchedStream(staged=True)
+        meta = KVFabricMetadata(loads=[LoadSpec("r", keys, 0, 2 * CHUNK, [8, 9, 10, 11])],
+                                saves=[SaveSpec("r", keys[1:], CHUNK, 2 * CHUNK, [8, 9, 10, 11])])
+        reader.bind(meta)
+        reader.start_loads()
+        recorded = list(stream.recorded)  # one per layer: its copies of both chunks
+        for name in dst:
+            reader.layer_load(name)
+        assert len(recorded) == LAYOUT.num_layers and stream.held == recorded  # the stream waits, in layer order
+        reader.end_step()
+        assert reader.take_invalid_blocks() == {10, 11}  # chunk 1 was never stored
+        assert reader.counters.snapshot().get("saves_dropped_incomplete") == 1
+        assert torch.equal(tokens_of(dst, [8, 9], 0, CHUNK), tokens_of(src, [0, 1], 0, CHUNK))
+    finally:
+        reader.close()
+
+
+def test_a_cache_that_is_not_the_models_is_refused_in_one_line(config):
     worker = DeviceWorkerSide(config, LAYOUT, "m", BLOCK, {})
     try:
         kv = caches("LBNHC", seed=7)

@@ -14,6 +14,10 @@ Contract:
   in. It is read and verified on the calling thread; its blocks
   are copied into the layers on the copy stream. `job.done` is the copies' `CopyDone` (`hold_compute()`: the
   engine's stream waits for them, the host does not); `job.finish()` waits and gives the staging back.
+- `load_layered(reads, block_ids)` -> `LayeredLoad` (a layer-wise load, within the step that computes the request):
+  every chunk of `reads` (each a `ChunkRead`, in prompt order, up to the first miss) is read, verified and
+  staged on the calling thread first, then the copies are queued layer by layer, so `layer_done[l]` (l's copies
+  of every chunk) lands before l + 1's: the forward's layer l waits for it alone (`hold_compute`).
 - Whole runs of blocks are copied as they are when the chunk was written in this layout (`block_layout`), else
   the chunk is converted once (kvfabric.blocks) and scattered token-major; chunks of any layout load.
 - On a CPU device the copies go straight between the layers and the chunk's payload. On a staged stream (CUDA)
@@ -70,6 +74,31 @@ class LoadJob:
         self.mover.release(self.staging)
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkRead:
+    """Tokens [start, end) of the chunk `key`, which holds chunk_tokens tokens from `first` (block-aligned)."""
+    key: bytes
+    first: int
+    start: int
+    end: int
+    chunk_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayeredLoad:
+    mover: PagedMover
+    layer_done: list[CopyDone]  # per layer: its copies of every chunk read
+    staging: list[torch.Tensor | None]
+    num_read: int  # reads [0, num_read) are in; the one after (if any) was missing or damaged
+    by_tier: dict[str, int]  # bytes read per tier
+
+    def finish(self) -> None:
+        for done in self.layer_done:
+            done.wait()
+        for staging in self.staging:
+            self.mover.release(staging)
+
+
 class PagedMover:
     def __init__(self, engine: CacheEngine, views: Sequence[torch.Tensor], layout: str, stream: CopyStream) -> None:
         if len(views) != engine.layout.num_layers:
@@ -109,6 +138,58 @@ class PagedMover:
         self.stream.after_compute()
         self.stream.run(copy)
         return SaveJob(self, key, payload, staging, self.stream.record())
+
+    def load_layered(self, reads: Sequence[ChunkRead], block_ids: Sequence[int]) -> LayeredLoad:
+        staged: list[tuple[ChunkRead, torch.Tensor, bool]] = []  # (read, its staging [L, ...], whole blocks?)
+        by_tier: dict[str, int] = {}
+        for read in reads:
+            hit = self.engine.read_chunk(read.key, num_tokens=read.chunk_tokens, scratch=self._scratch,
+                                         promote=False, blocks=self.block_layout)
+            if not isinstance(hit, ChunkHit):
+                break
+            try:
+                staging = self._host_copy(hit, read)
+            finally:
+                hit.close()
+            if staging is None:  # the stored blob turned out short
+                break
+            staged.append((read, staging, hit.blocks is not None))
+            by_tier[hit.tier] = by_tier.get(hit.tier, 0) + hit.num_bytes
+        layer_done = []
+        for index, (view, blocks) in enumerate(zip(self.views, self.blocks)):
+            def copy(index: int = index, view: torch.Tensor = view, blocks=blocks) -> None:  # noqa: ANN001
+                for read, staging, is_blocks in staged:
+                    if is_blocks:
+                        load_blocks(blocks, block_ids, read.start, read.end, staging[index], read.first)
+                    else:
+                        scatter(view, "kv", block_ids, read.start, read.end, staging[index])
+
+            self.stream.run(copy)
+            layer_done.append(self.stream.record())
+        return LayeredLoad(self, layer_done, [staging for _, staging, _ in staged], len(staged), by_tier)
+
+    def _host_copy(self, hit: ChunkHit, read: ChunkRead) -> torch.Tensor | None:
+        """The chunk's part in a host buffer of the stream's pool (kept until every layer's copies landed):
+        whole blocks [L, n, ...] as stored, or tokens [L, 2, H, end - start, D]."""
+        dtype = self.views[0].dtype
+        if hit.blocks is None:
+            source = hit.kv[:, :, :, read.start - read.first:read.end - read.first, :]
+            staging = self.stream.host_buffer(source.numel() * source.element_size()).view(dtype).view(source.shape)
+            staging.copy_(source)
+            return staging
+        staging = None
+        for index in range(len(self.blocks)):
+            slab = hit.slab(index)
+            if slab is None:
+                self.release(staging)
+                return None
+            layer = torch.from_numpy(slab).view(dtype)
+            if staging is None:
+                whole = (len(self.blocks), *layer.shape)
+                staging = self.stream.host_buffer(layer.numel() * layer.element_size() * whole[0]).view(dtype)
+                staging = staging.view(whole)
+            staging[index].copy_(layer)
+        return staging
 
     def load(self, key: bytes, block_ids: Sequence[int], start: int, end: int, *, first: int,
              chunk_tokens: int) -> LoadJob | None:

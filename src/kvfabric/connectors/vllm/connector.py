@@ -161,6 +161,11 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         return kv_cache_layout_option(transfer.kv_connector_extra_config) or None
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads wait per layer inside the forward: a CUDA graph would skip those waits."""
+        return (extra_config or {}).get("load_mode") == "layerwise"
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None:
             self._worker.preempted()

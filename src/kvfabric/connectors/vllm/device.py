@@ -4,8 +4,7 @@
 Contract (what differs from ``WorkerSide``, the CPU backend's path; the rest, stats, stored-key mirroring and
 close, is shared):
 - `register(kv_caches, layout_name)`: every layer on one device, one KV cache group of full attention (vLLM's
-  hybrid manager with window groups, and MLA latents, are refused at start-up in one line), asynchronous loads
-  only. The copies go through `make_copy_stream(device, pinned_bytes)`: on CUDA a side stream with pinned host
+  hybrid manager with window groups, and MLA latents, are refused at start-up in one line). The copies go through `make_copy_stream(device, pinned_bytes)`: on CUDA a side stream with pinned host
   buffers (a pool bounded by the connector's ``pinned_bytes``, reused); on a CPU device (the tests of every GPU
   layout) the same code with plain copies.
 - Saves: at `end_step` (``wait_for_save``: every layer of the step has been computed on the engine's stream) each
@@ -19,6 +18,12 @@ close, is shared):
   queues its copies into the request's blocks (`PagedMover.load`); `finished` reports a load once all its copies
   have landed. A missing or corrupt chunk ends the load there: the blocks from it on are reported bad and vLLM
   recomputes them, as on the CPU path.
+- Layer-wise loads (``load_mode: layerwise``, within the step that computes the request): `start_loads`
+  (``start_load_kv``) reads, verifies and stages every chunk of the step's loads on the worker's thread, then
+  queues the copies layer by layer (`PagedMover.load_layered`); `layer_load` (``wait_for_layer_load``) makes the
+  engine's stream wait for that layer's copies (`hold_compute`), never the host; `end_step` reports the
+  outcomes (a failed chunk's blocks, and no save of that request this step) before queueing saves. With CUDA
+  graphs vLLM must run piecewise for this (``requires_piecewise_for_cudagraph``).
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from vllm.logger import init_logger
 
 from kvfabric.connectors.copy_stream import CopyDone, make_copy_stream
 from kvfabric.connectors.paged import blocks_of
-from kvfabric.connectors.paged_mover import LoadJob, PagedMover, SaveJob
+from kvfabric.connectors.paged_mover import ChunkRead, LayeredLoad, LoadJob, PagedMover, SaveJob
 from kvfabric.connectors.vllm.config import DEFAULT_PINNED_BYTES
 from kvfabric.connectors.vllm.loads import LoadOutcome
 from kvfabric.connectors.vllm.metadata import LoadSpec, RequestStats
@@ -57,6 +62,17 @@ class DeviceSave:
         return sum(job.finish() for job in self.jobs)  # waits for each chunk's copies, then stores it
 
 
+def chunk_reads(spec: LoadSpec, chunk_size: int) -> list[ChunkRead]:
+    """The load's part of each of its chunks (the last may be a prompt's partial chunk)."""
+    reads = []
+    for i, key in enumerate(spec.keys):
+        first = (spec.start // chunk_size + i) * chunk_size
+        prompt = spec.num_prompt_tokens or first + chunk_size
+        reads.append(ChunkRead(key, first, max(spec.start, first), min(spec.end, first + chunk_size),
+                               max(1, min(chunk_size, prompt - first))))
+    return reads
+
+
 @dataclass
 class _Load:
     spec: LoadSpec
@@ -77,7 +93,9 @@ class _Load:
 
 
 class DeviceLoads:
-    """Asynchronous loads on one thread (PagedMover reads into one scratch buffer)."""
+    """Asynchronous loads on one thread (PagedMover reads into one scratch buffer), and the step's layer-wise
+    loads on the worker's thread (`load_mode` makes every load one or the other, so they never share the
+    mover's scratch buffer)."""
 
     def __init__(self, counters: Counters, block_size: int, chunk_size: int) -> None:
         self.counters = counters
@@ -86,6 +104,7 @@ class DeviceLoads:
         self.mover: PagedMover | None = None
         self._queue: queue.Queue[_Load | None] = queue.Queue()
         self._issued: list[_Load] = []
+        self._layered: list[tuple[_Load, LayeredLoad]] = []  # this step's layer-wise loads
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="kvfabric-device-load", daemon=True)
         self._thread.start()
@@ -112,26 +131,49 @@ class DeviceLoads:
                     self._cond.notify_all()
 
     def _read(self, load: _Load) -> None:
-        spec, size = load.spec, self.chunk_size
-        assert self.mover is not None
+        spec, mover = load.spec, self.mover
+        assert mover is not None
         end = spec.start
-        for i, key in enumerate(spec.keys):
-            first = (spec.start // size + i) * size
-            lo, hi = max(spec.start, first), min(spec.end, first + size)
-            prompt = spec.num_prompt_tokens or first + size
-            job = self.mover.load(key, spec.block_ids, lo, hi, first=first,
-                                  chunk_tokens=max(1, min(size, prompt - first)))
+        for read in chunk_reads(spec, self.chunk_size):
+            job = mover.load(read.key, spec.block_ids, read.start, read.end, first=read.first,
+                             chunk_tokens=read.chunk_tokens)
             if job is None:  # missing or corrupt: the rest is recomputed
                 self.counters.add("load_missing_chunks")
-                load.bad_key = key
+                load.bad_key = read.key
                 break
             load.jobs.append(job)
             load.by_tier[job.tier] = load.by_tier.get(job.tier, 0) + job.num_bytes
             self.counters.add(f"bytes_loaded.{job.tier}", job.num_bytes)
-            end = hi
+            end = read.end
         with self._cond:
             load.end = end
             self._cond.notify_all()
+
+    # ---- layer-wise (load_mode: layerwise): within the step, on the worker's thread ----
+    def start_layered(self, specs: list[LoadSpec]) -> None:
+        """Read every chunk of the step's loads and queue their copies layer by layer (`PagedMover.load_layered`)."""
+        assert self.mover is not None
+        for spec in specs:
+            started = time.perf_counter()
+            reads = chunk_reads(spec, self.chunk_size)
+            layered = self.mover.load_layered(reads, spec.block_ids)
+            load = _Load(spec, self.chunk_size, started, by_tier=layered.by_tier)
+            load.end = reads[layered.num_read - 1].end if layered.num_read else spec.start
+            load.bad_key = reads[layered.num_read].key if layered.num_read < len(reads) else None
+            self._layered.append((load, layered))
+
+    def wait_layer(self, index: int) -> None:
+        """The engine's stream waits for layer `index` of the step's loads (the host does not)."""
+        for _, layered in self._layered:
+            layered.layer_done[index].hold_compute()
+
+    def finish_layered(self) -> list[LoadOutcome]:
+        outcomes = []
+        for load, layered in self._layered:
+            layered.finish()
+            outcomes.append(load.outcome(self.block_size))
+        self._layered = []
+        return outcomes
 
     def take_finished(self) -> list[LoadOutcome]:
         """Loads whose chunks were all read and whose copies have all landed, each returned once."""
@@ -160,8 +202,6 @@ class DeviceLoads:
 class DeviceWorkerSide(WorkerSide):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.options.get("load_mode", "async") != "async":
-            raise ValueError("KVFabricConnector: on a GPU loads are asynchronous only (load_mode: async)")
         self.pinned_bytes = int(self.options.get("pinned_bytes") or DEFAULT_PINNED_BYTES)
         self.mover: PagedMover | None = None
         self._saving: set[str] = set()  # requests with a save bound: the scheduler holds their blocks at the end
@@ -186,6 +226,7 @@ class DeviceWorkerSide(WorkerSide):
             shapes = [(name, tuple(kv.shape), kv.dtype) for name, kv in named[:2]]
             raise ValueError(f"KVFabricConnector: KV caches {shapes}... are not [blocks, {layout.num_kv_heads} heads, "
                              f"tokens, 2 x {layout.head_dim}] views of K|V for {layout} (MLA latents: not yet)")
+        self.layers = {name: (extract_layer_index(name), view) for name, view in named}  # `layer_load` finds them
         self.mover = PagedMover(self.engine, views, layout_name, make_copy_stream(devices[0], self.pinned_bytes))
         self.loader.bind(self.mover)
         self.engine.premap(self.chunk_size, self.mover.block_layout)
@@ -193,15 +234,9 @@ class DeviceWorkerSide(WorkerSide):
                     layout_name, self.pinned_bytes >> 20)
 
     def bind(self, meta: Any) -> None:
-        super().bind(meta)  # every load is async here (layer-wise loads are refused at start-up)
+        super().bind(meta)
         if self.meta is not None:
             self._saving.update(spec.req_id for spec in self.meta.saves)
-
-    def start_loads(self) -> None:
-        pass
-
-    def layer_load(self, name: str) -> None:
-        pass
 
     def layer_save(self, name: str, kv_layer: torch.Tensor) -> None:
         pass  # saved whole at the end of the step, after every layer's compute (`end_step`)
@@ -209,8 +244,12 @@ class DeviceWorkerSide(WorkerSide):
     def end_step(self) -> None:
         if self.meta is None or self.mover is None:
             return
+        self._finish_sync_loads()  # first: a request whose load failed saves nothing computed over bad blocks
         size = self.chunk_size
         for spec in self.meta.saves:
+            if spec.req_id in self.failed_reqs:
+                self.counters.add("saves_dropped_incomplete")
+                continue
             spans = [(first, min(spec.end, first + size)) for first in range(spec.start, spec.end, size)]
             num_bytes = sum(self.engine.layout.num_bytes(hi - lo) for lo, hi in spans)
             if not self.saver.has_room(num_bytes):

@@ -247,12 +247,17 @@ class WorkerSide:
             save.layers_done.add(index)
         self.counters.add("save_gather_ns", time.perf_counter_ns() - started)
 
-    def end_step(self) -> None:
-        num_layers = self.layout.num_layers
+    def _finish_sync_loads(self) -> None:
+        """The step's layer-wise loads' outcomes (a failed chunk: its blocks reported, its request's saves of
+        this step dropped)."""
         if self.meta is not None and any(not spec.is_async for spec in self.meta.loads):
             self.start_loads()  # never started (no attention layer ran): finish them all the same
             for outcome in self.loader.finish_layered():
                 self._apply(outcome)
+
+    def end_step(self) -> None:
+        num_layers = self.layout.num_layers
+        self._finish_sync_loads()
         for save in self.saves:
             spec = save.spec
             if spec.req_id in self.failed_reqs or len(save.layers_done) < num_layers:
