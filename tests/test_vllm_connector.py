@@ -569,3 +569,59 @@ def test_on_a_gpu_the_connector_asks_vllm_for_a_block_outermost_layout():
     # layer-wise loads wait inside the forward: CUDA graphs must run piecewise then
     assert KVFabricConnector.requires_piecewise_for_cudagraph({"load_mode": "layerwise"})
     assert not KVFabricConnector.requires_piecewise_for_cudagraph({})
+
+
+def test_a_prefix_whose_window_part_is_gone_is_not_promised(tmp_path):
+    """A Gemma-3-like layout (window layers, W = 512): a chunk's window part has its own key and can be evicted
+    alone. The scheduler promises a prefix only with the window parts its load needs (CacheEngine.lookup's rule),
+    in a shared tier and in the mirror of the worker's memory tier alike; parts older than the window are not
+    needed."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from kvfabric import CacheEngine
+    from kvfabric.chunk_parts import ChunkParts
+    from kvfabric.config import Config
+    from kvfabric.connectors.vllm.metadata import KVFabricWorkerMetadata
+    from kvfabric.connectors.vllm.scheduler import SchedulerSide
+    from kvfabric.layout import KVLayout
+    from kvfabric.tiers.factory import build_tiers
+
+    config = Config.from_dict({"chunk_size": 256, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
+    layout = KVLayout.from_layer_types(["sliding_attention", "full_attention"], 1, 4, 512, "float32")
+    tokens = list(range(1100))  # 4 whole chunks: a hit of 1024 tokens needs the window parts of chunks 2 and 3
+    with CacheEngine(config, layout, "m") as engine:
+        engine.store(tokens, torch.randn(layout.shape(1024)))
+        engine.flush()
+        keys = engine.keys(tokens)
+        assert engine.lookup(tokens) == 1024
+    request = SimpleNamespace(request_id="a", prompt_token_ids=tokens, lora_request=None, mm_features=[],
+                              cache_salt=None, block_hashes=[], num_tokens=len(tokens), kv_transfer_params=None)
+    (disk,) = build_tiers(config, ("disk",))
+
+    def scheduler() -> SchedulerSide:  # a fresh scheduler process (its disk index is read at start)
+        return SchedulerSide(config, layout, "m", 128, "tokens")
+
+    side = scheduler()
+    try:
+        assert side.num_new_matched_tokens(request, 0) == 1024
+        assert disk.delete(ChunkParts.window_key(keys[0]))  # older than the window: not needed
+        side.lookup.close()
+        side = scheduler()
+        assert side.num_new_matched_tokens(request, 0) == 1024
+        assert disk.delete(ChunkParts.window_key(keys[3]))
+        side.lookup.close()
+        side = scheduler()
+        assert side.num_new_matched_tokens(request, 0) == 768  # chunks 0-2: their window parts 1-2 are there
+        with CacheEngine(config, layout, "m") as engine:
+            assert engine.lookup(tokens) == 768  # the same answer as the cache's own lookup
+        # the worker's memory tier: its reports carry window parts too; one evicted there ends the prefix there
+        side.update(SimpleNamespace(kv_connector_worker_meta=KVFabricWorkerMetadata(
+            stored=[*keys[:4], *map(ChunkParts.window_key, keys[:4])])))
+        assert side.num_new_matched_tokens(request, 0) == 1024
+        side.update(SimpleNamespace(kv_connector_worker_meta=KVFabricWorkerMetadata(
+            removed=[ChunkParts.window_key(keys[3])])))
+        assert side.num_new_matched_tokens(request, 0) == 768
+    finally:
+        side.lookup.close()
+        disk.close()

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvfabric.chunk_parts import ChunkParts
 from kvfabric.config import Config, ConfigError
 from kvfabric.connectors.vllm.config import PARAMS_KEY, KVGroups, Role, role_of
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, RequestStats, SaveSpec
@@ -103,7 +104,8 @@ class ChunkLookup:
             from kvfabric.cluster.peer import PeerTier
             self.tiers.append(PeerTier(config.cluster))
         self.has_memory_tier = "cpu" in config.tiers and self.server is None
-        self.mirror: set[bytes] = set()  # keys the worker reported in its process-memory tier
+        self.mirror: set[bytes] = set()  # keys the worker reported in its process-memory tier (window parts too)
+        self.parts = ChunkParts.of(layout)  # a sliding-window layout's chunks: a full part and a window part
 
     def keys(self, tokens: Sequence[int], cache_salt: str | None = None) -> list[ChunkKey]:
         """Keys of the prompt's whole chunks, plus its trailing partial chunk with `save_partial_chunk`."""
@@ -129,7 +131,10 @@ class ChunkLookup:
         return [ChunkKey(hashlib.sha256(self.root + b"vllm-block-hash" + bytes(block_hashes[(i + 1) * per_chunk - 1]))
                          .digest()) for i in range(num)]
 
-    def prefix(self, keys: Sequence[bytes]) -> PrefixHit:
+    def prefix(self, keys: Sequence[bytes], num_tokens: int | None = None) -> PrefixHit:
+        """The leading chunks of a prompt of num_tokens tokens (default: whole chunks) that can be loaded: on a
+        layout with sliding-window layers, only while the window parts the load needs are there too (the rule
+        of ``CacheEngine.lookup``: a chunk whose window part was evicted would fail at load)."""
         if self.server is not None:
             return PrefixHit(self.server.lookup_keys(keys), 0)
         in_memory = [key in self.mirror for key in keys]
@@ -141,7 +146,21 @@ class ChunkLookup:
             for i, hit in enumerate(tier.contains_many(keys[first:]), start=first):
                 present[i] = present[i] or hit
         num = present.index(False) if False in present else len(keys)
+        if self.parts is not None and num:
+            num = self.parts.live_prefix(num, num_tokens or len(keys) * self.chunk_size, self.chunk_size,
+                                         lambda chunks: self._which([self.parts.window_key(keys[i]) for i in chunks]))
         return PrefixHit(num, sum(in_memory[:num]))
+
+    def _which(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is in the mirror or a tier of this process."""
+        present = [key in self.mirror for key in keys]
+        for tier in self.tiers:
+            missing = [i for i, is_there in enumerate(present) if not is_there]
+            if not missing:
+                break
+            for i, hit in zip(missing, tier.contains_many([keys[i] for i in missing])):
+                present[i] = hit
+        return present
 
     def forget(self, keys: Sequence[bytes]) -> None:
         """Chunks that failed a load (missing or corrupt; the worker has discarded them): never offered again until
@@ -222,7 +241,7 @@ class SchedulerSide:
         load, _ = _request_flags(request, self.role)
         req_id = request.request_id
         keys = self.request_keys(request) if load else []
-        hit = self.lookup.prefix(keys) if keys else PrefixHit()
+        hit = self.lookup.prefix(keys, len(request.prompt_token_ids or ())) if keys else PrefixHit()
         self.pending[req_id] = _Match(hit, num_computed_tokens)
         if not keys:
             return 0

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.logger import init_logger
 
+from kvfabric.chunk_parts import ChunkParts
 from kvfabric.config import Config
 from kvfabric.blocks import as_words
 from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather, populate, save_blocks
@@ -88,6 +89,7 @@ class WorkerSide:
         # released thread: the cache's own threads (writer, premap) inherit its placement, not the forward's core
         self.engine = on_released(lambda: open_cache(config, layout, model_id, name=f"vllm-worker-{os.getpid()}"))
         self.mirrored = "cpu" in config.tiers and config.mode != "server"  # a process-memory tier of ours
+        self.parts = ChunkParts.of(layout)  # window layers: each chunk's window part has its own key
         self.layers: dict[str, tuple[int, CpuPagedLayer]] = {}
         self.group_of: dict[int, int] = {}  # layer index -> its KV cache group (0 with one group)
         self.region_layouts: tuple[str, str] | None = None  # (K, V), measured on first use
@@ -298,6 +300,8 @@ class WorkerSide:
 
     def worker_meta(self) -> KVFabricWorkerMetadata | None:
         stored = self.saver.take_stored()
+        if self.parts is not None:  # a chunk is stored with its window part: the scheduler needs both
+            stored += [self.parts.window_key(key) for key in stored]
         removed: list[bytes] = []
         if self.mirrored:
             self._reported.update(stored)
