@@ -86,3 +86,35 @@ def test_keys_identical_across_processes_and_hash_seeds():
     # a golden value: a change of the key scheme must be deliberate (it invalidates every cache)
     assert outs[0][0][:16] == chunk_keys(list(range(256)), root_key("smollm2", KVLayout(30, 3, 64), 256, "salt"),
                                          256)[0].hex()[:16]
+
+
+def test_key_space_is_the_only_caller_of_the_key_functions():
+    """Every part of kvfabric derives chunk keys from one KeySpace value: no module but hashing.py calls
+    root_key( or chunk_keys( (the vLLM scheduler, remote client, server, controller and stream sender included)."""
+    import re
+    from pathlib import Path
+
+    import kvfabric
+
+    root = Path(kvfabric.__file__).parent
+    callers = sorted(str(path.relative_to(root)) for path in root.rglob("*.py")
+                     if path.name != "hashing.py" and re.search(r"\b(root_key|chunk_keys)\(", path.read_text()))
+    assert callers == []
+
+
+def test_key_space_tenants_and_wire_form():
+    from kvfabric.cluster.index import Namespace
+    from kvfabric.hashing import KeySpace, chunk_keys, root_key
+    from kvfabric.layout import KVLayout
+
+    layout = KVLayout(2, 2, 8, "float16")
+    space = KeySpace.of("m", layout, 4, salt="org", include_partial=True)
+    tokens = list(range(10))
+    assert space.keys(tokens) == chunk_keys(tokens, root_key("m", layout, 4, "org"), 4, True)
+    tenant = space.tenant("alice")
+    assert tenant.root == root_key("m", layout, 4, "org/alice") and tenant.keys(tokens)[0] != space.keys(tokens)[0]
+    assert KeySpace.of("m", layout, 4).tenant("alice").root == root_key("m", layout, 4, "alice")
+    wire = Namespace.of(space)
+    assert wire.key_space().keys(tokens) == space.keys(tokens)  # the controller's keys are the instance's
+    with pytest.raises(ValueError, match="no tenants"):
+        wire.key_space().tenant("bob")

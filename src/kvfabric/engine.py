@@ -67,7 +67,7 @@ from kvfabric.codec.registry import CODECS, CodecChoice, parse_codec
 from kvfabric.config import Config
 from kvfabric.counters import Counters, merged
 from kvfabric.events import ChunkEvents, EventPublisher
-from kvfabric.hashing import ChunkKey, chunk_keys, root_key
+from kvfabric.hashing import ChunkKey, KeySpace
 from kvfabric.layout import KVLayout
 from kvfabric.metrics import EngineCollector, Histograms, MetricsEndpoint, engine_registry
 from kvfabric.pages import FileMapping, map_file
@@ -217,7 +217,8 @@ class CacheEngine:
         self.chunk_size = self.config.chunk_size
         self.codec = parse_codec(self.config.codec).make()
         self._decoders = Decoders()
-        self._root = root_key(model_id, layout, self.chunk_size, self.config.salt, self.config.hash)
+        self.key_space = KeySpace.of(model_id, layout, self.chunk_size, self.config.salt, self.config.hash,
+                                     self.config.save_partial_chunk)
         self._parts = ChunkParts.of(layout)  # None: chunks are stored whole
         self.node = None  # the cluster node this engine made for tier "peer"; closed with the engine
         self.stack = TierStack(tiers if tiers is not None else self._build_tiers(), self.config.write_queue_chunks,
@@ -278,13 +279,13 @@ class CacheEngine:
             return local
         from kvfabric.cluster.index import Namespace
         from kvfabric.cluster.worker import ClusterNode
-        namespace = Namespace(self.model_id, self._root.hex(), self.chunk_size, config.hash, config.save_partial_chunk)
+        namespace = Namespace.of(self.key_space)
         self.node = ClusterNode(local, config.cluster, [namespace])
         return self.node.tiers
 
     # ---- keys --------------------------------------------------------------------------------------------
     def keys(self, tokens: Tokens) -> list[ChunkKey]:
-        return chunk_keys(tokens, self._root, self.chunk_size, self.config.save_partial_chunk, self.config.hash)
+        return self.key_space.keys(tokens)
 
     def _span(self, i: int, num_tokens: int) -> tuple[int, int]:
         return i * self.chunk_size, min((i + 1) * self.chunk_size, num_tokens)

@@ -14,6 +14,11 @@ Contract:
 - Keys depend only on these inputs: never on Python's `hash()`, PYTHONHASHSEED, the process or the machine.
 - A trailing partial chunk gets a key only when asked (`include_partial`); its key differs from any full chunk's
   because the hashed input is shorter.
+- `KeySpace` is the one value every part of kvfabric derives keys from (the engine, the remote client, the vLLM
+  scheduler, the server's namespaces, the controller, the stream sender): root, chunk size, hash and the
+  partial-chunk rule; `KeySpace.of(model id, layout, ...)` builds it, `tenant(salt)` is a tenant's namespace
+  (the tenant salt, or "<salt>/<tenant>" under a configured salt), `keys(tokens)` the chunk keys. Nothing else
+  calls `root_key` or `chunk_keys` (a test checks). The cluster's `Namespace` is its wire form.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import array
 import hashlib
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal, NewType
 
 import blake3
@@ -107,3 +113,32 @@ def chunk_keys(tokens: Sequence[int] | np.ndarray | torch.Tensor, root: bytes, c
         parent = h.digest()
         keys.append(ChunkKey(parent))
     return keys
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpace:
+    """One key namespace (see the module contract). `model_id`, `layout` and `salt` are kept for `tenant`; a space
+    rebuilt from its wire form (a root alone) has no layout and no tenants."""
+    root: bytes
+    chunk_size: int
+    hash_name: str = "sha256"
+    include_partial: bool = False
+    model_id: str = ""
+    layout: KVLayout | None = None
+    salt: str = ""
+
+    @classmethod
+    def of(cls, model_id: str, layout: KVLayout, chunk_size: int, salt: str = "", hash_name: str = "sha256",
+           include_partial: bool = False) -> KeySpace:
+        return cls(root_key(model_id, layout, chunk_size, salt, hash_name), chunk_size, hash_name, include_partial,
+                   model_id, layout, salt)
+
+    def keys(self, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> list[ChunkKey]:
+        return chunk_keys(tokens, self.root, self.chunk_size, self.include_partial, self.hash_name)
+
+    def tenant(self, tenant: str) -> KeySpace:
+        """The namespace of a tenant (a vLLM request's cache_salt): never shares a key with this one."""
+        if self.layout is None:
+            raise ValueError("a key space rebuilt from its root has no tenants")
+        salt = f"{self.salt}/{tenant}" if self.salt else tenant
+        return KeySpace.of(self.model_id, self.layout, self.chunk_size, salt, self.hash_name, self.include_partial)

@@ -30,7 +30,7 @@ from kvfabric.bench.trace_sim import TraceRun, TTFTModel, p99
 from kvfabric.codec.format import HEADER_BYTES
 from kvfabric.config import Config, PlacementConfig
 from kvfabric.engine import CacheEngine
-from kvfabric.hashing import chunk_keys, root_key
+from kvfabric.hashing import KeySpace
 from kvfabric.layout import KVLayout
 from kvfabric.tiers.base import Tier
 from kvfabric.tiers.policies import Belady, BeladyFuture
@@ -71,8 +71,8 @@ class ReplayResult(TraceRun):
 
 def trace_keys(trace: Trace) -> list[list[bytes]]:
     """Each request's chunk keys, as the replay's engine computes them (one token per block)."""
-    root = root_key(MODEL_ID, LAYOUT, 1, "", "sha256")
-    return [chunk_keys(list(request.hash_ids), root, 1) for request in trace.requests]
+    space = KeySpace.of(MODEL_ID, LAYOUT, 1)
+    return [space.keys(list(request.hash_ids)) for request in trace.requests]
 
 
 class _Tiers:

@@ -47,7 +47,6 @@ from kvfabric.cluster.controller_models import (
 )
 from kvfabric.cluster.index import ChunkIndex, InstanceInfo, Namespace, TierInfo
 from kvfabric.cluster.p2p_client import PeerError, PeerPool
-from kvfabric.hashing import chunk_keys
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +101,7 @@ class Controller:
 
     @staticmethod
     def keys_for(ns: Namespace, tokens: Sequence[int]) -> list[bytes]:
-        return chunk_keys(tokens, bytes.fromhex(ns.root), ns.chunk_size, ns.partial, ns.hash)
+        return ns.key_space().keys(tokens)
 
     def selection(self, sel: Selection, info: InstanceInfo) -> tuple[list[bytes], Namespace | None]:
         """The chunk keys `sel` names on this instance (tokens: with its namespace; [] if it has none)."""

@@ -22,15 +22,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from kvfabric.hashing import KeySpace
+
 
 @dataclass(frozen=True, slots=True)
 class Namespace:
     """How an instance turns tokens into chunk keys (hashing.chunk_keys): the root key and its parameters."""
     model_id: str
-    root: str  # hex of hashing.root_key(...)
+    root: str  # hex of the KeySpace root
     chunk_size: int
     hash: str = "sha256"
     partial: bool = False
+
+    @classmethod
+    def of(cls, space: KeySpace) -> Namespace:
+        """The wire form of a key space."""
+        return cls(space.model_id, space.root.hex(), space.chunk_size, space.hash_name, space.include_partial)
+
+    def key_space(self) -> KeySpace:
+        return KeySpace(bytes.fromhex(self.root), self.chunk_size, self.hash, self.partial, self.model_id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ from kvfabric.counters import Counters, merged
 from kvfabric.engine import (ChunkHit, ChunkMiss, ChunkPayload, EngineStats, Tokens, chunks_to_store,
                              retrieve_buffer)
 from kvfabric.framing import ProtocolError
-from kvfabric.hashing import ChunkKey, chunk_keys, root_key
+from kvfabric.hashing import ChunkKey, KeySpace
 from kvfabric.layout import KVLayout
 from kvfabric.metrics import Histograms
 from kvfabric.remote import protocol as P
@@ -76,7 +76,8 @@ class RemoteCache:
         self.layout = layout
         self.model_id = model_id
         self.chunk_size = self.config.chunk_size
-        self._root = root_key(model_id, layout, self.chunk_size, self.config.salt, self.config.hash)
+        self.key_space = KeySpace.of(model_id, layout, self.chunk_size, self.config.salt, self.config.hash,
+                                     self.config.save_partial_chunk)
         self._hello = {"name": name or f"{Path(sys.argv[0] or 'python').name}-{os.getpid()}", "pid": os.getpid(),
                        "model_id": model_id, "chunk_size": self.chunk_size, "hash": self.config.hash,
                        "salt": self.config.salt, "session": secrets.token_bytes(8),
@@ -93,7 +94,7 @@ class RemoteCache:
 
     # ---- keys --------------------------------------------------------------------------------------------
     def keys(self, tokens: Tokens) -> list[ChunkKey]:
-        return chunk_keys(tokens, self._root, self.chunk_size, self.config.save_partial_chunk, self.config.hash)
+        return self.key_space.keys(tokens)
 
     def _span(self, i: int, num_tokens: int) -> tuple[int, int]:
         return i * self.chunk_size, min((i + 1) * self.chunk_size, num_tokens)

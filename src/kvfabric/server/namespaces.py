@@ -19,7 +19,7 @@ from kvfabric.codec.base import Decoders
 from kvfabric.config import Config, ConfigError
 from kvfabric.engine import CacheEngine
 from kvfabric.framing import ProtocolError
-from kvfabric.hashing import HASH_NAMES, root_key
+from kvfabric.hashing import HASH_NAMES, KeySpace
 from kvfabric.layout import DTYPES, KVLayout
 from kvfabric.remote import protocol as P
 from kvfabric.tiers.base import Tier
@@ -87,9 +87,7 @@ class Namespaces:
             engine = CacheEngine(config, ident.layout, ident.model_id, tiers=self.tiers)
             if self.node is not None:
                 from kvfabric.cluster.index import Namespace as Reported
-                root = root_key(ident.model_id, ident.layout, ident.chunk_size, ident.salt, ident.hash)
-                self.node.namespaces.append(Reported(ident.model_id, root.hex(), ident.chunk_size,
-                                                     ident.hash, config.save_partial_chunk))
+                self.node.namespaces.append(Reported.of(engine.key_space))
                 self.node.reporter.mark_all()
             found = self._by_id[ident] = Namespace(ident, engine)
             return found

@@ -20,7 +20,7 @@ import torch
 from kvfabric.codec.cachegen import CacheGenCodec
 from kvfabric.codec.format import parse
 from kvfabric.codec.raw import RawCodec
-from kvfabric.hashing import chunk_keys, root_key
+from kvfabric.hashing import KeySpace
 from kvfabric.layout import KVLayout
 from kvfabric.stream import protocol as W
 from kvfabric.stream.policy import RAW, RECOMPUTE, Choice
@@ -51,7 +51,7 @@ class PreparedPrompt:
 
 
 def prompt_keys(tokens: Sequence[int], layout: KVLayout, model_id: str, chunk_size: int) -> list[bytes]:
-    return [bytes(k) for k in chunk_keys(tokens, root_key(model_id, layout, chunk_size), chunk_size, True)]
+    return [bytes(k) for k in KeySpace.of(model_id, layout, chunk_size, include_partial=True).keys(tokens)]
 
 
 def prepare(tokens: Sequence[int], kv: torch.Tensor, layout: KVLayout, model_id: str, chunk_size: int,

@@ -44,7 +44,7 @@ from kvfabric.chunk_parts import ChunkParts
 from kvfabric.config import Config, ConfigError
 from kvfabric.connectors.vllm.config import PARAMS_KEY, KVGroups, Role, role_of
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, RequestStats, SaveSpec
-from kvfabric.hashing import ChunkKey, chunk_keys, root_key
+from kvfabric.hashing import ChunkKey, KeySpace
 from kvfabric.layout import KVLayout
 from kvfabric.remote import RemoteCache
 from kvfabric.tiers.base import Tier
@@ -91,10 +91,9 @@ class ChunkLookup:
     def __init__(self, config: Config, layout: KVLayout, model_id: str) -> None:
         self.config = config
         self.chunk_size = config.chunk_size
-        self.model_id = model_id
-        self.layout = layout
-        self.root = root_key(model_id, layout, config.chunk_size, config.salt, config.hash)
-        self._salted: dict[str, bytes] = {}  # cache_salt -> its namespace root
+        self.key_space = KeySpace.of(model_id, layout, config.chunk_size, config.salt, config.hash,
+                                     config.save_partial_chunk)
+        self._tenants: dict[str, KeySpace] = {}  # cache_salt -> its namespace
         # process memory is per process (mirrored instead); the peer tier asks the controller who holds what;
         # mode: server = the host's `kvfabric server` answers, and it sees the worker's stores: no mirror needed
         self.server = RemoteCache(config, layout, model_id, name="vllm-scheduler") if config.mode == "server" else None
@@ -109,26 +108,23 @@ class ChunkLookup:
 
     def keys(self, tokens: Sequence[int], cache_salt: str | None = None) -> list[ChunkKey]:
         """Keys of the prompt's whole chunks, plus its trailing partial chunk with `save_partial_chunk`."""
-        return chunk_keys(tokens, self.salted_root(cache_salt), self.chunk_size, self.config.save_partial_chunk,
-                          self.config.hash)
+        return self.space(cache_salt).keys(tokens)
 
-    def salted_root(self, cache_salt: str | None) -> bytes:
+    def space(self, cache_salt: str | None) -> KeySpace:
         """The key namespace of a request's cache_salt: kvfabric's tenant salt S (or "<config salt>/S")."""
         if not cache_salt:
-            return self.root
-        root = self._salted.get(cache_salt)
-        if root is None:
-            salt = f"{self.config.salt}/{cache_salt}" if self.config.salt else cache_salt
-            root = self._salted[cache_salt] = root_key(self.model_id, self.layout, self.chunk_size, salt,
-                                                       self.config.hash)
-        return root
+            return self.key_space
+        space = self._tenants.get(cache_salt)
+        if space is None:
+            space = self._tenants[cache_salt] = self.key_space.tenant(cache_salt)
+        return space
 
     def keys_from_block_hashes(self, block_hashes: Sequence[bytes], num_tokens: int, block_size: int) -> list[ChunkKey]:
         """Key mode "vllm": chunk i's key names vLLM's hash of the last block of the chunk (vLLM chains its block
         hashes over the prefix and folds in LoRA, multimodal inputs and cache_salt), within our namespace."""
         per_chunk = self.chunk_size // block_size
         num = min(num_tokens // self.chunk_size, len(block_hashes) // per_chunk)
-        return [ChunkKey(hashlib.sha256(self.root + b"vllm-block-hash" + bytes(block_hashes[(i + 1) * per_chunk - 1]))
+        return [ChunkKey(hashlib.sha256(self.key_space.root + b"vllm-block-hash" + bytes(block_hashes[(i + 1) * per_chunk - 1]))
                          .digest()) for i in range(num)]
 
     def prefix(self, keys: Sequence[bytes], num_tokens: int | None = None) -> PrefixHit:
