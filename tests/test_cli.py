@@ -29,7 +29,8 @@ def test_version():
 def test_info_and_stats(home):
     result = CliRunner().invoke(main, ["info"])
     assert result.exit_code == 0, result.output
-    assert '"chunk_size": 256' in result.output and "3 chunks" in result.output
+    info = json.loads(result.output)  # one JSON document, the disk tier's usage in it
+    assert info["config"]["chunk_size"] == 256 and info["disk"]["num_chunks"] == 3
     stats = json.loads(CliRunner().invoke(main, ["cache", "stats"]).output)
     assert stats["num_chunks"] == 3 and stats["num_bytes"] > 0
 
@@ -45,6 +46,38 @@ def test_bad_config_is_a_usage_error(home, monkeypatch):
     monkeypatch.setenv("KVFABRIC_DISK__CAPACITY", "lots")
     result = CliRunner().invoke(main, ["info"])
     assert result.exit_code == 2 and "disk.capacity" in result.output
+
+
+@pytest.mark.parametrize("case", ["missing", "malformed", "not a mapping"])
+def test_a_bad_config_file_is_one_line_naming_it(tmp_path, monkeypatch, case):
+    path = tmp_path / "kvfabric.yaml"
+    if case != "missing":
+        path.write_text("tiers: [cpu\n  oops" if case == "malformed" else "- cpu\n")
+    monkeypatch.setenv("KVFABRIC_CONFIG", str(path))
+    result = CliRunner().invoke(main, ["info"])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("kvfabric: configuration: $KVFABRIC_CONFIG")
+    assert str(path) in lines[0]
+    assert {"missing": "no such config file", "malformed": "not valid YAML", "not a mapping": "must be a mapping"}[
+        case] in lines[0]
+
+
+def test_a_cache_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    """KVFABRIC_HOME under a file (every user, root included, is refused: not a directory)."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KVFABRIC_HOME", str(tmp_path / "file" / "home"))
+    for args in (["info"], ["cache", "stats"]):
+        result = CliRunner().invoke(main, args)
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1, result.output
+        assert lines[0].startswith("kvfabric: Not a directory:") and "KVFABRIC_HOME" in lines[0]
+
+
+def test_an_unknown_model_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVFABRIC_HOME", str(tmp_path))
+    result = CliRunner().invoke(main, ["bench", "long-doc-qa", "--model", "nosuch"])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and "'nosuch' is not a builtin model" in lines[0], result.output
 
 
 def test_bench_tiers_quick_json(tmp_path, monkeypatch):
@@ -118,3 +151,14 @@ def test_bench_stream_smoke():
     assert all(r["kl_first"] == 0.0 and r["same_first"] for r in raw)
     slow = {r["strategy"]: r for r in rows if r["link"] == "100Mbit"}
     assert slow["adaptive"]["wire_mb"] < slow["raw"]["wire_mb"]
+
+
+def test_a_hub_model_that_cannot_be_fetched_is_one_line(tmp_path, monkeypatch):
+    """No network here (or no such repository where there is one): one line naming the model, exit code 2."""
+    monkeypatch.setenv("KVFABRIC_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    result = CliRunner().invoke(main, ["setup-model", "kvfabric-test/no-such-model"])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith("kvfabric: 'kvfabric-test/no-such-model': cannot fetch it from the Hugging Face hub")

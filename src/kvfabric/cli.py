@@ -13,6 +13,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import dataclasses  # noqa: E402
+import errno  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 
@@ -24,17 +25,43 @@ from kvfabric.data.genres import CALIBRATION_GENRES, TEXTS  # noqa: E402
 
 
 def _load(config_path: str | None) -> Config:
-    try:
-        return Config.load(config_path)
-    except ConfigError as exc:
-        raise click.UsageError(f"configuration: {exc}") from None
+    return Config.load(config_path)  # a ConfigError ends the command in one line (`_Main`)
 
 
 config_option = click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
                              help="YAML config file (default: $KVFABRIC_CONFIG, then built-in defaults).")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def user_error(exc: BaseException) -> str | None:
+    """The one line for a user's mistake (a bad config, an unknown model, a folder kvfabric may not write), or
+    None for anything else (a bug keeps its traceback)."""
+    if isinstance(exc, ConfigError):
+        return f"configuration: {exc}"
+    model = sys.modules.get("kvfabric.engines.model")  # not imported: the error cannot be one of its
+    if model is not None and isinstance(exc, model.ModelError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.ENOTDIR) \
+            and exc.filename:
+        return (f"{exc.strerror}: {exc.filename} (point KVFABRIC_HOME, or the tier's path in the config, at a "
+                "folder this user can write)")
+    return None
+
+
+class _Main(click.Group):
+    """The command group; a user's mistake ends a command with one line and exit code 2, not a traceback."""
+
+    def invoke(self, ctx: click.Context):  # noqa: ANN201
+        try:
+            return super().invoke(ctx)
+        except Exception as exc:
+            line = user_error(exc)
+            if line is None:
+                raise
+            click.echo(f"kvfabric: {line}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kvfabric")
 def main() -> None:
     """kvfabric: a persistent, shareable KV cache for LLM inference."""
@@ -46,12 +73,12 @@ def info(config_path: str | None) -> None:
     """Show the configuration in effect and each tier's usage."""
     from kvfabric.tiers.factory import build_tiers
     config = _load(config_path)
-    click.echo(json.dumps({"version": __version__, "config": dataclasses.asdict(config)}, indent=2))
-    if "disk" in config.tiers:
+    out: dict = {"version": __version__, "config": dataclasses.asdict(config)}
+    if "disk" in config.tiers:  # in the JSON too: the output stays one JSON document
         (disk,) = build_tiers(config, ["disk"])
-        usage = disk.usage()
-        click.echo(f"disk tier at {disk.root}: {usage.num_chunks} chunks, {usage.num_bytes / 1e6:.1f} MB "
-                   f"of {usage.capacity_bytes / 1e9:.1f} GB")
+        out["disk"] = {"path": str(disk.root), **dataclasses.asdict(disk.usage())}
+        disk.close()
+    click.echo(json.dumps(out, indent=2))
 
 
 @main.group()
@@ -109,11 +136,8 @@ def cache_clear(config_path: str | None, yes: bool) -> None:
 def setup_model_cmd(name_or_path: str) -> None:
     """Fetch, verify (sha256) and convert a model once: a builtin name (smollm2-135m-instruct, the demo's;
     gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), a local HF folder, or a hub id."""
-    from kvfabric.engines.model import ModelError, setup_model
-    try:
-        setup_model(name_or_path)
-    except ModelError as exc:
-        raise click.ClickException(str(exc)) from None
+    from kvfabric.engines.model import setup_model
+    setup_model(name_or_path)  # an unknown model or no network: one line (`_Main`)
 
 
 @main.command()

@@ -319,9 +319,20 @@ class Config:
         path = path or environ.get("KVFABRIC_CONFIG")
         data: dict[str, Any] = {}
         if path:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            source = "$KVFABRIC_CONFIG " if path == environ.get("KVFABRIC_CONFIG") else ""
+            try:
+                data = yaml.safe_load(Path(path).read_text()) or {}
+            except FileNotFoundError:
+                raise ConfigError(f"{source}{path}: no such config file") from None
+            except OSError as exc:
+                raise ConfigError(f"{source}{path}: cannot be read ({exc.strerror})") from None
+            except yaml.YAMLError as exc:
+                mark = getattr(exc, "problem_mark", None)
+                where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+                problem = getattr(exc, "problem", None) or "malformed"
+                raise ConfigError(f"{source}{path}: not valid YAML: {problem}{where}") from None
             if not isinstance(data, dict):
-                raise ConfigError(f"{path}: the top level must be a mapping")
+                raise ConfigError(f"{source}{path}: the top level must be a mapping")
         return cls.from_dict(_merge(data, env_overrides(environ)))
 
     def to_dict(self) -> dict[str, Any]:

@@ -386,8 +386,14 @@ def ensure_model(name_or_path: str = DEFAULT_MODEL) -> Path:
     if _hub_offline():
         raise ModelError(f"{key!r} is not a builtin model or a local folder, and HF_HUB_OFFLINE is set")
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    local = Path(snapshot_download(key, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+    try:
+        local = Path(snapshot_download(key, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                            "*.jinja"]))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:  # no network, no such repo, no access
+        reason = str(exc).splitlines()[0][:200]
+        raise ModelError(f"{key!r}: cannot fetch it from the Hugging Face hub ({reason})") from None
     check_causal_lm(local)
     return local
 
