@@ -91,3 +91,39 @@ def test_pool_is_private_shared_and_checked(tmp_path) -> None:
     finally:
         pool.unlink()
         pool.close()
+
+
+def _make_pool_and_wait(path: str, ready) -> None:  # a server process, killed by the test
+    SlotPool.create(path, 4096, 2)
+    ready.set()
+    import time
+    time.sleep(600)
+
+
+def test_a_killed_servers_pool_is_reclaimed_and_a_live_ones_is_not(tmp_path) -> None:
+    """A server holds a flock on its pool until it closes it (the kernel drops it when the process dies, even by
+    SIGKILL): the next server's `reclaim` removes a dead server's pool and its leftover temporary file, and
+    never a live server's, nor files that are not pools."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    dead = tmp_path / "kvfabric-server-dead"
+    proc = ctx.Process(target=_make_pool_and_wait, args=(str(dead), ready), daemon=True)
+    proc.start()
+    assert ready.wait(30)
+    live = SlotPool.create(tmp_path / "kvfabric-server-live", 4096, 2)
+    leftover = tmp_path / ".kvfabric-server-old.123.tmp"
+    leftover.write_bytes(b"\0" * 64)
+    other = tmp_path / "kvfabric-other"
+    other.write_bytes(b"x")
+    try:
+        assert SlotPool.reclaim(tmp_path) == [leftover]  # the dead-to-be server is still alive
+        proc.kill()
+        proc.join(10)
+        assert SlotPool.reclaim(tmp_path) == [dead]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["kvfabric-other", "kvfabric-server-live"]
+    finally:
+        live.unlink()
+        live.close()
+    assert SlotPool.reclaim(tmp_path) == []

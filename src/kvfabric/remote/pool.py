@@ -9,6 +9,10 @@ Contract:
   posix_fallocate so a full /dev/shm fails here and never as SIGBUS later), then renamed over the path. A
   restarted server makes a new file with a new id; a client still mapping the old one keeps valid memory (the old
   inode lives while mapped) and remaps when its next hello names another id. A pool file is never truncated.
+- The server holds an exclusive flock on its pool file from creation (taken before the rename) until `close`; the
+  kernel drops it when the process dies, even by SIGKILL. `SlotPool.reclaim(root)` (a server calls it at
+  start) removes every `kvfabric-server-*` pool in `root` (and a creator's leftover temporary file) that no live
+  server holds: a killed server's pool does not stay in /dev/shm for ever.
 - `SlotPool.open(path, pool_id)` maps an existing pool and checks its header and id (PoolError otherwise).
 - `tensor(slot, layout, num_tokens)` is a zero-copy view of a slot. Which slot may be read or written when is the
   server's business (leases); this module only maps bytes.
@@ -16,6 +20,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import secrets
@@ -37,12 +42,14 @@ class PoolError(RuntimeError):
 
 
 class SlotPool:
-    def __init__(self, path: Path, mm: mmap.mmap, slot_bytes: int, num_slots: int, pool_id: bytes) -> None:
+    def __init__(self, path: Path, mm: mmap.mmap, slot_bytes: int, num_slots: int, pool_id: bytes,
+                 owner_fd: int = -1) -> None:
         self.path = path
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self.pool_id = pool_id
         self._mm = mm
+        self._owner_fd = owner_fd  # the server's: holds the flock that marks the pool as in use
 
     @classmethod
     def create(cls, path: str | os.PathLike, slot_bytes: int, num_slots: int) -> SlotPool:
@@ -56,6 +63,7 @@ class SlotPool:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # ours from the start: `reclaim` never takes a pool being made
             os.fchmod(fd, 0o600)  # whatever the umask
             try:
                 os.posix_fallocate(fd, 0, size)
@@ -67,10 +75,32 @@ class SlotPool:
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-            raise
-        finally:
             os.close(fd)
-        return cls(path, mm, slot_bytes, num_slots, pool_id)
+            raise
+        return cls(path, mm, slot_bytes, num_slots, pool_id, owner_fd=fd)
+
+    @staticmethod
+    def reclaim(root: str | os.PathLike, prefix: str = "kvfabric-server-") -> list[Path]:
+        """Remove the pools in `root` that no live server holds (see the contract); the paths removed."""
+        removed = []
+        for path in sorted(Path(root).glob(f"*{prefix}*")):
+            if not (path.name.startswith(prefix) or (path.name.startswith(f".{prefix}") and
+                                                     path.name.endswith(".tmp"))):
+                continue
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live server: BlockingIOError
+                if os.fstat(fd).st_ino == os.stat(path).st_ino:  # still the file we locked
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        return removed
 
     @classmethod
     def open(cls, path: str | os.PathLike, pool_id: bytes) -> SlotPool:
@@ -109,6 +139,9 @@ class SlotPool:
     def close(self) -> None:
         with contextlib.suppress(BufferError):  # a view still alive: the mapping goes when the last one does
             self._mm.close()
+        if self._owner_fd >= 0:
+            os.close(self._owner_fd)  # the flock goes with it
+            self._owner_fd = -1
 
     def unlink(self) -> None:
         """Remove the file (the server, at shutdown); mappings stay valid until closed."""

@@ -4,7 +4,8 @@ Contract:
 - `parse_cpus("1")`, `parse_cpus("0-1,3")`: the set of core ids (ValueError for anything else).
 - `serve(config, socket_path, cpus, metrics_port, ready)`: pins the process to `cpus` (os.sched_setaffinity) before
   any thread starts, sizes torch's threads and the server's decode / encode pools (and so the codecs' threads,
-  which follow the affinity) to them, creates the slot pool (/dev/shm/kvfabric-server-<hash of the socket path>),
+  which follow the affinity) to them, removes the pools of dead servers (`SlotPool.reclaim`), creates the slot pool
+  (/dev/shm/kvfabric-server-<hash of the socket path>),
   the tiers and the listener, calls `ready(line)` once clients can connect, and serves until a signal. On exit it
   stops accepting, closes the connections, flushes the tiers' queued writes and removes the socket and the pool.
 """
@@ -58,6 +59,7 @@ def serve(config: Config, socket_path: str | os.PathLike | None = None, cpus: st
     spec = settings.cpus if cpus is None else cpus
     num_cpus = pin(parse_cpus(spec)) if spec else len(os.sched_getaffinity(0))
     slot_bytes = settings.slot_bytes // 64 * 64
+    SlotPool.reclaim(POOL_ROOT)  # pools of servers that died without cleaning up (SIGKILL, OOM)
     pool = SlotPool.create(pool_path(path), slot_bytes, max(1, settings.pool_capacity // slot_bytes))
     service = listener = None
     try:
