@@ -133,8 +133,15 @@ def test_model_python_blocks(home, tmp_path):
     """The reference engine, CacheBlend and FlexiCache blocks, on the real SmolLM2 model."""
     model_blocks = _by(lambda lang, code: lang == "python" and not _needs_vllm(code) and _needs_model(code))
     assert len(model_blocks) == 3
-    for code in model_blocks:
-        _run_python(code, sys.executable, home, tmp_path)
+    printed = {code: _run_python(code, sys.executable, home, tmp_path).strip().splitlines() for code in model_blocks}
+    # what each block shows: the reference engine's answer twice, the second from the cache; CacheBlend's answer
+    # with the tokens it reused; FlexiCache's resident share
+    (engine,) = [lines for code, lines in printed.items() if "HFEngine(" in code and "kv_budget" not in code]
+    first, second = (re.match(r"\s*(\d+) tokens from the cache, TTFT [\d.]+ s: '(.+)'$", line) for line in engine)
+    assert first and second and first[1] == "0" and int(second[1]) > 0 and first[2].strip() and second[2] == first[2]
+    (blend,) = [lines for code, lines in printed.items() if "Blender(" in code]
+    reused = re.match(r"reused (\d+) of (\d+) tokens: '(.+)'$", blend[-1])
+    assert reused and 0 < int(reused[1]) < int(reused[2]) and reused[3].strip()
 
 
 @pytest.mark.slow
