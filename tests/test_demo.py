@@ -53,3 +53,21 @@ def test_demo_rag_retrieves_by_shared_words_and_splits_sections():
     assert passages == ["About Cats\nCats purr. Cats sleep.\n\n", "About Dogs\nDogs bark.\nMore on dogs: they fetch.\n\n"]
     assert retrieve("Why do dogs bark?", passages, 2) == [1, 0]
     assert retrieve("Do cats purr?", passages, 1) == [0]
+
+
+def test_the_summary_shows_the_first_fresh_process_answer_as_the_disk_figure(capsys):
+    """Only the fresh process's first answer comes from disk (its later ones hit the memory tier it just filled):
+    the summary's disk row is that one, never the fastest of them."""
+    from rich.console import Console
+
+    from kvfabric.demo import Answer, _summary
+
+    def answer(phase: str, ttft: float) -> Answer:
+        return Answer(phase=phase, question="q", answer="a", hit_tokens=512, prompt_tokens=600, ttft_s=ttft)
+
+    console = Console(width=120, force_terminal=False)
+    _summary(console, [answer("cold", 4.0), answer("cold", 0.5), answer("cold", 0.4)],
+             [answer("warm (disk)", 0.8), answer("warm (disk)", 0.3), answer("warm (disk)", 0.2)])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "warm from disk" in line)
+    assert "0.80" in row and "5.0x" in row
