@@ -76,7 +76,6 @@ def chunk_reads(spec: LoadSpec, chunk_size: int) -> list[ChunkRead]:
 @dataclass
 class _Load:
     spec: LoadSpec
-    chunk_size: int
     started: float = field(default_factory=time.perf_counter)
     jobs: list[LoadJob] = field(default_factory=list)
     end: int = -1  # tokens [spec.start, end) are queued; -1 while chunks are still being read
@@ -114,7 +113,7 @@ class DeviceLoads:
 
     def start_async(self, spec: LoadSpec) -> None:
         self.counters.add("loads_async")
-        load = _Load(spec, self.chunk_size)
+        load = _Load(spec)
         with self._cond:
             self._issued.append(load)
         self._queue.put(load)
@@ -157,7 +156,7 @@ class DeviceLoads:
             started = time.perf_counter()
             reads = chunk_reads(spec, self.chunk_size)
             layered = self.mover.load_layered(reads, spec.block_ids)
-            load = _Load(spec, self.chunk_size, started, by_tier=layered.by_tier)
+            load = _Load(spec, started, by_tier=layered.by_tier)
             load.end = reads[layered.num_read - 1].end if layered.num_read else spec.start
             load.bad_key = reads[layered.num_read].key if layered.num_read < len(reads) else None
             self._layered.append((load, layered))
