@@ -106,3 +106,12 @@ def test_per_request_lines(tmp_path):
                                                            ("lmcache", "s1-r0")]
     assert lines[1] == {"system": "kvfabric", "workload": "chat", "request": "s1-r1", "sent_s": 0.9, "ttft_s": 0.25,
                         "hit_tokens": 256, "prompt_tokens": 300, "num_output": 2}
+
+
+def test_a_per_request_file_that_cannot_be_written_is_one_line_before_any_run(tmp_path, capsys):
+    from kvfabric.bench.serve import main
+
+    missing = tmp_path / "no-such-dir" / "requests.jsonl"
+    assert main(["--per-request", str(missing), "--systems", "vllm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvfabric bench serve: --per-request") and str(missing) in err and "\n" not in err

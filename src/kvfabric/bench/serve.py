@@ -295,6 +295,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trace", default=None, help="conversation trace (default ../shared/data/mooncake_conversation_"
                                                   "trace.jsonl)")
     args = ap.parse_args(argv)
+    if args.per_request:
+        try:  # before minutes of serving: a path that cannot be written is one line now, not a lost run later
+            Path(args.per_request).open("a").close()
+        except OSError as exc:
+            print(f"kvfabric bench serve: --per-request {args.per_request}: {exc.strerror}", file=sys.stderr)
+            return 2
     try:
         run([s for s in args.systems.split(",") if s], [w for w in args.workloads.split(",") if w], args.json,
             args.plot, args.model, args.workdir, args.kv_tokens, docs=args.docs, doc_tokens=args.doc_tokens,
