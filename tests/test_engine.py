@@ -100,6 +100,33 @@ def test_corrupt_disk_chunk_is_a_miss_counted_and_removed(config):
     engine.close()
 
 
+def test_a_damaged_slow_chunk_is_checked_before_it_is_promoted(tmp_path):
+    """retrieve hashes a slow tier's chunk on its own thread (after the next read started): a damaged one is never
+    promoted into process memory, and a lower tier's good copy is served in its place."""
+    tokens, kv = list(range(64)), make_kv(64)
+    upper, lower = DiskTier(tmp_path / "upper", 1 << 30), DiskTier(tmp_path / "lower", 1 << 30)
+    cpu = CpuTier(1 << 30)
+    config = Config(chunk_size=16, tiers=("cpu", "disk"))
+    with CacheEngine(config, LAYOUT, "m", tiers=[cpu, upper, lower]) as engine:
+        engine.store(tokens, kv)
+        engine.flush()
+        keys = engine.keys(tokens)
+        cpu.clear()
+        path = upper.path(keys[1])
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+        got = engine.retrieve(tokens)
+        assert torch.equal(got, kv)
+        counters = engine.stats().counters
+        assert counters["corrupt.disk"] == 1 and counters["promoted"] == 4
+        engine.flush()
+        assert path.read_bytes() == lower.path(keys[1]).read_bytes()  # promoted from below: the good copy
+        assert cpu.contains_many(keys) == [True] * 4
+        for i, key in enumerate(keys):  # what process memory holds is the good copy
+            assert torch.equal(engine.read_chunk(key).kv, kv[:, :, :, 16 * i:16 * i + 16])
+
+
 def test_other_model_or_layout_never_hits(config):
     tokens, kv = list(range(32)), make_kv(32)
     with CacheEngine(config, LAYOUT, "m") as engine:

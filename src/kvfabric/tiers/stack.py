@@ -43,7 +43,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, fill_checksums, parse
+from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, check_payload, fill_checksums, parse
 from kvfabric.config import PlacementConfig
 from kvfabric.counters import Counters
 from kvfabric.tiers.base import Blob, RangedBlob, Scratch, Tier, TierView
@@ -64,6 +64,8 @@ class StackHit:
     view: TierView | None = None  # a read in place (get(in_place=True)): check view.is_current() after use
     is_verified: bool = True
     ranged: RangedBlob | None = None  # get(ranged=True) from a ranged tier: `blob` is the header alone; close it
+    level: int = 0  # the serving tier's place in the stack
+    is_promoted: bool = False  # read with promote: `confirm` promotes an unverified hit once its payload checks
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,22 +134,25 @@ class TierStack:
 
     def get(self, key: bytes, scratch: Scratch | None = None, meta: AccessMeta = NO_META,
             permit: LoadPermit | None = None, promote: bool = True, in_place: bool = False,
-            verify_payload: bool = True, ranged: bool = False) -> StackHit | None:
+            verify_payload: bool = True, ranged: bool = False, from_level: int = 0) -> StackHit | None:
         """The chunk's blob, its header and the tier's name, or None. With `scratch`, the first tier reads with
         `get_into` (no allocation where the tier can); a blob from a later tier is kept for promotion. With
         `promote=False` a hit below the first tier is not promoted, so every tier reads into `scratch` (a caller
         that copies the KV elsewhere at once, e.g. into vLLM's paged cache, pays no fresh allocation). Order: a
         trusted first tier (process memory), then writes still queued, then the other tiers.
-        `verify_payload=False` (with promote=False: nothing unverified is copied up): the payload checksum is left
-        to the caller (`StackHit.is_verified`), who hashes the payload while it copies it, in cache, instead of a
-        separate pass over memory here; it calls `discard` when the sum does not match. `ranged=True` (with
+        `verify_payload=False`: the payload checksum is left to the caller (`StackHit.is_verified`), who hashes the
+        payload while it copies it, in cache, instead of a separate pass over memory here, and calls `discard` when
+        the sum does not match; or who calls `confirm` on another thread than the read's (so that the next read
+        starts before this one's hash). Nothing unverified is promoted: `confirm` promotes. `ranged=True` (with
         verify_payload=False): a tier that `is_ranged` (disk) is not read here; the hit's `ranged` reads the blob
-        piece by piece (its `blob` is the checked header alone)."""
-        verify_payload = verify_payload or promote
+        piece by piece (its `blob` is the checked header alone). `from_level`: only that tier and the ones below it
+        (read again after `confirm` failed at the level above: a peer cannot delete its damaged copy)."""
         if permit is None and self._slow_reads.limit and len(self.tiers) > 1:
             with self.load_permit() as own:
-                return self.get(key, scratch, meta, own, promote, in_place, verify_payload, ranged)
+                return self.get(key, scratch, meta, own, promote, in_place, verify_payload, ranged, from_level)
         for level, tier in enumerate(self.tiers):
+            if level < from_level:
+                continue
             if level == int(self.tiers[0].is_trusted):  # right after process memory, before any slow tier
                 pending = self._pending.get(key)
                 if pending is not None:
@@ -181,11 +186,29 @@ class TierStack:
                 continue
             self.counters.add(f"hit.{tier.name}")
             self.counters.add(f"bytes_read.{tier.name}", len(blob))
-            if level > 0 and promote:
+            is_verified = verify_payload or tier.is_trusted
+            if level > 0 and promote and is_verified:
                 self._promote(level, key, blob, meta)
-            return StackHit(blob, header, tier.name, view, verify_payload or tier.is_trusted)
+            return StackHit(blob, header, tier.name, view, is_verified, level=level, is_promoted=promote)
         self.counters.add("miss")
         return None
+
+    def confirm(self, key: bytes, hit: StackHit, meta: AccessMeta = NO_META) -> bool:
+        """Check the payload of a hit read with get(verify_payload=False) and, when it was read with promote, promote
+        it now. False: it failed its checksum; it is deleted from its tier and counted as corrupt (read it again with
+        `get` for a lower tier's copy)."""
+        if hit.is_verified:
+            return True
+        try:
+            check_payload(hit.blob, hit.header)
+        except ChunkFormatError as exc:
+            log.warning("dropping damaged chunk %s from tier %s: %s", key.hex()[:16], hit.tier, exc)
+            self.counters.add(f"corrupt.{hit.tier}")
+            self.tiers[hit.level].delete(key)
+            return False
+        if hit.level > 0 and hit.is_promoted:
+            self._promote(hit.level, key, hit.blob, meta)
+        return True
 
     def _open_ranged(self, tier: Tier, key: bytes) -> StackHit | None:
         """A ranged tier's chunk, its header read and checked (a damaged header: deleted and counted)."""
@@ -205,7 +228,7 @@ class TierStack:
             return None
         self.counters.add(f"hit.{tier.name}")
         self.counters.add(f"bytes_read.{tier.name}", reader.size)
-        return StackHit(head, header, tier.name, None, False, reader)
+        return StackHit(head, header, tier.name, None, False, reader, level=self.tiers.index(tier))
 
     def _read(self, level: int, tier: Tier, key: bytes, scratch: Scratch | None, meta: AccessMeta) -> Blob | None:
         if self._takes_meta[level]:
