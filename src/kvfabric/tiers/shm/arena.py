@@ -159,6 +159,10 @@ class Arena:
             self._lock_fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
     # ---- the mapping ---------------------------------------------------------------------------------------
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
     def refresh(self) -> Index | None:
         """The current index, after following a pool that another process replaced; None if unreachable."""
         if self._closed:

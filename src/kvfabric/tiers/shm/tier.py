@@ -146,7 +146,7 @@ class ShmTier(TierBase):
     @contextlib.contextmanager
     def _writing(self, timeout_s: float | None = None) -> Iterator[Index | None]:
         """The writers' lock and an index change on the current mapping; None if the pool cannot be reached."""
-        if self.arena.refresh() is None:
+        if self.arena.is_closed:  # (the pool is followed once, under the lock: a stat a write, not two)
             yield None
             return
         with self.arena.locked(timeout_s):
