@@ -42,6 +42,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -186,6 +187,8 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
     if lmcache_note:
         log(f"[bench vllm] {lmcache_note}")
     rows = [_row(results, size, repeats, lmcache_note) for size in sizes]
+    if workdir is None:  # the chunks (GBs a run) go; the logs and each engine's results stay for a look
+        shutil.rmtree(cache, ignore_errors=True)
     itl = results["kvfabric-hit"].get("itl", {})
     if itl:  # measured with a prompt of the largest size loading
         rows[sizes.index(max(sizes))].update({k if k.startswith("itl_") else f"itl_{k}": v for k, v in itl.items()})
