@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up of everything kvfabric needs on a fresh machine:
-#   .venv (Python 3.11) with torch==2.13.0 (CPU build) and kvfabric[test]; the SmolLM2 model (converted once
-#   under ~/.cache/kvfabric/models). With --test also redis-server, chromium, prometheus and faketime (Debian),
+#   .venv (Python 3.11) with torch==2.13.0 (CPU build) and kvfabric[test] (every extra, at the versions of
+#   scripts/constraints.txt); the SmolLM2 model (converted once under ~/.cache/kvfabric/models). With --test also redis-server, chromium, prometheus and faketime (Debian),
 #   the Mooncake client (kvfabric[mooncake] plus Debian's libibverbs1), the vLLM venv (.venv-vllm) and the SGLang
 #   venv (.venv-sglang), and the Gemma-3-270m and Qwen2.5-Coder-0.5B models for the real-model layout tests.
 # Re-running skips what is already there.
@@ -22,12 +22,12 @@ if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi
 stamp=.venv/.kvfabric-installed
-want=$(sha256sum pyproject.toml | cut -c1-16)
+want=$(cat pyproject.toml scripts/constraints.txt | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   echo "[setup] installing packages into .venv"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q torch==2.13.0          # pinned: a plain 'torch' pulls a multi-GB CUDA build
-  .venv/bin/python -m pip install -q -e '.[test]'
+  .venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
   echo "$want" > "$stamp"
 fi
 
@@ -73,7 +73,7 @@ if [ "$with_test" = 1 ]; then
   # it, since the import needs libibverbs1, which the debian step installs)
   if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('mooncake') is None)"; then
     echo "[setup] installing the Mooncake client into .venv"
-    .venv/bin/python -m pip install -q -e '.[test,mooncake]'
+    .venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test,mooncake]'
   fi
   logs=$(mktemp -d)
   pids=(); names=()

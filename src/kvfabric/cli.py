@@ -22,6 +22,7 @@ import click  # noqa: E402
 from kvfabric import __version__  # noqa: E402
 from kvfabric.config import Config, ConfigError  # noqa: E402
 from kvfabric.data.genres import CALIBRATION_GENRES, TEXTS  # noqa: E402
+from kvfabric.extras import missing_extra  # noqa: E402
 
 
 def _load(config_path: str | None) -> Config:
@@ -37,6 +38,9 @@ def user_error(exc: BaseException) -> str | None:
     None for anything else (a bug keeps its traceback)."""
     if isinstance(exc, ConfigError):
         return f"configuration: {exc}"
+    missing = missing_extra(exc)
+    if missing is not None:
+        return str(missing)
     model = sys.modules.get("kvfabric.engines.model")  # not imported: the error cannot be one of its
     if model is not None and isinstance(exc, model.ModelError):
         return str(exc)
