@@ -12,7 +12,8 @@ import sys
 
 import torch
 
-from kvfabric import CacheEngine, Config, KVLayout
+from kvfabric import Config, KVLayout
+from kvfabric.builder import build_engine
 from kvfabric.config import MooncakeTierConfig
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
@@ -31,7 +32,7 @@ def main() -> None:
     section = MooncakeTierConfig(master=master, metadata_url=metadata_url, metrics_url=metrics_url,
                                  segment=64 * 2**20, buffer=16 * 2**20, timeout_s=5.0)
     tokens, kv = prompt(int(seed))
-    with CacheEngine(Config(chunk_size=16, tiers=("mooncake",), mooncake=section), LAYOUT, "shared") as engine:
+    with build_engine(Config(chunk_size=16, tiers=("mooncake",), mooncake=section), LAYOUT, "shared") as engine:
         if mode == "store":
             num = engine.store(tokens, kv)
             engine.flush()

@@ -20,7 +20,7 @@ from kvfabric.codec.format import HEADER_BYTES, parse
 from kvfabric.config import DiskTierConfig, ShmTierConfig
 from kvfabric.connectors.paged import CpuPagedLayer, gather, load_blocks, save_blocks, scatter
 from kvfabric.engine import ChunkHit, ChunkMiss
-from kvfabric.tiers.base import Scratch
+from kvfabric.pages import Scratch
 from kvfabric.tiers.shm import ShmTier
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvfabric import CacheEngine, Config
+from kvfabric.builder import build_engine
 from kvfabric.breaker import CircuitBreaker
 from kvfabric.cluster.client import ControllerClient, ControllerError
 from kvfabric.cluster.controller_app import create_app
@@ -52,7 +53,7 @@ class Fleet:
                         cpu=CpuTierConfig(capacity=cpu_bytes),
                         disk=DiskTierConfig(path=str(self.tmp_path / name), capacity=1 << 26),
                         cluster=ClusterConfig(controller_url=self.url, token=token, instance_id=name, **kw))
-        engine = CacheEngine(config, LAYOUT, "test-model")
+        engine = build_engine(config, LAYOUT, "test-model")
         self.engines.append(engine)
         assert engine.node is not None
         if token == TOKEN:
@@ -270,7 +271,7 @@ def test_engines_built_from_config_share_chunks_through_the_controller(controlle
             controller_url=controller.url, token=TOKEN, instance_id=name, report_interval_s=0.05,
             heartbeat_interval_s=0.2, lookup_ttl_s=0.1))
     kv = torch.randn(LAYOUT.shape(len(TOKENS)))
-    with CacheEngine(config("a"), LAYOUT, "test-model") as a, CacheEngine(config("b"), LAYOUT, "test-model") as b:
+    with build_engine(config("a"), LAYOUT, "test-model") as a, build_engine(config("b"), LAYOUT, "test-model") as b:
         assert a.store(TOKENS, kv[:, :, :, :NUM_CHUNKS * CHUNK]) == NUM_CHUNKS
         assert wait_for(lambda: b.lookup(TOKENS) == NUM_CHUNKS * CHUNK)
         got = b.retrieve(TOKENS[:NUM_CHUNKS * CHUNK])
@@ -288,7 +289,7 @@ def test_flush_to_peers_returns_once_a_peer_can_find_the_chunks(controller):
             lookup_ttl_s=0.0))
     kv = torch.randn(LAYOUT.shape(NUM_CHUNKS * CHUNK))
     # a report interval far longer than the test: only the flush can have told the controller
-    with CacheEngine(config("a", 600.0), LAYOUT, "m") as a, CacheEngine(config("b", 600.0), LAYOUT, "m") as b:
+    with build_engine(config("a", 600.0), LAYOUT, "m") as a, build_engine(config("b", 600.0), LAYOUT, "m") as b:
         assert a.node.flush_reports()  # registered, nothing stored yet
         assert a.store(TOKENS, kv) == NUM_CHUNKS
         a.flush(to_peers=True)  # (a plain flush() here leaves b's lookup at 0 until the next report)

@@ -20,7 +20,8 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfabric import CacheEngine, Config
+from kvfabric import Config
+from kvfabric.builder import build_engine
 from kvfabric.cluster.controller_app import create_app
 from kvfabric.config import ClusterConfig, CpuTierConfig, DiskTierConfig, KVEventsConfig, MetricsConfig, \
     RedisTierConfig
@@ -62,7 +63,7 @@ def test_dashboard_queries_name_only_exported_metrics(tmp_path, redis_url):  # n
                           cluster=ClusterConfig(controller_url=controller.url, token="t", instance_id=name,
                                                 report_interval_s=0.05, lookup_ttl_s=0.1))
         tokens = list(range(64))
-        with CacheEngine(config("a"), LAYOUT, "m") as a, CacheEngine(config("b"), LAYOUT, "m") as b:
+        with build_engine(config("a"), LAYOUT, "m") as a, build_engine(config("b"), LAYOUT, "m") as b:
             a.store(tokens, torch.randn(LAYOUT.shape(64)))
             a.flush()
             a.node.flush_reports()

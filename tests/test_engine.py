@@ -14,7 +14,7 @@ from kvfabric.codec.format import HEADER_BYTES, ChunkHeader, write_blob
 from kvfabric.codec.raw import RawCodec
 from kvfabric.config import CpuTierConfig, DiskTierConfig
 from kvfabric.engine import ChunkHit, ChunkMiss
-from kvfabric.tiers.base import Scratch
+from kvfabric.pages import Scratch
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
 
@@ -125,6 +125,15 @@ def test_a_damaged_slow_chunk_is_checked_before_it_is_promoted(tmp_path):
         assert cpu.contains_many(keys) == [True] * 4
         for i, key in enumerate(keys):  # what process memory holds is the good copy
             assert torch.equal(engine.read_chunk(key).kv, kv[:, :, :, 16 * i:16 * i + 16])
+
+
+def test_tier_peer_needs_the_builder(config):
+    """CacheEngine composes no cluster node itself (engine.py imports nothing from the cluster): a config with tier
+    "peer" is built by build_engine, which makes the node."""
+    peer = Config.from_dict({"chunk_size": 16, "tiers": ["cpu", "peer"],
+                             "cluster": {"controller_url": "http://127.0.0.1:9"}})
+    with pytest.raises(ValueError, match="build_engine"):
+        CacheEngine(peer, LAYOUT, "m")
 
 
 def test_other_model_or_layout_never_hits(config):
@@ -374,3 +383,23 @@ def test_retrieve_hints_the_disk_a_bounded_distance_ahead(config, monkeypatch):
         else:
             # the reader thread reads one chunk past the one being decoded; hints go two past that, no further
             assert keys.index(k) <= num_read + 1 + 2
+
+
+def test_both_caches_offer_the_kvcache_seam(config):
+    """CacheEngine and RemoteCache (mode: server) answer the same public calls: the KVCache protocol the connectors
+    and engines are written against (a member missing from either fails here)."""
+    from kvfabric.engine import KVCache
+    from kvfabric.remote import RemoteCache
+
+    with CacheEngine(config, LAYOUT, "m") as engine:
+        assert isinstance(engine, KVCache)
+    remote = RemoteCache(Config(chunk_size=16, mode="server"), LAYOUT, "m")  # no server: built, never connected
+    try:
+        assert isinstance(remote, KVCache)
+        members = {name for name in vars(KVCache) if not name.startswith("_")} | set(KVCache.__annotations__)
+        assert {"lookup_keys", "read_chunk", "store_chunk", "events", "discard_chunk"} <= members
+        for name in members:  # isinstance checks presence; the calls must be methods on both
+            assert callable(getattr(KVCache, name, None)) == callable(getattr(remote, name)) == \
+                callable(getattr(CacheEngine, name, None)), name
+    finally:
+        remote.close()

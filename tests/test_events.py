@@ -9,6 +9,7 @@ import torch
 import zmq
 
 from kvfabric import CacheEngine, Config, KVLayout
+from kvfabric.builder import build_engine
 from kvfabric.config import CpuTierConfig, KVEventsConfig
 from kvfabric.events import ChunkEvents
 from tests.cluster_scripts.helpers import free_port
@@ -33,7 +34,7 @@ def engine_with_events(cpu_bytes: int = 1 << 24, replay: bool = False) -> CacheE
     events = KVEventsConfig(enabled=True, endpoint=f"tcp://127.0.0.1:{free_port()}", topic="kvf",
                             replay_endpoint=f"tcp://127.0.0.1:{free_port()}" if replay else "", interval_s=0.05)
     config = Config(chunk_size=CHUNK, tiers=("cpu",), cpu=CpuTierConfig(capacity=cpu_bytes), kv_events=events)
-    return CacheEngine(config, LAYOUT, "m")
+    return build_engine(config, LAYOUT, "m")
 
 
 def receive(sub: zmq.Socket, timeout_ms: int = 10_000) -> tuple[bytes, int, list]:
@@ -108,7 +109,7 @@ def test_replay_from_a_sequence_number(ctx):
     with engine_with_events(replay=True) as engine:
         for i in range(3):
             engine.store([i] * CHUNK * 2, kv(2 * CHUNK, i))
-            engine._publisher.publish_now()  # one batch per store
+            engine.publisher.publish_now()  # one batch per store
         req = ctx.socket(zmq.DEALER)
         req.connect(engine.config.kv_events.replay_endpoint)
         req.send_multipart([b"", (1).to_bytes(8, "big")])

@@ -12,7 +12,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfabric import CacheEngine, Config, KVLayout
+from kvfabric import Config, KVLayout
+from kvfabric.builder import build_engine
 from kvfabric.config import ClusterConfig, CpuTierConfig, DiskTierConfig, MetricsConfig, RedisTierConfig
 from kvfabric.metrics import METRICS, Histograms, tier_misses
 from tests.cluster_scripts.helpers import ControllerThread, free_port, wait_for
@@ -49,7 +50,7 @@ def engine_config(tmp_path, **kw) -> Config:
 
 def test_engine_metrics_over_http_match_its_stats(tmp_path):
     tokens = list(range(100))  # 6 whole chunks
-    with CacheEngine(engine_config(tmp_path), LAYOUT, "m") as engine:
+    with build_engine(engine_config(tmp_path), LAYOUT, "m") as engine:
         url = engine.metrics_endpoint.url
         assert url.startswith("http://127.0.0.1:")
         assert engine.lookup(tokens) == 0
@@ -87,7 +88,7 @@ def test_engine_metrics_over_http_match_its_stats(tmp_path):
 def test_evictions_corrupt_chunks_and_drops_are_counted(tmp_path):
     config = engine_config(tmp_path, cpu=CpuTierConfig(capacity=3 * CHUNK_BYTES + 2000), write_queue_chunks=1)
     tokens = list(range(6 * CHUNK))
-    with CacheEngine(config, LAYOUT, "m") as engine:
+    with build_engine(config, LAYOUT, "m") as engine:
         engine.store(tokens, kv(len(tokens)))
         engine.flush()
         disk = engine._tier("disk")
@@ -107,7 +108,7 @@ def test_dead_redis_opens_the_breaker_and_the_metrics_say_so(tmp_path):
     dead = RedisTierConfig(url=f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.1, breaker_failures=1,
                            backoff_max_s=60)
     config = engine_config(tmp_path, tiers=("cpu", "redis"), redis=dead)
-    with CacheEngine(config, LAYOUT, "m") as engine:
+    with build_engine(config, LAYOUT, "m") as engine:
         engine.store(list(range(32)), kv(32))
         engine.flush()
         samples = scrape(engine.metrics_endpoint.url)
@@ -120,7 +121,7 @@ def test_dead_redis_opens_the_breaker_and_the_metrics_say_so(tmp_path):
 
 def test_a_taken_metrics_port_is_logged_not_fatal(tmp_path, caplog):
     config = engine_config(tmp_path)
-    with CacheEngine(config, LAYOUT, "a") as first, CacheEngine(config, LAYOUT, "b") as second:
+    with build_engine(config, LAYOUT, "a") as first, build_engine(config, LAYOUT, "b") as second:
         assert first.metrics_endpoint is not None and second.metrics_endpoint is None
         assert second.store(list(range(16)), kv(16)) == 1
     assert "cannot serve" in caplog.text
@@ -185,7 +186,7 @@ def test_cluster_engines_export_p2p_traffic(tmp_path):
                 controller_url=controller.url, token="t", instance_id=name, report_interval_s=0.05,
                 heartbeat_interval_s=0.2, lookup_ttl_s=0.1), metrics=MetricsConfig(port=free_port()))
         tokens = list(range(64))
-        with CacheEngine(config("a"), LAYOUT, "m") as a, CacheEngine(config("b"), LAYOUT, "m") as b:
+        with build_engine(config("a"), LAYOUT, "m") as a, build_engine(config("b"), LAYOUT, "m") as b:
             a.store(tokens, kv(64))
             assert wait_for(lambda: b.lookup(tokens) == 64)
             assert b.retrieve(tokens).shape[3] == 64

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from kvfabric.builder import build_engine
 from kvfabric.breaker import CircuitBreaker
 from kvfabric.config import Config, ConfigError, MooncakeTierConfig
-from kvfabric.tiers.base import Scratch
+from kvfabric.pages import Scratch
 from kvfabric.tiers.disk import DiskTier
 from kvfabric.tiers.factory import build_tiers
 from kvfabric.tiers.stack import TierStack
@@ -303,17 +304,17 @@ class TestMooncakeContract(TierContract):
 def test_engines_share_chunks_through_mooncake(mooncake_master: MooncakeMaster) -> None:
     import torch
 
-    from kvfabric import CacheEngine, KVLayout
+    from kvfabric import KVLayout
 
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
     section = MooncakeTierConfig(master=mooncake_master.address, metadata_url=mooncake_master.metadata_url,
                                  metrics_url=mooncake_master.metrics_url, segment=64 * 2**20, buffer=16 * 2**20)
     tokens = list(range(100))
     kv = torch.randn(layout.shape(100), generator=torch.Generator().manual_seed(0)).to(torch.float16)
-    with CacheEngine(Config(chunk_size=16, tiers=("cpu", "mooncake"), mooncake=section), layout, "m") as writer:
+    with build_engine(Config(chunk_size=16, tiers=("cpu", "mooncake"), mooncake=section), layout, "m") as writer:
         assert writer.store(tokens, kv) == 6
         writer.flush()
-        with CacheEngine(Config(chunk_size=16, tiers=("mooncake",), mooncake=section), layout, "m") as reader:
+        with build_engine(Config(chunk_size=16, tiers=("mooncake",), mooncake=section), layout, "m") as reader:
             assert reader.lookup(tokens) == 96
             assert torch.equal(reader.retrieve(tokens), kv[:, :, :, :96])
 
@@ -340,11 +341,10 @@ def test_two_processes_share_chunks_through_the_store(mooncake_master: MooncakeM
     assert writer.returncode == 0
 
     from tests.mooncake_child import LAYOUT, prompt
-    from kvfabric import CacheEngine
     section = MooncakeTierConfig(master=mooncake_master.address, metadata_url=mooncake_master.metadata_url,
                                  metrics_url=mooncake_master.metrics_url, segment=64 * 2**20, buffer=16 * 2**20)
     tokens, kv = prompt(4)
-    with CacheEngine(Config(chunk_size=16, tiers=("mooncake",), mooncake=section), LAYOUT, "shared") as engine:
+    with build_engine(Config(chunk_size=16, tiers=("mooncake",), mooncake=section), LAYOUT, "shared") as engine:
         assert engine.store(tokens, kv) == 6
         engine.flush()
         reader = _child(mooncake_master, "check", seed=4)

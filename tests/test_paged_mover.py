@@ -116,7 +116,7 @@ def test_views_of_another_model_and_ranges_outside_the_chunk_are_refused():
 @pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
 def test_stale_slots_past_a_partial_chunk_are_never_stored(layout, staged):
-    from kvfabric.tiers.base import Scratch
+    from kvfabric.pages import Scratch
 
     views = make_views(layout, seed=9)  # every slot holds (stale) values, past the 20 tokens too
     with CacheEngine(Config(chunk_size=CHUNK, tiers=("cpu",), save_partial_chunk=True), LAYOUT, "m") as engine:

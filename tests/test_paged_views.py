@@ -19,7 +19,7 @@ from kvfabric.connectors.paged_views import (
     physical_blocks, save_blocks, scatter, strides, zero_tail,
 )
 from kvfabric.engine import ChunkHit
-from kvfabric.tiers.base import Scratch
+from kvfabric.pages import Scratch
 
 BLOCK = 16
 CONTENTS = {"kv": (2, 8), "latent": (1, 24)}  # content -> (head slots, head_dim)

@@ -11,8 +11,8 @@ pytest.importorskip("vllm")
 from kvfabric import CacheEngine  # noqa: E402
 from kvfabric.config import Config, ConfigError  # noqa: E402
 from kvfabric.connectors.vllm.config import kv_transfer_config, role_of  # noqa: E402
-from kvfabric.connectors.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvfabric.layout import KVLayout  # noqa: E402
+from tests.scheduler_fixtures import scheduler_asking  # noqa: E402
 
 CHUNK = 256
 LAYOUT = KVLayout(2, 1, 4, "float32")
@@ -35,10 +35,14 @@ def _scheduled(tokens: list[int]) -> SimpleNamespace:
 def test_kv_role_decides_loads_and_saves(tmp_path, kv_role, loads, saves):
     config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
     stored = list(range(2 * CHUNK + 5))  # two whole chunks held by the pool (a producer's prefix cache too)
-    with CacheEngine(config, LAYOUT, "m") as engine:
+    with CacheEngine(config, LAYOUT, "m") as engine, scheduler_asking(engine, config, LAYOUT,
+                                                                      role=role_of(kv_role)) as side:
         engine.store(stored, torch.randn(LAYOUT.shape(2 * CHUNK)))
         engine.flush()
-    side = SchedulerSide(config, LAYOUT, "m", 128, "tokens", role=role_of(kv_role))
+        _roles(side, stored, loads, saves)
+
+
+def _roles(side, stored, loads, saves) -> None:
     request = _request(stored)
     assert side.num_new_matched_tokens(request, 0) == (2 * CHUNK if loads else 0)
     side.forget("a")
@@ -47,7 +51,6 @@ def test_kv_role_decides_loads_and_saves(tmp_path, kv_role, loads, saves):
     side.after_alloc(fresh, SimpleNamespace(get_block_ids=lambda: ([0, 1, 2, 3, 4],)), 0)
     meta = side.build_meta(_scheduled(fresh.prompt_token_ids))
     assert [len(save.keys) for save in meta.saves] == ([2] if saves else [])
-    side.lookup.close()
 
 
 def test_kv_transfer_config_carries_the_role_and_rejects_unknown_ones():

@@ -13,9 +13,9 @@ import urllib.request
 import pytest
 import torch
 
+from kvfabric.pages import Scratch
 from kvfabric.remote import RemoteCache
 from kvfabric.remote import protocol as P
-from kvfabric.tiers.base import Scratch
 from tests.server_fixtures import CHUNK, LAYOUT, client_config, random_kv, server_config, server_in_thread, tokens_of
 
 

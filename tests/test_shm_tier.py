@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, parse
 from kvfabric.config import ShmTierConfig
-from kvfabric.tiers.base import Scratch
+from kvfabric.pages import Scratch
 from kvfabric.tiers.shm import ShmPoolError, ShmTier
 from kvfabric.tiers.shm.index import Index
 from kvfabric.tiers.shm.layout import ENTRY_BYTES, KEY_AT, READY, SEQ, STATS, STATS_AT, extent_bytes

@@ -11,7 +11,8 @@ import httpx
 import pytest
 import torch
 
-from kvfabric import CacheEngine, Config
+from kvfabric import Config
+from kvfabric.builder import build_engine
 from kvfabric.cluster.controller_app import create_app
 from kvfabric.config import ClusterConfig, CpuTierConfig
 from tests.cluster_scripts.helpers import LAYOUT, ControllerThread, wait_for
@@ -34,7 +35,7 @@ def cluster():
                             cluster=ClusterConfig(controller_url=controller.url, token=TOKEN, instance_id=name,
                                                   report_interval_s=0.05, heartbeat_interval_s=0.3,
                                                   lookup_ttl_s=0.1))
-            engines.append(CacheEngine(config, LAYOUT, "m"))
+            engines.append(build_engine(config, LAYOUT, "m"))
         a, b = engines
         for i in range(3):
             tokens = list(range(i * 1000, i * 1000 + 64))

@@ -38,6 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvfabric.builder import build_engine
 from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather, render_region, scatter, segments
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -288,11 +289,12 @@ def test_async_load_while_another_request_decodes(runs):
 def _lookup(tmp_path):
     pytest.importorskip("vllm")
     from kvfabric.config import Config
+    from kvfabric.connectors.lookup import LookupClient
     from kvfabric.connectors.vllm.scheduler import ChunkLookup
     from kvfabric.layout import KVLayout
 
     config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
-    return ChunkLookup(config, KVLayout(2, 1, 4, "float32"), "m")
+    return ChunkLookup(config, KVLayout(2, 1, 4, "float32"), "m", LookupClient(str(tmp_path / "nobody.sock")))
 
 
 def test_vllm_key_mode_names_the_last_block_of_each_chunk(tmp_path):
@@ -310,14 +312,14 @@ def test_token_keys_skip_lora_and_salt_selects_a_namespace(tmp_path):
     from types import SimpleNamespace
 
     pytest.importorskip("vllm")
-    from kvfabric import CacheEngine
     from kvfabric.config import Config
+    from kvfabric.connectors.lookup import LookupClient
     from kvfabric.connectors.vllm.scheduler import SchedulerSide
     from kvfabric.layout import KVLayout
 
     config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
     layout = KVLayout(2, 1, 4, "float32")
-    side = SchedulerSide(config, layout, "m", 128, "tokens")
+    side = SchedulerSide(config, layout, "m", 128, "tokens", client=LookupClient(str(tmp_path / "nobody.sock")))
     plain = SimpleNamespace(request_id="a", prompt_token_ids=list(range(600)), lora_request=None, mm_features=[],
                             cache_salt=None, block_hashes=[])
     keys = side.request_keys(plain)
@@ -328,57 +330,63 @@ def test_token_keys_skip_lora_and_salt_selects_a_namespace(tmp_path):
     other = side.request_keys(SimpleNamespace(**{**vars(plain), "request_id": "d", "cache_salt": "other"}))
     assert len(salted) == len(other) == 2 and not {*salted} & {*keys} and not {*salted} & {*other}
     # cache_salt S is kvfabric's tenant salt S: an engine configured with that salt shares the chunks
-    tenant = CacheEngine(Config.from_dict({**config.to_dict(), "salt": "tenant", "tiers": ["cpu"]}), layout, "m")
+    tenant = build_engine(Config.from_dict({**config.to_dict(), "salt": "tenant", "tiers": ["cpu"]}), layout, "m")
     assert tenant.keys(plain.prompt_token_ids) == salted
     tenant.close()
     salted_config = Config.from_dict({**config.to_dict(), "salt": "base"})
-    both = SchedulerSide(salted_config, layout, "m", 128, "tokens").request_keys(
+    both = SchedulerSide(salted_config, layout, "m", 128, "tokens", client=side.lookup.client).request_keys(
         SimpleNamespace(**{**vars(plain), "cache_salt": "tenant"}))
     assert not {*both} & {*salted}
 
 
 def test_a_chunk_that_failed_a_load_is_not_offered_again(tmp_path):
     """An async load whose first chunk fails sends the request back to waiting with nothing computed; vLLM then
-    asks the scheduler again, which must not offer the same chunk (an endless load-fail loop otherwise)."""
+    asks the scheduler again, which must not offer the same chunk (an endless load-fail loop otherwise): the
+    worker's cache dropped the damaged chunk when the load read it, and the scheduler asks that cache."""
     from types import SimpleNamespace
 
     pytest.importorskip("vllm")
-    from kvfabric import CacheEngine
     from kvfabric.config import Config
-    from kvfabric.connectors.vllm.metadata import KVFabricWorkerMetadata
-    from kvfabric.connectors.vllm.scheduler import SchedulerSide
+    from kvfabric.engine import ChunkMiss
     from kvfabric.layout import KVLayout
+    from tests.scheduler_fixtures import scheduler_asking
 
-    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
+    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
     layout = KVLayout(2, 1, 4, "float32")
     tokens = list(range(2 * CHUNK + 5))
-    with CacheEngine(config, layout, "m") as engine:
-        engine.store(tokens, torch.randn(layout.shape(2 * CHUNK)))
-        engine.flush()
-    side = SchedulerSide(config, layout, "m", 128, "tokens")
     request = SimpleNamespace(request_id="a", prompt_token_ids=tokens, lora_request=None, mm_features=[],
                               cache_salt=None, block_hashes=[], num_tokens=len(tokens), kv_transfer_params=None)
-    assert side.num_new_matched_tokens(request, 0) == 2 * CHUNK
-    keys = side.request_keys(request)
-    side.update(SimpleNamespace(kv_connector_worker_meta=KVFabricWorkerMetadata(failed=[keys[0]])))
-    assert side.num_new_matched_tokens(request, 0) == 0
-    side.lookup.close()
+    with build_engine(config, layout, "m") as engine, scheduler_asking(engine, config, layout) as side:
+        engine.store(tokens, torch.randn(layout.shape(2 * CHUNK)))
+        engine.flush()
+        assert side.num_new_matched_tokens(request, 0) == 2 * CHUNK
+        keys = side.request_keys(request)
+        path = next(tmp_path.rglob(f"{keys[0].hex()}*"))
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+        assert isinstance(engine.read_chunk(keys[0]), ChunkMiss)  # what the worker's load met
+        assert engine.stats().counters["corrupt.disk"] == 1
+        assert side.num_new_matched_tokens(request, 0) == 0
 
 
 def test_partial_last_chunk_is_looked_up_and_saved_with_save_partial_chunk(tmp_path):
-    from types import SimpleNamespace
-
     pytest.importorskip("vllm")
-    from kvfabric import CacheEngine
     from kvfabric.config import Config
-    from kvfabric.connectors.vllm.scheduler import SchedulerSide
     from kvfabric.layout import KVLayout
+    from tests.scheduler_fixtures import scheduler_asking
 
     config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["disk"], "disk": {"path": str(tmp_path)},
                                "save_partial_chunk": True})
     layout = KVLayout(2, 1, 4, "float32")
     tokens = list(range(2 * CHUNK + 40))
-    side = SchedulerSide(config, layout, "m", 128, "tokens")
+    with build_engine(config, layout, "m") as engine, scheduler_asking(engine, config, layout) as side:
+        _partial_chunk(engine, side, tokens, layout)
+
+
+def _partial_chunk(engine, side, tokens, layout) -> None:
+    from types import SimpleNamespace
+
     request = SimpleNamespace(request_id="a", prompt_token_ids=tokens, lora_request=None, mm_features=[],
                               cache_salt=None, block_hashes=[], num_tokens=len(tokens), kv_transfer_params=None)
     assert len(side.request_keys(request)) == 3  # two whole chunks and the partial one
@@ -390,12 +398,10 @@ def test_partial_last_chunk_is_looked_up_and_saved_with_save_partial_chunk(tmp_p
         finished_req_ids=set(), total_num_scheduled_tokens=len(tokens)))
     (save,) = meta.saves
     assert (save.start, save.end, len(save.keys)) == (0, len(tokens), 3)  # the partial chunk ends with the prompt
-    with CacheEngine(config, layout, "m") as engine:
-        engine.store(tokens, torch.randn(layout.shape(len(tokens))))
-        engine.flush()
+    engine.store(tokens, torch.randn(layout.shape(len(tokens))))
+    engine.flush()
     side.forget("a")
     assert side.num_new_matched_tokens(request, 0) == len(tokens) - 1  # all but the one token vLLM computes
-    side.lookup.close()
 
 
 def test_request_stats_add_up_across_steps_and_processes():
@@ -406,10 +412,8 @@ def test_request_stats_add_up_across_steps_and_processes():
 
     step1 = RequestStats(loaded_tokens=256, load_read_s=0.5, bytes_loaded=(("disk", 100),))
     step2 = RequestStats(loaded_tokens=256, failed_tokens=512, bytes_loaded=(("cpu", 7), ("disk", 50)))
-    meta = KVFabricWorkerMetadata({"a": step1}, [b"k1"], [])
-    meta.aggregate(pickle.loads(pickle.dumps(KVFabricWorkerMetadata({"a": step2, "b": RequestStats(saved_tokens=256)},
-                                                                    [b"k2"], [b"k1"], [b"bad"]))))
-    assert meta.stored == [b"k1", b"k2"] and meta.removed == [b"k1"] and meta.failed == [b"bad"]
+    meta = KVFabricWorkerMetadata({"a": step1})
+    meta.aggregate(pickle.loads(pickle.dumps(KVFabricWorkerMetadata({"a": step2, "b": RequestStats(saved_tokens=256)}))))
     assert meta.requests["b"].saved_tokens == 256
     params = meta.requests["a"].as_params()
     assert params == {"external_hit_tokens": 0, "local_hit_tokens": 0, "loaded_tokens": 512, "failed_tokens": 512,
@@ -423,13 +427,12 @@ def test_scheduler_counts_chunks_a_peer_holds(tmp_path):
     from types import SimpleNamespace
 
     pytest.importorskip("vllm")
-    from kvfabric import CacheEngine
     from kvfabric.cluster.controller_app import create_app
     from kvfabric.cluster.index_memory import MemoryIndex
     from kvfabric.config import ClusterConfig, Config
-    from kvfabric.connectors.vllm.scheduler import SchedulerSide
     from kvfabric.layout import KVLayout
     from tests.cluster_scripts.helpers import ControllerThread, wait_for
+    from tests.scheduler_fixtures import scheduler_asking
 
     layout = KVLayout(2, 1, 4, "float32")
     controller = ControllerThread(create_app(MemoryIndex(), token="t", instance_ttl_s=30, sweep_interval_s=0.2)).start()
@@ -439,14 +442,13 @@ def test_scheduler_counts_chunks_a_peer_holds(tmp_path):
                 controller_url=controller.url, token="t", instance_id=name, report_interval_s=0.05,
                 heartbeat_interval_s=0.2, lookup_ttl_s=0.05))
         tokens = list(range(3 * CHUNK + 10))
-        with CacheEngine(config("holder"), layout, "m") as holder:
-            side = SchedulerSide(config("vllm"), layout, "m", 128, "tokens")
+        with build_engine(config("holder"), layout, "m") as holder, build_engine(config("vllm"), layout, "m") as \
+                worker, scheduler_asking(worker, config("vllm"), layout) as side:
             request = SimpleNamespace(request_id="a", prompt_token_ids=tokens, lora_request=None, mm_features=[],
                                       cache_salt=None, block_hashes=[], num_tokens=len(tokens), kv_transfer_params=None)
             assert side.num_new_matched_tokens(request, 0) == 0  # nobody holds anything yet
             holder.store(tokens, torch.randn(layout.shape(2 * CHUNK)))  # chunks 0-1 only
             assert wait_for(lambda: side.num_new_matched_tokens(request, 0) == 2 * CHUNK)
-            side.lookup.close()
     finally:
         controller.stop()
 
@@ -457,20 +459,25 @@ def test_hybrid_manager_specs_carry_every_groups_table_and_skip_chunks_whose_win
     from types import SimpleNamespace
 
     pytest.importorskip("vllm")
-    from kvfabric import CacheEngine
     from kvfabric.config import Config
     from kvfabric.connectors.vllm.config import KVGroups
-    from kvfabric.connectors.vllm.scheduler import SchedulerSide
     from kvfabric.layout import KVLayout
+    from tests.scheduler_fixtures import scheduler_asking
 
     config = Config.from_dict({"chunk_size": 256, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
     layout = KVLayout.from_layer_types(["sliding_attention", "full_attention"], 1, 4, 512, "float32")
     groups = KVGroups(128, 2, {"model.layers.0.self_attn.attn": 0, "model.layers.1.self_attn.attn": 1}, 512)
-    side = SchedulerSide(config, layout, "m", 128, "tokens", "layerwise", groups=groups)  # loads ride the step
+    with build_engine(config, layout, "m") as engine, \
+            scheduler_asking(engine, config, layout, "layerwise", groups=groups) as side:  # loads ride the step
+        _hybrid_specs(engine, side, layout)
+
+
+def _hybrid_specs(engine, side, layout) -> None:
+    from types import SimpleNamespace
+
     tokens = list(range(1100))
-    with CacheEngine(config, layout, "m") as engine:
-        engine.store(tokens[:512], torch.randn(layout.shape(512)))  # chunks 0-1 stored
-        engine.flush()
+    engine.store(tokens[:512], torch.randn(layout.shape(512)))  # chunks 0-1 stored
+    engine.flush()
 
     def request(req_id):
         return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, lora_request=None, mm_features=[],
@@ -496,13 +503,12 @@ def test_hybrid_manager_specs_carry_every_groups_table_and_skip_chunks_whose_win
     assert (save.start, save.end) == (512, 1024) and save.group_block_ids[0] == list(range(1, 9))
     side.forget("a")
     # vLLM's own prefix cache held 1024 tokens: its window group's blocks before (1024 - 511) // 128 = 4 are null
-    side.lookup.tiers[0].delete(side.request_keys(request("b"))[0])  # chunk 0 gone from kvfabric: no external hit
+    engine.delete(tokens[:256])  # chunk 0 gone from kvfabric: no external hit
     meta = step("b", 1024, [0, 0, 0, 0, 5, 6, 7, 8, 9], list(range(11, 20)))
     assert not meta.loads
     (save,) = meta.saves
     assert (save.start, save.end) == (512, 1024)  # chunks 0-1 lost their window rows: skipped, not stored
     assert side.window_chunks_skipped == 2
-    side.lookup.close()
 
 
 def test_hybrid_manager_failed_load_is_a_failed_receive_not_block_ids(tmp_path):
@@ -518,7 +524,7 @@ def test_hybrid_manager_failed_load_is_a_failed_receive_not_block_ids(tmp_path):
 
     config = Config.from_dict({"chunk_size": 256, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
     layout = KVLayout.from_layer_types(["sliding_attention", "full_attention"], 1, 4, 512, "float32")
-    failed = LoadOutcome("r", 256, (3, 4), b"k" * 32, RequestStats(loaded_tokens=256, failed_tokens=256))
+    failed = LoadOutcome("r", 256, (3, 4), RequestStats(loaded_tokens=256, failed_tokens=256))
     for groups, blocks, receives in ((KVGroups(128, 2, {}, 512), set(), {"r"}), (KVGroups(128), {3, 4}, set())):
         side = WorkerSide(config, layout, "m", 128, {"load_threads": 1}, groups=groups)
         side._apply(failed)
@@ -573,55 +579,35 @@ def test_on_a_gpu_the_connector_asks_vllm_for_a_block_outermost_layout():
 
 def test_a_prefix_whose_window_part_is_gone_is_not_promised(tmp_path):
     """A Gemma-3-like layout (window layers, W = 512): a chunk's window part has its own key and can be evicted
-    alone. The scheduler promises a prefix only with the window parts its load needs (CacheEngine.lookup's rule),
-    in a shared tier and in the mirror of the worker's memory tier alike; parts older than the window are not
-    needed."""
+    alone. The scheduler asks the worker's cache, so it promises a prefix only with the window parts its load
+    needs (CacheEngine.lookup's rule), held in process memory or on disk alike; parts older than the window are
+    not needed."""
     from types import SimpleNamespace
 
     pytest.importorskip("vllm")
-    from kvfabric import CacheEngine
     from kvfabric.chunk_parts import ChunkParts
     from kvfabric.config import Config
-    from kvfabric.connectors.vllm.metadata import KVFabricWorkerMetadata
-    from kvfabric.connectors.vllm.scheduler import SchedulerSide
     from kvfabric.layout import KVLayout
     from kvfabric.tiers.factory import build_tiers
+    from tests.scheduler_fixtures import scheduler_asking
 
     config = Config.from_dict({"chunk_size": 256, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
     layout = KVLayout.from_layer_types(["sliding_attention", "full_attention"], 1, 4, 512, "float32")
     tokens = list(range(1100))  # 4 whole chunks: a hit of 1024 tokens needs the window parts of chunks 2 and 3
-    with CacheEngine(config, layout, "m") as engine:
+    request = SimpleNamespace(request_id="a", prompt_token_ids=tokens, lora_request=None, mm_features=[],
+                              cache_salt=None, block_hashes=[], num_tokens=len(tokens), kv_transfer_params=None)
+    cpu, disk = build_tiers(config, ("cpu", "disk"))
+    with build_engine(config, layout, "m", tiers=[cpu, disk]) as engine, \
+            scheduler_asking(engine, config, layout) as side:
         engine.store(tokens, torch.randn(layout.shape(1024)))
         engine.flush()
         keys = engine.keys(tokens)
-        assert engine.lookup(tokens) == 1024
-    request = SimpleNamespace(request_id="a", prompt_token_ids=tokens, lora_request=None, mm_features=[],
-                              cache_salt=None, block_hashes=[], num_tokens=len(tokens), kv_transfer_params=None)
-    (disk,) = build_tiers(config, ("disk",))
-
-    def scheduler() -> SchedulerSide:  # a fresh scheduler process (its disk index is read at start)
-        return SchedulerSide(config, layout, "m", 128, "tokens")
-
-    side = scheduler()
-    try:
         assert side.num_new_matched_tokens(request, 0) == 1024
-        assert disk.delete(ChunkParts.window_key(keys[0]))  # older than the window: not needed
-        side.lookup.close()
-        side = scheduler()
+        for tier in (cpu, disk):
+            assert tier.delete(ChunkParts.window_key(keys[0]))  # older than the window: not needed
         assert side.num_new_matched_tokens(request, 0) == 1024
-        assert disk.delete(ChunkParts.window_key(keys[3]))
-        side.lookup.close()
-        side = scheduler()
-        assert side.num_new_matched_tokens(request, 0) == 768  # chunks 0-2: their window parts 1-2 are there
-        with CacheEngine(config, layout, "m") as engine:
-            assert engine.lookup(tokens) == 768  # the same answer as the cache's own lookup
-        # the worker's memory tier: its reports carry window parts too; one evicted there ends the prefix there
-        side.update(SimpleNamespace(kv_connector_worker_meta=KVFabricWorkerMetadata(
-            stored=[*keys[:4], *map(ChunkParts.window_key, keys[:4])])))
+        assert disk.delete(ChunkParts.window_key(keys[3]))  # still in process memory
         assert side.num_new_matched_tokens(request, 0) == 1024
-        side.update(SimpleNamespace(kv_connector_worker_meta=KVFabricWorkerMetadata(
-            removed=[ChunkParts.window_key(keys[3])])))
+        assert cpu.delete(ChunkParts.window_key(keys[3]))  # gone everywhere: the prefix ends before chunk 3
         assert side.num_new_matched_tokens(request, 0) == 768
-    finally:
-        side.lookup.close()
-        disk.close()
+        assert engine.lookup(tokens) == 768  # the same answer as the cache's own lookup

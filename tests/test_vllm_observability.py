@@ -25,7 +25,8 @@ import zmq  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 
-from kvfabric import CacheEngine, Config, KVLayout  # noqa: E402
+from kvfabric import Config, KVLayout  # noqa: E402
+from kvfabric.builder import build_engine
 from kvfabric.config import CpuTierConfig, KVEventsConfig  # noqa: E402
 from tests.cluster_scripts.helpers import free_port, wait_for  # noqa: E402
 
@@ -43,7 +44,7 @@ def test_our_publisher_speaks_vllms_wire_format():
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
     try:
-        with CacheEngine(config, layout, "m") as engine:
+        with build_engine(config, layout, "m") as engine:
             tokens = list(range(48))
             batches: list[KVEventBatch] = []
             for attempt in range(100):  # PUB drops what it sends before the subscriber has joined

@@ -21,7 +21,7 @@ import pytest
 from kvfabric.codec.format import parse
 from kvfabric.codec.raw import RawCodec
 from kvfabric.layout import KVLayout
-from kvfabric.tiers.base import Scratch
+from kvfabric.pages import Scratch
 from kvfabric.tiers.stack import TierStack
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")

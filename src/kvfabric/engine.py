@@ -3,6 +3,7 @@
 Contract:
 - `lookup(tokens)`: the longest prefix, in tokens, whose chunks are all cached (chunk-aligned, or the whole
   prompt when its partial last chunk is cached with `save_partial_chunk`). It does not read chunk data.
+  `lookup_keys(keys, num_tokens)`: the same by chunk keys, in chunks (`KeyLookup`, with those in process memory).
 - `store(tokens, kv, start=0)`: kv [L, 2, H, T, D] holds the KV of tokens[start:start+T] (start chunk-aligned);
   every whole chunk in that range not yet cached is encoded and stored. Returns the number of chunks stored.
   It returns once the fastest tier holds the chunks; slower tiers are written in the background. `flush()`
@@ -39,9 +40,10 @@ Contract:
 - `delete(tokens)` removes a prompt's chunks from every tier; `tier_keys`, `tier_usage`, `clear_tier` address one
   tier by name; `stats()` is an `EngineStats` snapshot.
 - Observability (kvfabric.metrics, kvfabric.events): lookup / store / retrieve / read_chunk latencies and codec
-  times go into `histograms`; with `metrics.port` set the engine serves /metrics (its counters and tier usage are
-  read at scrape time); with `kv_events.enabled` it queues chunk stored / removed events (`events`) and, with an
-  endpoint, publishes them on ZMQ. Neither can fail the engine: an endpoint that cannot bind is logged.
+  times go into `histograms`; given `events`, the engine queues chunk stored / removed events there. The /metrics
+  endpoint (its counters and tier usage read at scrape time) and the ZMQ event publisher are made by
+  `kvfabric.builder.build_engine` from the config and attached (`attach_observers`); so is the cluster node of tier
+  "peer" (`node`). This module imports nothing from the cluster.
 - Nothing here raises for a damaged or missing cache entry; errors are raised only for bad arguments. Counters
   are thread-safe; `read_chunk` and `store_chunk` may run on different threads (the vLLM connector's step and saver).
 """
@@ -50,10 +52,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -69,9 +71,9 @@ from kvfabric.counters import Counters, merged
 from kvfabric.events import ChunkEvents, EventPublisher
 from kvfabric.hashing import ChunkKey, KeySpace
 from kvfabric.layout import KVLayout
-from kvfabric.metrics import EngineCollector, Histograms, MetricsEndpoint, engine_registry
-from kvfabric.pages import FileMapping, map_file
-from kvfabric.tiers.base import Blob, RangedBlob, Scratch, Tier, TierUsage, TierView
+from kvfabric.metrics import Histograms, MetricsEndpoint
+from kvfabric.pages import FileMapping, Scratch, map_file
+from kvfabric.tiers.base import Blob, RangedBlob, Tier, TierUsage, TierView
 from kvfabric.tiers.factory import build_tiers, codec_spec
 from kvfabric.tiers.policies import NO_META, AccessMeta, prefill_cost_s
 from kvfabric.tiers.stack import StackHit, TierStack
@@ -157,6 +159,14 @@ class ChunkPayload:
 
 
 @dataclass(frozen=True, slots=True)
+class KeyLookup:
+    """`lookup_keys`' answer: the leading chunks of a prompt that can be loaded, and how many of those process
+    memory (or a write still queued) holds."""
+    num_chunks: int = 0
+    num_in_memory: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     counters: dict[str, int]  # the engine's and its tier stack's counters, summed
     tiers: tuple[TierUsage, ...]  # fastest first
@@ -208,9 +218,51 @@ def retrieve_buffer(layout: KVLayout, num_tokens: int, out: torch.Tensor | None)
     return out
 
 
+@runtime_checkable
+class KVCache(Protocol):
+    """The cache an engine process uses, whichever it is: this module's CacheEngine, or RemoteCache (`mode: server`,
+    kvfabric.remote) over the host's `kvfabric server`. Connectors and engines use these members and nothing else
+    (kvfabric.builder.build_engine picks one). Semantics: CacheEngine's (the module docstring)."""
+    layout: KVLayout
+    model_id: str
+    chunk_size: int
+    histograms: Histograms  # lookup / store / retrieve / read latencies in this process
+    events: ChunkEvents | None  # chunks stored and removed here, for KV events (None: not tracked in this process)
+
+    def keys(self, tokens: Tokens) -> list[ChunkKey]: ...
+    def lookup(self, tokens: Tokens) -> int: ...
+    def lookup_keys(self, keys: Sequence[bytes], num_tokens: int | None = None) -> KeyLookup: ...
+    def store(self, tokens: Tokens, kv: torch.Tensor, start: int = 0) -> int: ...
+    def retrieve(self, tokens: Tokens, out: torch.Tensor | None = None) -> torch.Tensor: ...
+    def read_chunk(self, key: bytes, out: torch.Tensor | None = None, **options) -> ChunkHit | ChunkMiss: ...
+    def chunk_blob_bytes(self) -> int: ...
+    def new_payload(self, num_tokens: int | None = None, blocks: BlockLayout | None = None) -> ChunkPayload: ...
+    def premap(self, num_tokens: int | None = None, blocks: BlockLayout | None = None,
+               is_paused: bool = False) -> None: ...
+    def store_chunk(self, key: bytes, payload: ChunkPayload) -> bool: ...
+    def discard_chunk(self, key: bytes, tier: str, why: str) -> None: ...
+    def sweep_events(self) -> None: ...
+    def flush(self, *, to_peers: bool = False) -> None: ...
+    def stats(self) -> EngineStats: ...
+    def close(self) -> None: ...
+
+
+class PeerNode(Protocol):
+    """What the engine uses of the cluster node that serves its tiers to peers (kvfabric.cluster.worker)."""
+    stats_source: Callable[[], dict[str, int]] | None  # the counts the node sends with its heartbeats
+
+    def flush_reports(self, timeout_s: float = 10.0) -> bool: ...
+    def p2p_counters(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+
 class CacheEngine:
     def __init__(self, config: Config | None, layout: KVLayout, model_id: str,
-                 tiers: Sequence[Tier] | None = None) -> None:
+                 tiers: Sequence[Tier] | None = None, *, node: PeerNode | None = None,
+                 events: ChunkEvents | None = None) -> None:
+        """`tiers`: the stack, fastest first (default: the local tiers the config names). `node`: the cluster node
+        composed with those tiers (tier "peer"), closed with the engine; `events`: where stored / removed chunks
+        are queued. `kvfabric.builder.build_engine` composes all of it from the config."""
         self.config = config or Config()
         self.layout = layout
         self.model_id = model_id
@@ -220,9 +272,15 @@ class CacheEngine:
         self.key_space = KeySpace.of(model_id, layout, self.chunk_size, self.config.salt, self.config.hash,
                                      self.config.save_partial_chunk)
         self._parts = ChunkParts.of(layout)  # None: chunks are stored whole
-        self.node = None  # the cluster node this engine made for tier "peer"; closed with the engine
-        self.stack = TierStack(tiers if tiers is not None else self._build_tiers(), self.config.write_queue_chunks,
-                               self.config.placement)
+        if tiers is None:
+            if "peer" in self.config.tiers:
+                raise ValueError("tier 'peer' needs a cluster node: build the engine with "
+                                 "kvfabric.builder.build_engine(config, layout, model_id)")
+            tiers = build_tiers(self.config, self.config.tiers)
+        self.node = node
+        if node is not None:
+            node.stats_source = self.summary
+        self.stack = TierStack(tiers, self.config.write_queue_chunks, self.config.placement)
         self._counters = Counters()
         # Tiers whose config names another codec get their own encoding of each chunk (e.g. raw in process
         # memory, cachegen on the network tiers); blobs are self-describing, so reads never need to know.
@@ -242,46 +300,16 @@ class CacheEngine:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfabric-reader")
         self._scratch = threading.local()
         self.histograms = Histograms()
-        self.events: ChunkEvents | None = None
-        self._publisher: EventPublisher | None = None
-        self.metrics_endpoint: MetricsEndpoint | None = None
-        self._observe()
+        self.events = events
+        self.metrics_endpoint: MetricsEndpoint | None = None  # serving this engine's /metrics (attach_observers)
+        self.publisher: EventPublisher | None = None  # publishing `events` on ZMQ (attach_observers)
 
-    def _observe(self) -> None:
-        """Metrics endpoint, KV events and the cluster node's summary, as configured (see the module doc)."""
-        cfg, ev = self.config.metrics, self.config.kv_events
-        if self.node is not None:
-            self.node.stats_source = self.summary
-        if ev.enabled:
-            self.events = ChunkEvents(self.chunk_size, max_tracked=ev.max_tracked)
-            if ev.endpoint:
-                try:
-                    self._publisher = EventPublisher(
-                        self.events, self._holds, ev.endpoint,
-                        topic=ev.topic, replay_endpoint=ev.replay_endpoint, buffer_steps=ev.buffer_steps,
-                        interval_s=ev.interval_s)
-                except Exception as exc:  # noqa: BLE001 - e.g. the port is taken: events are optional
-                    log.warning("kv events: cannot publish on %s: %s", ev.endpoint, exc)
-        if cfg.port:
-            collector = EngineCollector(self.stats, self.histograms, model=self.model_id, codec=self.config.codec,
-                                        chunk_size=self.chunk_size)
-            try:
-                self.metrics_endpoint = MetricsEndpoint(engine_registry(collector), cfg.host, cfg.port)
-            except OSError as exc:
-                log.warning("metrics: cannot serve on %s:%d: %s", cfg.host, cfg.port, exc)
-
-    def _build_tiers(self) -> list[Tier]:
-        """The configured local tiers; with tier "peer", composed with a cluster node that serves them, reports
-        them under this engine's key namespace and adds the peer tier last."""
-        config = self.config
-        local = build_tiers(config, [name for name in config.tiers if name != "peer"])
-        if "peer" not in config.tiers:
-            return local
-        from kvfabric.cluster.index import Namespace
-        from kvfabric.cluster.worker import ClusterNode
-        namespace = Namespace.of(self.key_space)
-        self.node = ClusterNode(local, config.cluster, [namespace])
-        return self.node.tiers
+    def attach_observers(self, metrics_endpoint: MetricsEndpoint | None = None,
+                         publisher: EventPublisher | None = None) -> None:
+        """What a builder made around this engine once it existed (they read its stats and tiers): closed with the
+        engine, before its tiers."""
+        self.metrics_endpoint = metrics_endpoint or self.metrics_endpoint
+        self.publisher = publisher or self.publisher
 
     # ---- keys --------------------------------------------------------------------------------------------
     def keys(self, tokens: Tokens) -> list[ChunkKey]:
@@ -294,10 +322,7 @@ class CacheEngine:
     def lookup(self, tokens: Tokens) -> int:
         started = time.perf_counter()
         keys = self.keys(tokens)
-        num_hit = self.stack.prefix_length(keys)
-        if self._parts is not None and num_hit:
-            num_hit = self._parts.live_prefix(num_hit, len(tokens), self.chunk_size, lambda chunks: self.stack.
-                                              contains_many([self._parts.window_key(keys[i]) for i in chunks]))
+        num_hit = self._prefix(keys, len(tokens))
         found = self._span(num_hit - 1, len(tokens))[1] if num_hit else 0
         self.histograms.observe("kvfabric_lookup_seconds", time.perf_counter() - started)
         c = self._counters
@@ -307,6 +332,24 @@ class CacheEngine:
         c.add("lookup_chunks", len(keys))
         c.add("lookup_hit_chunks", num_hit)
         return found
+
+    def lookup_keys(self, keys: Sequence[bytes], num_tokens: int | None = None) -> KeyLookup:
+        """`lookup` by chunk keys (a connector's own key scheme in this namespace too) of a prompt of num_tokens
+        tokens (default: whole chunks): the same rule, window parts included. No chunk data is read."""
+        num_chunks = self._prefix(keys, num_tokens or len(keys) * self.chunk_size)
+        self._counters.add("lookups")
+        self._counters.add("lookup_chunks", len(keys))
+        self._counters.add("lookup_hit_chunks", num_chunks)
+        return KeyLookup(num_chunks, sum(map(self.stack.is_in_memory, keys[:num_chunks])))
+
+    def _prefix(self, keys: Sequence[bytes], num_tokens: int) -> int:
+        """The leading chunks all present; on a layout with window layers, only while the window parts a load of
+        that prefix needs are present too (`ChunkParts.live_prefix`)."""
+        num_hit = self.stack.prefix_length(keys)
+        if self._parts is not None and num_hit:
+            num_hit = self._parts.live_prefix(num_hit, num_tokens, self.chunk_size, lambda chunks: self.stack.
+                                              contains_many([self._parts.window_key(keys[i]) for i in chunks]))
+        return num_hit
 
     def store(self, tokens: Tokens, kv: torch.Tensor, start: int = 0) -> int:
         num_tokens = len(tokens)
@@ -734,16 +777,17 @@ class CacheEngine:
         breakers = {t.name: b.is_open for t in tiers if (b := getattr(t, "breaker", None)) is not None}
         return EngineStats(merged(self._counters, self.stack.counters), tuple(t.usage() for t in tiers),
                            tier_counters, breakers, self.stack.queue_depth, self.stack.queue_capacity,
-                           self.node.server.counters.snapshot() if self.node is not None else {},
+                           self.node.p2p_counters() if self.node is not None else {},
                            self.events.counters.snapshot() if self.events is not None else {})
 
     def sweep_events(self) -> None:
         """Queue removal events for tracked chunks that no writable tier holds any more (evicted, expired, deleted
         elsewhere); the engine's own publisher does this by itself, a caller that takes `events` calls it."""
         if self.events is not None:
-            self.events.sweep(self._holds)
+            self.events.sweep(self.holds)
 
-    def _holds(self, keys: list[bytes]) -> list[bool]:
+    def holds(self, keys: list[bytes]) -> list[bool]:
+        """Whether a writable tier holds each chunk (an event publisher's sweep asks)."""
         return self.stack.contains_many(keys, writable_only=True)
 
     def summary(self) -> dict[str, int]:
@@ -757,10 +801,9 @@ class CacheEngine:
                 "evictions": evictions, "errors": errors + c.get("discarded", 0)}
 
     def close(self) -> None:
-        if self.metrics_endpoint is not None:
-            self.metrics_endpoint.close()
-        if self._publisher is not None:
-            self._publisher.close()
+        for observer in (self.metrics_endpoint, self.publisher):
+            if observer is not None:
+                observer.close()
         self._reader.shutdown(wait=True)
         if self.node is not None:
             self.node.close()  # stop serving and reporting first: the stack then closes the tiers

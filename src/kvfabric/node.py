@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvfabric.builder import build_engine
 from kvfabric.config import Config
 from kvfabric.engine import CacheEngine
 from kvfabric.layout import KVLayout
@@ -113,7 +114,7 @@ def run_node(config: Config, *, load_ops: float = 0.0, duration_s: float = 0.0, 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     totals = {"ops": 0, "wrong": 0, "checked": 0}
-    with CacheEngine(config, layout, MODEL_ID) as engine:
+    with build_engine(config, layout, MODEL_ID) as engine:
         parts = [f"kvfabric node: tiers {','.join(config.tiers)}"]
         if engine.metrics_endpoint is not None:
             parts.append(f"metrics {engine.metrics_endpoint.url}")

@@ -1,5 +1,5 @@
 """One kvfabric engine instance in the cluster, for tests/test_cluster_e2e.py: the reference engine (real model)
-over cpu + disk tiers + the peer tier (built from config: the CacheEngine makes its ClusterNode), driven by JSON
+over cpu + disk tiers + the peer tier (built from config: build_engine makes its ClusterNode), driven by JSON
 commands on stdin, one JSON reply per line on stdout.
 
     python engine_node.py --controller URL --token-file F --id NAME --cache DIR [--chunk 16]
@@ -43,7 +43,8 @@ def main() -> None:
 
     import torch
 
-    from kvfabric import CacheEngine, Config
+    from kvfabric import Config
+    from kvfabric.builder import build_engine
     from kvfabric.config import ClusterConfig, CpuTierConfig, DiskTierConfig
     from kvfabric.engines.hf import HFEngine
     from kvfabric.engines.runtime import layout_for
@@ -57,7 +58,7 @@ def main() -> None:
                             heartbeat_interval_s=0.5, lookup_timeout_s=2.0, fetch_timeout_s=5.0)
     config = Config(chunk_size=args.chunk, tiers=("cpu", "disk", "peer"), cpu=CpuTierConfig(capacity=1 << 28),
                     disk=DiskTierConfig(path=args.cache, capacity=1 << 29), cluster=cluster)
-    cache = CacheEngine(config, layout_for(model.config, "float32"), "smollm2-135m-instruct")
+    cache = build_engine(config, layout_for(model.config, "float32"), "smollm2-135m-instruct")
     node = cache.node
     engine = HFEngine(path, model=model, tokenizer=tokenizer, cache=cache, kv_dtype="float32", num_threads=1)
     node.flush_reports(30)

@@ -7,8 +7,8 @@ import argparse
 import sys
 import threading
 
+from kvfabric.builder import build_engine
 from kvfabric.config import Config
-from kvfabric.engine import CacheEngine
 from kvfabric.layout import KVLayout
 from kvfabric.node import MODEL_ID, SMALL_LAYOUT, Workload
 
@@ -25,7 +25,7 @@ def main() -> None:
     import json
     config = Config.from_dict(json.loads(args.config))
     layout = BIG_LAYOUT if args.layout == "big" else SMALL_LAYOUT
-    engine = CacheEngine(config, layout, MODEL_ID)
+    engine = build_engine(config, layout, MODEL_ID)
     workload = Workload(engine, num_prompts=max(args.prompts, 1))
     for i in range(args.prompts):
         tokens = workload.prompt(i)

@@ -20,11 +20,11 @@ import time
 
 import pytest
 
+from kvfabric.builder import build_engine
 from kvfabric.cluster import protocol as p
 from kvfabric.cluster.p2p_client import PeerClient
 from kvfabric.cluster.p2p_server import PeerServer
 from kvfabric.config import Config
-from kvfabric.engine import CacheEngine
 from kvfabric.node import MODEL_ID, SMALL_LAYOUT
 from kvfabric.tiers.cpu import CpuTier
 from tests.cluster_scripts.helpers import key, make_blob
@@ -62,7 +62,7 @@ def test_vandal_damaging_stored_chunks_under_load(tmp_path, redis_server):  # no
     client = redis_server.client()
     rng = random.Random(0)
     damaged = 0
-    with CacheEngine(config, SMALL_LAYOUT, MODEL_ID) as engine:
+    with build_engine(config, SMALL_LAYOUT, MODEL_ID) as engine:
         load = Load(engine).start()
         time_until(lambda: engine.stats().counters.get("hit.disk", 0) > 10, 120)
         end = time.monotonic() + 8

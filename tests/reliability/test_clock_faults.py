@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from kvfabric.builder import build_engine
 from kvfabric.cluster.client import ControllerClient
 from kvfabric.config import Config
-from kvfabric.engine import CacheEngine
 from kvfabric.node import MODEL_ID, SMALL_LAYOUT, Workload
 from tests.cluster_scripts.helpers import free_port, wait_for
 from tests.redis_fixtures import needs_redis, redis_server  # noqa: F401 - fixtures
@@ -46,7 +46,7 @@ def test_redis_ttls_all_expiring_at_once(redis_server):  # noqa: F811
     client = redis_server.client()
     config = Config.from_dict({"chunk_size": 32, "tiers": ["cpu", "redis"], "cpu": {"capacity": 256 * 1024},
                                "redis": {"url": redis_server.url, "ttl_s": 600, "timeout_s": 0.5}})
-    with CacheEngine(config, SMALL_LAYOUT, MODEL_ID) as engine:
+    with build_engine(config, SMALL_LAYOUT, MODEL_ID) as engine:
         load = Load(engine).start()
         time_until(lambda: engine.stats().counters.get("hit.redis", 0) > 20, 120)
         names = list(client.scan_iter(match=b"kvf:*"))
@@ -90,7 +90,7 @@ def test_controller_clock_jumps(tmp_path):
     api = ControllerClient(url, timeout_s=20.0)
     try:
         wait_for(lambda: controller_healthy(url), 60, 0.1)
-        with CacheEngine(config("a"), SMALL_LAYOUT, MODEL_ID) as a, CacheEngine(config("b"), SMALL_LAYOUT,
+        with build_engine(config("a"), SMALL_LAYOUT, MODEL_ID) as a, build_engine(config("b"), SMALL_LAYOUT,
                                                                                  MODEL_ID) as b:
             writer = Workload(a, num_prompts=50)
             for i in range(50):

@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from kvfabric import CacheEngine, Config, KVLayout
+from kvfabric import Config, KVLayout
+from kvfabric.builder import build_engine
 from kvfabric.codec.format import parse
 from kvfabric.codec.registry import parse_codec
 from kvfabric.config import ClusterConfig, CpuTierConfig, RedisTierConfig, ShmTierConfig
@@ -50,7 +51,7 @@ def check_round_trip(writer_config: Config, reader_config: Config, tier: str, sp
     start = 1000 * (1 + CODECS.index(spec)) + 100_000 * len(label or tier)  # fresh chunks for each case
     TOKENS = list(range(start, start + 4 * CHUNK))
     kv = kv_values(len(TOKENS))
-    with CacheEngine(writer_config, LAYOUT, "m") as writer:
+    with build_engine(writer_config, LAYOUT, "m") as writer:
         assert writer.store(TOKENS, kv) == 4
         writer.flush()
         keys = writer.keys(TOKENS)
@@ -58,7 +59,7 @@ def check_round_trip(writer_config: Config, reader_config: Config, tier: str, sp
         blobs = [held.get(key) for key in keys]
         assert all(blob is not None for blob in blobs), f"{spec} chunks missing from {tier}"
         assert {parse(blob, key).codec_id for blob, key in zip(blobs, keys)} == {parse_codec(spec).make().codec_id}
-        with CacheEngine(reader_config, LAYOUT, "m") as reader:
+        with build_engine(reader_config, LAYOUT, "m") as reader:
             if tier == "peer":
                 wait_for(lambda: reader.lookup(TOKENS) == len(TOKENS), 30)
             got = reader.retrieve(TOKENS)

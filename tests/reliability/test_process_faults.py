@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvfabric.builder import build_engine
 from kvfabric.cluster.client import ControllerClient
 from kvfabric.cluster.controller_app import create_app
 from kvfabric.config import Config
-from kvfabric.engine import CacheEngine
 from kvfabric.node import MODEL_ID, Workload
 from kvfabric.tiers.shm import ShmTier
 from tests.cluster_scripts.helpers import ControllerThread, free_port, wait_for
@@ -55,7 +55,7 @@ def test_writer_sigkilled_while_writing_to_shm_and_disk(tmp_path):
             kill(writer)
             killed_at = time.monotonic()
             leftovers += len(list((tmp_path / "chunks" / "tmp").glob("*.tmp")))
-            with CacheEngine(Config.from_dict(config), BIG_LAYOUT, MODEL_ID) as engine:
+            with build_engine(Config.from_dict(config), BIG_LAYOUT, MODEL_ID) as engine:
                 workload = Workload(engine, num_prompts=400)
                 # the pool's writers' lock was held by the dead process: the next put must get it
                 tokens = workload.prompt(10_000 + len(recoveries))
@@ -94,7 +94,7 @@ def test_peer_killed_mid_transfer(controller):
     a = start_node(cluster_config(controller.url, "a", cpu="256MiB"), "--layout", "big", "--prompts", "120")
     api = ControllerClient(controller.url, "t")
     try:
-        with CacheEngine(Config.from_dict(cluster_config(controller.url, "b")), BIG_LAYOUT, MODEL_ID) as b:
+        with build_engine(Config.from_dict(cluster_config(controller.url, "b")), BIG_LAYOUT, MODEL_ID) as b:
             load = Load(b, deadline_s=10.0, num_prompts=120).start()
             time_until(lambda: b.stats().counters.get("hit.peer", 0) > 20, 120)
             kill(a)  # b is fetching from a nearly all the time
@@ -129,8 +129,8 @@ def test_controller_killed_and_restarted(tmp_path):
     ctl = start_controller()
     try:
         a_cfg, b_cfg = cluster_config(url, "a", cpu="64MiB"), cluster_config(url, "b")
-        with CacheEngine(Config.from_dict(a_cfg), BIG_LAYOUT, MODEL_ID) as a, \
-                CacheEngine(Config.from_dict(b_cfg), BIG_LAYOUT, MODEL_ID) as b:
+        with build_engine(Config.from_dict(a_cfg), BIG_LAYOUT, MODEL_ID) as a, \
+                build_engine(Config.from_dict(b_cfg), BIG_LAYOUT, MODEL_ID) as b:
             writer = Workload(a, num_prompts=120)
             for i in range(60):
                 tokens = writer.prompt(i)

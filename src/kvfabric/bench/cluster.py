@@ -28,6 +28,7 @@ import torch
 
 from kvfabric.bench.common import emit, paired, threads_note, timed
 from kvfabric.bench.vllm_server import free_port
+from kvfabric.builder import build_engine
 from kvfabric.cluster.p2p_client import PeerClient, new_buffer
 from kvfabric.cluster.p2p_server import PeerServer
 from kvfabric.codec.raw import RawCodec
@@ -176,7 +177,7 @@ def bench_cluster(num_tokens: int, repeats: int, root: Path) -> list[dict]:
                                 fetch_timeout_s=30.0, lookup_timeout_s=5.0)
         config = Config(chunk_size=CHUNK, tiers=(*tiers, "peer"), cpu=CpuTierConfig(capacity=capacity),
                         disk=DiskTierConfig(path=str(root / f"{name}-disk"), capacity=capacity), cluster=cluster)
-        engine = CacheEngine(config, LAYOUT, "bench")
+        engine = build_engine(config, LAYOUT, "bench")
         engines.append(engine)
         assert engine.node is not None
         return engine.node, engine

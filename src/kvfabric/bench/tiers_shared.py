@@ -92,7 +92,7 @@ def bench_redis(url: str, sizes: Mapping[str, int] | tuple | list | None = None,
 # ---- shm ---------------------------------------------------------------------------------------------------
 def _shm_reader(pool: str, capacity: int, root: str, key: bytes, size: int, repeats: int, conn) -> None:
     """In another process: read the chunk from the pool vs memcpy of the same bytes, both warm."""
-    from kvfabric.tiers.base import Scratch
+    from kvfabric.pages import Scratch
     from kvfabric.tiers.shm import ShmTier
 
     try:

@@ -77,6 +77,10 @@ class ClusterNode:
     def _stats(self) -> dict[str, int]:
         return self.stats_source() if self.stats_source is not None else {}
 
+    def p2p_counters(self) -> dict[str, int]:
+        """The P2P server's counters (requests, bytes sent, errors)."""
+        return self.server.counters.snapshot()
+
     def flush_reports(self, timeout_s: float = 10.0) -> bool:
         """Report now (blocking); True once the controller knows everything the served tiers hold."""
         return self.reporter.flush(timeout_s)

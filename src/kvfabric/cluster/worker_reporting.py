@@ -20,7 +20,8 @@ from typing import Any
 
 from kvfabric.cluster.client import ControllerClient, ControllerError
 from kvfabric.counters import Counters
-from kvfabric.tiers.base import Blob, Scratch, Tier
+from kvfabric.pages import Scratch
+from kvfabric.tiers.base import Blob, Tier
 from kvfabric.tiers.policies import NO_META, AccessMeta
 
 log = logging.getLogger(__name__)

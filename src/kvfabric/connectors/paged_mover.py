@@ -34,8 +34,8 @@ import torch
 from kvfabric.connectors.copy_stream import CopyDone, CopyStream
 from kvfabric.connectors.paged_views import (block_layout, gather, load_blocks, physical_blocks, save_blocks, scatter,
                                              zero_tail)
-from kvfabric.engine import CacheEngine, ChunkHit, ChunkPayload
-from kvfabric.tiers.base import Scratch
+from kvfabric.engine import ChunkHit, ChunkPayload, KVCache
+from kvfabric.pages import Scratch
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +100,7 @@ class LayeredLoad:
 
 
 class PagedMover:
-    def __init__(self, engine: CacheEngine, views: Sequence[torch.Tensor], layout: str, stream: CopyStream) -> None:
+    def __init__(self, engine: KVCache, views: Sequence[torch.Tensor], layout: str, stream: CopyStream) -> None:
         if len(views) != engine.layout.num_layers:
             raise ValueError(f"{len(views)} layer views for a {engine.layout.num_layers}-layer model")
         self.engine = engine

@@ -44,7 +44,8 @@ from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, p
 from kvfabric.config import Config, ConfigError
 from kvfabric.counters import Counters
 from kvfabric.layout import DTYPES
-from kvfabric.tiers.base import Blob, Scratch, TierBase
+from kvfabric.pages import Scratch
+from kvfabric.tiers.base import Blob, TierBase
 from kvfabric.tiers.factory import build_tiers
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,8 @@ from kvfabric import CacheEngine, Config
 from kvfabric.engines.flexicache import DecodeMemoryStats, paged_kv
 from kvfabric.engines.model import DEFAULT_MODEL, MARKER, ModelError, load_model
 from kvfabric.engines.runtime import BufferCache, default_num_threads, layout_for, use_fast_attention
-from kvfabric.remote import RemoteCache, open_cache
+from kvfabric.builder import build_engine
+from kvfabric.remote import RemoteCache
 
 PREFILL_PIECE = 512  # tokens per forward when the caller wants prefill progress
 
@@ -100,7 +101,7 @@ class HFEngine:
         self.model_id = model_id or _default_model_id(model_name_or_path)
         self._owns_cache = cache is None  # close() closes only a cache we built
         if cache is None:
-            cache = open_cache(config or Config(), self.layout, self.model_id)  # mode: server too
+            cache = build_engine(config or Config(), self.layout, self.model_id)  # mode: server too
         self.cache = cache
         ours = layout_for(model.config, self.cache.layout.dtype)
         if self.cache.layout != ours:

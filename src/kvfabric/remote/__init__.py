@@ -6,22 +6,11 @@
     client.py      RemoteCache: CacheEngine's public seam (lookup / store / retrieve / read_chunk / store_chunk)
                    over the server; faults become misses
 
-`open_cache(config, layout, model_id)` is how engines pick their cache: a RemoteCache with `mode: server`, else an
-in-process CacheEngine (the default). The server itself is `kvfabric.server`, a layer above this one.
+`kvfabric.builder.build_engine(config, layout, model_id)` is how engines pick their cache: a RemoteCache with
+`mode: server`, else an in-process CacheEngine (the default). The server itself is `kvfabric.server`, a layer above.
 """
 from __future__ import annotations
 
-from kvfabric.config import Config
-from kvfabric.engine import CacheEngine
-from kvfabric.layout import KVLayout
 from kvfabric.remote.client import RemoteCache, StreamFetch
 
-__all__ = ["RemoteCache", "StreamFetch", "open_cache"]
-
-
-def open_cache(config: Config | None, layout: KVLayout, model_id: str, *,
-               name: str | None = None) -> CacheEngine | RemoteCache:
-    config = config or Config()
-    if config.mode == "server":
-        return RemoteCache(config, layout, model_id, name=name)
-    return CacheEngine(config, layout, model_id)
+__all__ = ["RemoteCache", "StreamFetch"]

@@ -35,16 +35,17 @@ from kvfabric.blocks import BlockLayout
 from kvfabric.codec.format import HEADER_BYTES
 from kvfabric.config import Config
 from kvfabric.counters import Counters, merged
-from kvfabric.engine import (ChunkHit, ChunkMiss, ChunkPayload, EngineStats, Tokens, chunks_to_store,
+from kvfabric.engine import (ChunkHit, ChunkMiss, ChunkPayload, EngineStats, KeyLookup, Tokens, chunks_to_store,
                              retrieve_buffer)
 from kvfabric.framing import ProtocolError
 from kvfabric.hashing import ChunkKey, KeySpace
 from kvfabric.layout import KVLayout
 from kvfabric.metrics import Histograms
+from kvfabric.pages import Scratch
 from kvfabric.remote import protocol as P
 from kvfabric.remote.connection import Connection, RemoteError
 from kvfabric.remote.pool import PoolError, SlotPool
-from kvfabric.tiers.base import Scratch, TierUsage
+from kvfabric.tiers.base import TierUsage
 
 MAX_CONNECTIONS = 4
 _MISSING = ChunkMiss("missing")
@@ -186,19 +187,19 @@ class RemoteCache:
     # ---- API ---------------------------------------------------------------------------------------------
     def lookup(self, tokens: Tokens) -> int:
         started = time.perf_counter()
-        num_hit = self.lookup_keys(self.keys(tokens))
+        num_hit = self.lookup_keys(self.keys(tokens)).num_chunks
         self.histograms.observe("kvfabric_lookup_seconds", time.perf_counter() - started)
         return self._span(num_hit - 1, len(tokens))[1] if num_hit else 0
 
-    def lookup_keys(self, keys: Sequence[bytes]) -> int:
+    def lookup_keys(self, keys: Sequence[bytes], num_tokens: int | None = None) -> KeyLookup:
         """How many leading chunks of `keys` the server holds (any key scheme in this namespace: a connector's
-        own keys too); 0 when it is down."""
+        own keys too); none when it is down. (num_in_memory is 0: this process holds nothing.)"""
         self._counters.add("lookups")
         try:
             with self._session() as conn:
-                return P.int_of(conn.call(P.LOOKUP, {"keys": list(keys)}), "chunks", upper=len(keys) + 1)
+                return KeyLookup(P.int_of(conn.call(P.LOOKUP, {"keys": list(keys)}), "chunks", upper=len(keys) + 1))
         except _Down:
-            return 0
+            return KeyLookup()
 
     def retrieve(self, tokens: Tokens, out: torch.Tensor | None = None) -> torch.Tensor:
         started = time.perf_counter()
@@ -410,6 +411,12 @@ class RemoteCache:
 
     def unpin(self, tokens: Tokens) -> int:
         return int(self._simple(P.UNPIN, {"keys": self.keys(tokens)}, {"chunks": 0}).get("chunks", 0))
+
+    def discard_chunk(self, key: bytes, tier: str, why: str) -> None:
+        """Nothing to do: the server verifies what it serves (read_chunk's check_later is moot here)."""
+
+    def sweep_events(self) -> None:
+        """Nothing to do: chunk events come from the server's tiers (`events` is None here)."""
 
     def flush(self, *, to_peers: bool = False) -> None:
         """Wait until the server has persisted this namespace's committed stores (slow tiers included); what the

@@ -43,34 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
-
 from kvfabric.counters import Counters
 from kvfabric.tiers.policies import IndexStats, PolicyIndex
 
 Blob = bytes | bytearray | memoryview
 EvictListener = Callable[[bytes, "Blob"], None]
-
-
-class Scratch:
-    """A reusable byte buffer that grows on demand (never shrinks).
-
-    A numpy buffer, not a bytearray: numpy asks for transparent huge pages from 4 MiB on, and a copy into a
-    reused huge-page buffer runs at memcpy speed where one into a 4 KiB-page bytearray was 10-15 % slower
-    (33.6 MB out of a /dev/shm pool: 2.54 vs 2.95 ms here) - the TLB misses of the destination."""
-
-    def __init__(self) -> None:
-        self._buf = np.empty(0, dtype=np.uint8)
-
-    def view(self, size: int) -> memoryview:
-        if len(self._buf) < size:
-            self._buf = np.empty(size, dtype=np.uint8)
-        return memoryview(self._buf)[:size]
-
-    def discard(self) -> None:
-        """Let go of the buffer: a read that gave up waiting may still write into it. The next `view` allocates a
-        fresh one (the abandoned one lives on for as long as that late writer holds it)."""
-        self._buf = np.empty(0, dtype=np.uint8)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,8 @@ from pathlib import Path
 
 from kvfabric.codec.format import HEADER_BYTES
 from kvfabric.counters import Counters
-from kvfabric.tiers.base import Blob, PolicyTier, Scratch
+from kvfabric.pages import Scratch
+from kvfabric.tiers.base import Blob, PolicyTier
 from kvfabric.tiers.policies import NO_META, AccessMeta, EvictionPolicy, make_index
 from kvfabric.tiers.pool import BlobPool
 

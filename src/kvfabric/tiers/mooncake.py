@@ -53,7 +53,8 @@ import numpy as np
 from kvfabric.breaker import CircuitBreaker
 from kvfabric.config import MooncakeTierConfig
 from kvfabric.counters import Counters
-from kvfabric.tiers.base import Blob, Scratch, TierBase, TierUsage
+from kvfabric.pages import Scratch
+from kvfabric.tiers.base import Blob, TierBase, TierUsage
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, check_payload, fill_checksums, parse
 from kvfabric.config import PlacementConfig
 from kvfabric.counters import Counters
-from kvfabric.tiers.base import Blob, RangedBlob, Scratch, Tier, TierView
+from kvfabric.pages import Scratch
+from kvfabric.tiers.base import Blob, RangedBlob, Tier, TierView
 from kvfabric.tiers.placement import Levels, LoadPermit, PromotionCounter, SlowReads
 from kvfabric.tiers.policies import NO_META, AccessMeta
 

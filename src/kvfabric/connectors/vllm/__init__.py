@@ -21,8 +21,9 @@ and local hit tokens, tokens and bytes loaded per tier, failed tokens, tokens sa
 Design (vLLM 0.32, CPU backend; LLM, scheduler (EngineCore) and worker are three processes), one module per concept:
 
     config     kv_transfer_config, connector options, layout and model id from vLLM's config, CPU KV layout probe
-    metadata   what crosses the process boundary each step: loads and saves down, stats and stored keys back
-    scheduler  lookups by key (no data read), per-request state, the per-step loads and saves
+    metadata   what crosses the process boundary each step: loads and saves down, per-request stats back
+    scheduler  lookups by key (asking the worker's cache: ../lookup.py), per-request state, the per-step loads
+               and saves
     worker     the step on the worker: starts loads, per-layer gather for saves, load errors for recompute
     loads      background loads: chunk reads (CacheEngine.read_chunk) into pre-touched staging buffers and their
                scatter into the paged cache; asynchronous (WAITING_FOR_REMOTE_KVS) or layer-wise within a step

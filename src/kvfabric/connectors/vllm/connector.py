@@ -51,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvfabric.connectors.lookup import LookupClient, lookup_path
 from kvfabric.connectors.vllm.config import (
     describe_groups,
     kv_cache_groups,
@@ -127,17 +128,24 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
                                    policy)
             self._scheduler = SchedulerSide(self.config, self.layout, self.model_id, block_size,
                                              self.options["key_mode"], self.options["load_mode"], self.kv_role,
-                                             self.groups)
+                                             self.groups, client=LookupClient(self._lookup_path()))
         else:
             side = DeviceWorkerSide if self._is_device else WorkerSide
+            # the engine's first worker answers the scheduler's lookups (connectors/lookup.py): the one cache it asks
+            is_first = getattr(vllm_config.parallel_config, "rank", 0) == 0
             self._worker = side(self.config, self.layout, self.model_id, block_size, self.options,
-                                is_sync_store=self.kv_role.is_sync_store, groups=self.groups)
+                                is_sync_store=self.kv_role.is_sync_store, groups=self.groups,
+                                events=worker_events(self.config.chunk_size) if has_events else None,
+                                lookup_path=self._lookup_path() if is_first else None)
             self._engine_stats = EngineStatsSource(self._worker.engine)
-            if has_events:
-                self._worker.engine.events = worker_events(self.config.chunk_size)
         logger.info("kvfabric connector (%s): model_id=%s layout=%s chunk_size=%d tiers=%s kv cache groups: %s "
                     "(block size %d)", role.name, self.model_id, self.layout, self.config.chunk_size,
                     ",".join(self.config.tiers), describe_groups(kv_cache_config), block_size)
+
+    def _lookup_path(self) -> str:
+        """Where this engine's scheduler asks its first worker's cache (vLLM's engine id: the same on both)."""
+        config = self._vllm_config
+        return lookup_path(config.kv_transfer_config.engine_id, config.parallel_config.data_parallel_rank or 0)
 
     @property
     def requires_kv_delivery(self) -> bool:

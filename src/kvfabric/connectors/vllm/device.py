@@ -45,7 +45,7 @@ from kvfabric.connectors.vllm.metadata import LoadSpec, RequestStats
 from kvfabric.connectors.vllm.threads import release
 from kvfabric.connectors.vllm.worker import WorkerSide
 from kvfabric.counters import Counters
-from kvfabric.engine import CacheEngine
+from kvfabric.engine import KVCache
 
 logger = init_logger(__name__)
 
@@ -58,7 +58,7 @@ class DeviceSave:
     jobs: list[SaveJob]
     num_bytes: int
 
-    def store(self, engine: CacheEngine) -> int:
+    def store(self, engine: KVCache) -> int:
         return sum(job.finish() for job in self.jobs)  # waits for each chunk's copies, then stores it
 
 
@@ -79,7 +79,6 @@ class _Load:
     started: float = field(default_factory=time.perf_counter)
     jobs: list[LoadJob] = field(default_factory=list)
     end: int = -1  # tokens [spec.start, end) are queued; -1 while chunks are still being read
-    bad_key: bytes | None = None
     by_tier: dict[str, int] = field(default_factory=dict)  # bytes read per tier
 
     def outcome(self, block_size: int) -> LoadOutcome:
@@ -88,7 +87,7 @@ class _Load:
                              load_read_s=time.perf_counter() - self.started,
                              bytes_loaded=tuple(sorted(self.by_tier.items())))
         return LoadOutcome(spec.req_id, self.end, tuple(blocks_of(spec.block_ids, block_size, self.end, spec.end)),
-                           self.bad_key, stats)
+                           stats)
 
 
 class DeviceLoads:
@@ -138,7 +137,6 @@ class DeviceLoads:
                              chunk_tokens=read.chunk_tokens)
             if job is None:  # missing or corrupt: the rest is recomputed
                 self.counters.add("load_missing_chunks")
-                load.bad_key = read.key
                 break
             load.jobs.append(job)
             load.by_tier[job.tier] = load.by_tier.get(job.tier, 0) + job.num_bytes
@@ -158,7 +156,6 @@ class DeviceLoads:
             layered = self.mover.load_layered(reads, spec.block_ids)
             load = _Load(spec, started, by_tier=layered.by_tier)
             load.end = reads[layered.num_read - 1].end if layered.num_read else spec.start
-            load.bad_key = reads[layered.num_read].key if layered.num_read < len(reads) else None
             self._layered.append((load, layered))
 
     def wait_layer(self, index: int) -> None:

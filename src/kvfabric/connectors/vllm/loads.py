@@ -74,8 +74,8 @@ from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE
 from kvfabric.connectors.vllm.metadata import LoadSpec, RequestStats
 from kvfabric.connectors.vllm.threads import release
 from kvfabric.counters import Counters
-from kvfabric.engine import CacheEngine, ChunkHit, ChunkMiss
-from kvfabric.tiers.base import Scratch
+from kvfabric.engine import ChunkHit, ChunkMiss, KVCache
+from kvfabric.pages import Scratch
 
 if TYPE_CHECKING:
     from kvfabric.connectors.block_kernel import ChunkPlacer
@@ -88,7 +88,6 @@ class LoadOutcome:
     req_id: str
     end: int  # tokens [spec.start, end) are in place
     bad_blocks: tuple[int, ...]  # blocks holding tokens [end, spec.end): to recompute
-    bad_key: bytes | None  # the chunk that was missing or corrupt
     stats: RequestStats
 
 
@@ -120,8 +119,7 @@ class _Job:
         stats = RequestStats(loaded_tokens=end - spec.start, failed_tokens=spec.end - end,
                              load_read_s=time.perf_counter() - self.started,
                              bytes_loaded=tuple(sorted(self.by_tier.items())))
-        bad_key = None if self.first_bad is None else spec.keys[self.first_bad]
-        return LoadOutcome(spec.req_id, end, tuple(bad), bad_key, stats)
+        return LoadOutcome(spec.req_id, end, tuple(bad), stats)
 
 
 class _Layered:
@@ -142,7 +140,7 @@ class _Warmup:
 
 
 class Loader:
-    def __init__(self, engine: CacheEngine, counters: Counters, block_size: int, num_threads: int = 2,
+    def __init__(self, engine: KVCache, counters: Counters, block_size: int, num_threads: int = 2,
                  nice: int = DEFAULT_LOAD_NICE) -> None:
         self.engine = engine
         self.counters = counters

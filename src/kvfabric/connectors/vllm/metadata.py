@@ -12,9 +12,8 @@ Contract:
   With one group, `block_ids` serves every layer and `window_from` is 0. `is_idle`: nothing is scheduled
   this step (the worker may then wait briefly for an asynchronous load instead of returning at once).
 - Worker -> scheduler, ``KVFabricWorkerMetadata`` (only when there is something to say): per-request
-  ``RequestStats`` of the step (added up with ``+``), and the keys that entered or left the worker's
-  process-memory tier (the scheduler mirrors them, since it cannot see that tier), and the keys of chunks that
-  failed a load.
+  ``RequestStats`` of the step (added up with ``+``). What the cache holds is not reported: the scheduler asks
+  the worker's cache (connectors/lookup.py).
 - A finished request's ``kv_transfer_params["kvfabric"]`` is its summed ``RequestStats.as_params()``.
 """
 from __future__ import annotations
@@ -95,15 +94,9 @@ class KVFabricMetadata(KVConnectorMetadata):
 @dataclass
 class KVFabricWorkerMetadata(KVConnectorWorkerMetadata):
     requests: dict[str, RequestStats] = field(default_factory=dict)  # per-request stats of the step
-    stored: list[bytes] = field(default_factory=list)  # keys now in the worker's process-memory tier
-    removed: list[bytes] = field(default_factory=list)  # keys gone from it
-    failed: list[bytes] = field(default_factory=list)  # chunks that were missing or corrupt when loaded
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KVFabricWorkerMetadata):
             for req_id, stats in other.requests.items():
                 self.requests[req_id] = self.requests.get(req_id, RequestStats()) + stats
-            self.stored.extend(other.stored)
-            self.removed.extend(other.removed)
-            self.failed.extend(other.failed)
         return self

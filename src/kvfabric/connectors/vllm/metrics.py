@@ -21,7 +21,7 @@ from typing import Any
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvfabric.engine import CacheEngine
+from kvfabric.engine import KVCache
 from kvfabric.events import ChunkEvents
 from kvfabric.metrics import METRICS, engine_families
 
@@ -68,7 +68,7 @@ class EngineStatsSource:
     """The worker side: the engine's metric families as deltas since the previous `take()`, at most every
     `interval_s` (a snapshot reads tier usage, for Redis over the network: not on every step)."""
 
-    def __init__(self, engine: CacheEngine, interval_s: float = 1.0) -> None:
+    def __init__(self, engine: KVCache, interval_s: float = 1.0) -> None:
         self.engine = engine
         self.interval_s = interval_s
         engine.histograms.keep_observations = True

@@ -10,8 +10,7 @@ Contract:
   gathered bytes waiting would exceed `max_bytes`: the step never waits for checksums, disk or network.
 - The thread calls the save's `store()`: each chunk goes through ``CacheEngine.store_chunk`` (header and checksums, or the codec's encoding;
   a chunk already held is skipped; slow tiers are written by the engine's own writer thread). A failing save is
-  logged and counted (``save_errors``), never fatal. `take_stored()` returns the keys stored since the last call
-  (tracked only when there is a process-memory tier the scheduler mirrors).
+  logged and counted (``save_errors``), never fatal.
 - `join()` waits until every submitted save is stored; `stop()` ends the thread after the saves queued so far.
 """
 from __future__ import annotations
@@ -28,7 +27,7 @@ from vllm.logger import init_logger
 from kvfabric.connectors.vllm.metadata import SaveSpec
 from kvfabric.connectors.vllm.threads import release
 from kvfabric.counters import Counters
-from kvfabric.engine import CacheEngine, ChunkPayload
+from kvfabric.engine import ChunkPayload, KVCache
 
 logger = init_logger(__name__)
 
@@ -51,7 +50,7 @@ class ActiveSave:
     def num_bytes(self) -> int:
         return sum(chunk.kv.numel() * chunk.kv.element_size() for chunk in self.chunks)  # either layout
 
-    def store(self, engine: CacheEngine) -> int:
+    def store(self, engine: KVCache) -> int:
         """Store every chunk; the number stored (a chunk the cache held already is not)."""
         return sum(engine.store_chunk(key, chunk) for key, chunk in zip(self.spec.keys, self.chunks))
 
@@ -61,21 +60,19 @@ class Save(Protocol):
     keys: list[bytes]
     num_bytes: int
 
-    def store(self, engine: CacheEngine) -> int: ...
+    def store(self, engine: KVCache) -> int: ...
 
 
 class Saver:
-    def __init__(self, engine: CacheEngine, counters: Counters, max_bytes: int, track_stored: bool,
+    def __init__(self, engine: KVCache, counters: Counters, max_bytes: int,
                  on_stored: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.counters = counters  # the worker's connector counters
         self.max_bytes = max_bytes
-        self._track_stored = track_stored
         self._on_stored = on_stored  # called after each stored save (the worker's stats file)
         self._queue: queue.Queue[Save | None] = queue.Queue()
         self._queued_bytes = 0
         self._lock = threading.Lock()
-        self._stored_keys: list[bytes] = []
         self._thread = threading.Thread(target=self._loop, name="kvfabric-saver", daemon=True)
         self._thread.start()
 
@@ -93,11 +90,6 @@ class Saver:
         self._queue.put(save)
         return True
 
-    def take_stored(self) -> list[bytes]:
-        with self._lock:
-            stored, self._stored_keys = self._stored_keys, []
-        return stored
-
     def _loop(self) -> None:
         release()  # off the core vLLM bound the worker's main thread to
         while (save := self._queue.get()) is not None:
@@ -108,9 +100,6 @@ class Saver:
                 self.counters.add("chunks_stored", num)
                 if self._on_stored is not None:
                     self._on_stored()
-                if self._track_stored:
-                    with self._lock:
-                        self._stored_keys.extend(save.keys)
             except Exception:  # a bug here must not kill the saver
                 logger.exception("kvfabric: storing KV of request %s failed", save.req_id)
                 self.counters.add("save_errors")

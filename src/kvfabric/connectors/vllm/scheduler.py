@@ -2,14 +2,11 @@
 
 Contract:
 - `num_new_matched_tokens` hashes the prompt into kvfabric chunk keys (the same chained keys ``CacheEngine`` uses,
-  or vLLM's block hashes, see key_mode in ``config``) and counts the leading chunks present, in (a) a mirror of the
-  keys the worker reported stored in its process-memory tier (the reports ride back on the worker metadata),
-  (b) a shared tier opened read-only in this process (disk: an index miss re-checks the filesystem, so stores by
-  any process are seen; shm; redis), (c) with tier "peer", the cluster controller's lookup (chunks other
-  instances hold, which the worker's peer tier fetches), or (d) with ``mode: server``, the host's ``kvfabric
-  server`` (LOOKUP: it holds the worker's stores, so no mirror is needed; a server that is down answers 0). No chunk
-  data is read here. The answer is chunk-aligned, minus what vLLM already has; a hit covering the whole prompt
-  leaves its last token to compute.
+  or vLLM's block hashes, see key_mode in ``config``) and asks the worker's cache how many leading chunks it can
+  load (``lookup.LookupClient``: the worker's ``lookup_keys``, window parts included; with ``mode: server`` the
+  worker's RemoteCache asks the host's server). The scheduler holds no tiers of its own: one lookup authority. No
+  chunk data is read here; a worker that does not answer is a miss. The answer is chunk-aligned, minus what vLLM
+  already has; a hit covering the whole prompt leaves its last token to compute.
 - Key mode "tokens": a request's ``cache_salt`` S moves its keys into the namespace of tenant salt S (see
   ``config``); LoRA and multimodal requests are not cached.
 - Load mode "async": the connector answers ``is_async=True``; vLLM allocates the blocks, parks the request in
@@ -40,15 +37,13 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvfabric.chunk_parts import ChunkParts
 from kvfabric.config import Config, ConfigError
+from kvfabric.connectors.lookup import LookupClient
 from kvfabric.connectors.vllm.config import PARAMS_KEY, KVGroups, Role, role_of
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, RequestStats, SaveSpec
+from kvfabric.engine import KeyLookup
 from kvfabric.hashing import ChunkKey, KeySpace
 from kvfabric.layout import KVLayout
-from kvfabric.remote import RemoteCache
-from kvfabric.tiers.base import Tier
-from kvfabric.tiers.factory import build_tiers
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -67,15 +62,9 @@ def _request_flags(request: Request, role: Role) -> tuple[bool, bool]:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefixHit:
-    num_chunks: int = 0  # leading chunks of the prompt that some tier holds
-    num_in_memory: int = 0  # how many of those the worker's process-memory tier holds
-
-
-@dataclass(frozen=True, slots=True)
 class _Match:
     """The lookup of `get_num_new_matched_tokens`, kept until `update_state_after_alloc`."""
-    hit: PrefixHit
+    hit: KeyLookup
     num_local_tokens: int  # tokens vLLM already had (its own prefix cache)
 
 
@@ -86,25 +75,15 @@ class _TokenSpan:
 
 
 class ChunkLookup:
-    """Which leading chunks of a prompt the worker can load: keys only, no chunk data is read."""
+    """Which leading chunks of a prompt the worker can load: keys here, the answer from the worker's cache."""
 
-    def __init__(self, config: Config, layout: KVLayout, model_id: str) -> None:
+    def __init__(self, config: Config, layout: KVLayout, model_id: str, client: LookupClient) -> None:
         self.config = config
         self.chunk_size = config.chunk_size
         self.key_space = KeySpace.of(model_id, layout, config.chunk_size, config.salt, config.hash,
                                      config.save_partial_chunk)
         self._tenants: dict[str, KeySpace] = {}  # cache_salt -> its namespace
-        # process memory is per process (mirrored instead); the peer tier asks the controller who holds what;
-        # mode: server = the host's `kvfabric server` answers, and it sees the worker's stores: no mirror needed
-        self.server = RemoteCache(config, layout, model_id, name="vllm-scheduler") if config.mode == "server" else None
-        shared = () if self.server else tuple(name for name in config.tiers if name not in ("cpu", "peer"))
-        self.tiers: list[Tier] = build_tiers(config, shared)
-        if "peer" in config.tiers and self.server is None:
-            from kvfabric.cluster.peer import PeerTier
-            self.tiers.append(PeerTier(config.cluster))
-        self.has_memory_tier = "cpu" in config.tiers and self.server is None
-        self.mirror: set[bytes] = set()  # keys the worker reported in its process-memory tier (window parts too)
-        self.parts = ChunkParts.of(layout)  # a sliding-window layout's chunks: a full part and a window part
+        self.client = client
 
     def keys(self, tokens: Sequence[int], cache_salt: str | None = None) -> list[ChunkKey]:
         """Keys of the prompt's whole chunks, plus its trailing partial chunk with `save_partial_chunk`."""
@@ -127,50 +106,12 @@ class ChunkLookup:
         return [ChunkKey(hashlib.sha256(self.key_space.root + b"vllm-block-hash" + bytes(block_hashes[(i + 1) * per_chunk - 1]))
                          .digest()) for i in range(num)]
 
-    def prefix(self, keys: Sequence[bytes], num_tokens: int | None = None) -> PrefixHit:
-        """The leading chunks of a prompt of num_tokens tokens (default: whole chunks) that can be loaded: on a
-        layout with sliding-window layers, only while the window parts the load needs are there too (the rule
-        of ``CacheEngine.lookup``: a chunk whose window part was evicted would fail at load)."""
-        if self.server is not None:
-            return PrefixHit(self.server.lookup_keys(keys), 0)
-        in_memory = [key in self.mirror for key in keys]
-        present = list(in_memory)
-        for tier in self.tiers:
-            first = present.index(False) if False in present else len(keys)
-            if first == len(keys):
-                break
-            for i, hit in enumerate(tier.contains_many(keys[first:]), start=first):
-                present[i] = present[i] or hit
-        num = present.index(False) if False in present else len(keys)
-        if self.parts is not None and num:
-            num = self.parts.live_prefix(num, num_tokens or len(keys) * self.chunk_size, self.chunk_size,
-                                         lambda chunks: self._which([self.parts.window_key(keys[i]) for i in chunks]))
-        return PrefixHit(num, sum(in_memory[:num]))
-
-    def _which(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is in the mirror or a tier of this process."""
-        present = [key in self.mirror for key in keys]
-        for tier in self.tiers:
-            missing = [i for i, is_there in enumerate(present) if not is_there]
-            if not missing:
-                break
-            for i, hit in zip(missing, tier.contains_many([keys[i] for i in missing])):
-                present[i] = hit
-        return present
-
-    def forget(self, keys: Sequence[bytes]) -> None:
-        """Chunks that failed a load (missing or corrupt; the worker has discarded them): never offered again until
-        stored anew. A disk tier re-checks its folder on an index miss, so a chunk saved again is found again."""
-        self.mirror.difference_update(keys)
-        for tier in self.tiers:
-            for key in keys:
-                tier.delete(key)
+    def prefix(self, keys: Sequence[bytes], num_tokens: int | None = None) -> KeyLookup:
+        """The leading chunks of a prompt of num_tokens tokens (default: whole chunks) that the worker can load."""
+        return self.client.lookup(keys, num_tokens)
 
     def close(self) -> None:
-        for tier in self.tiers:
-            tier.close()
-        if self.server is not None:
-            self.server.close()
+        self.client.close()
 
 
 @dataclass
@@ -189,7 +130,8 @@ class _ReqState:
 
 class SchedulerSide:
     def __init__(self, config: Config, layout: KVLayout, model_id: str, block_size: int, key_mode: str,
-                 load_mode: str = "async", role: Role = BOTH, groups: KVGroups | None = None) -> None:
+                 load_mode: str = "async", role: Role = BOTH, groups: KVGroups | None = None, *,
+                 client: LookupClient) -> None:
         self.chunk_size = config.chunk_size
         self.groups = groups or KVGroups(block_size)
         self.window_chunks_skipped = 0  # chunks not saved: vLLM had freed their window blocks
@@ -200,7 +142,7 @@ class SchedulerSide:
         if key_mode == "vllm" and config.chunk_size % block_size:
             raise ConfigError(f"key_mode vllm needs chunk_size ({config.chunk_size}) to be a multiple of vLLM's "
                               f"block size ({block_size})")
-        self.lookup = ChunkLookup(config, layout, model_id)
+        self.lookup = ChunkLookup(config, layout, model_id, client)
         self._warned: set[str] = set()
         self.states: dict[str, _ReqState] = {}
         self.keys: dict[str, list[ChunkKey]] = {}  # per request: keys of its prompt's whole chunks
@@ -237,7 +179,7 @@ class SchedulerSide:
         load, _ = _request_flags(request, self.role)
         req_id = request.request_id
         keys = self.request_keys(request) if load else []
-        hit = self.lookup.prefix(keys, len(request.prompt_token_ids or ())) if keys else PrefixHit()
+        hit = self.lookup.prefix(keys, len(request.prompt_token_ids or ())) if keys else KeyLookup()
         self.pending[req_id] = _Match(hit, num_computed_tokens)
         if not keys:
             return 0
@@ -259,7 +201,7 @@ class SchedulerSide:
         if state is not None and match is None:  # the second call after an async load: blocks only
             state.tables = [list(table) for table in blocks.get_block_ids()]
             return
-        match = match or _Match(PrefixHit(), 0)
+        match = match or _Match(KeyLookup(), 0)
         local = match.num_local_tokens
         if state is None:
             state = self.states[req_id] = _ReqState(len(request.prompt_token_ids or ()), can_store=store,
@@ -347,10 +289,6 @@ class SchedulerSide:
         meta = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(meta, KVFabricWorkerMetadata):
             return
-        self.lookup.mirror.update(meta.stored)
-        self.lookup.mirror.difference_update(meta.removed)
-        if meta.failed:
-            self.lookup.forget(meta.failed)
         for req_id, stats in meta.requests.items():
             state = self.states.get(req_id)
             if state is not None:

@@ -46,9 +46,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.logger import init_logger
 
+from kvfabric.blocks import as_words
+from kvfabric.builder import build_engine
 from kvfabric.chunk_parts import ChunkParts
 from kvfabric.config import Config
-from kvfabric.blocks import as_words
+from kvfabric.connectors.lookup import LookupService
 from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather, populate, save_blocks
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE, DEFAULT_LOAD_THREADS, KVGroups, detect_cpu_kv_layout
 from kvfabric.connectors.vllm.loads import Loader, LoadOutcome
@@ -56,8 +58,8 @@ from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMe
 from kvfabric.connectors.vllm.saver import ActiveSave, Saver
 from kvfabric.connectors.vllm.threads import on_released
 from kvfabric.counters import Counters
+from kvfabric.events import ChunkEvents
 from kvfabric.layout import KVLayout
-from kvfabric.remote import open_cache
 
 # The worker process's GIL switch interval once the connector is attached (CPython's default: 5 ms). A load
 # thread's Python steps (a chunk's lookup, open and header checks before the native copy) each wait up to one
@@ -78,7 +80,8 @@ HELP_S = 0.05  # ... after loading its chunks for at most this long: a request a
 
 class WorkerSide:
     def __init__(self, config: Config, layout: KVLayout, model_id: str, block_size: int,
-                 options: dict[str, Any], is_sync_store: bool = False, groups: KVGroups | None = None) -> None:
+                 options: dict[str, Any], is_sync_store: bool = False, groups: KVGroups | None = None,
+                 events: ChunkEvents | None = None, lookup_path: str | None = None) -> None:
         self.config = config
         self.groups = groups or KVGroups(block_size)
         self.is_sync_store = is_sync_store  # a P/D producer: the step's KV is stored before its output leaves
@@ -87,8 +90,8 @@ class WorkerSide:
         self.block_size = block_size
         # tiers per config (a cluster node wires its own); mode: server = the host's `kvfabric server`. Made on a
         # released thread: the cache's own threads (writer, premap) inherit its placement, not the forward's core
-        self.engine = on_released(lambda: open_cache(config, layout, model_id, name=f"vllm-worker-{os.getpid()}"))
-        self.mirrored = "cpu" in config.tiers and config.mode != "server"  # a process-memory tier of ours
+        self.engine = on_released(lambda: build_engine(config, layout, model_id, name=f"vllm-worker-{os.getpid()}",
+                                                       events=events))
         self.parts = ChunkParts.of(layout)  # window layers: each chunk's window part has its own key
         self.layers: dict[str, tuple[int, CpuPagedLayer]] = {}
         self.group_of: dict[int, int] = {}  # layer index -> its KV cache group (0 with one group)
@@ -97,10 +100,10 @@ class WorkerSide:
         self.stats_path = options.get("stats_path")
         self.options = options
         self.loader = self._new_loader(options)
-        # the scheduler mirrors the keys stored in our process-memory tier (it cannot see that tier)
         self.saver = Saver(self.engine, self.counters, int(options.get("save_queue_bytes") or 2**30),
-                           track_stored=self.mirrored,
                            on_stored=self.write_stats if self.stats_path else None)
+        # the scheduler asks this cache which prefixes it can load (connectors/lookup.py); the engine's first worker answers
+        self.lookup_service = LookupService(self.engine, lookup_path) if lookup_path else None
         # per step
         self.meta: KVFabricMetadata | None = None
         self.sync_started = False
@@ -109,9 +112,6 @@ class WorkerSide:
         self.step_stats: dict[str, RequestStats] = {}
         self.invalid_blocks: set[int] = set()
         self.failed_loads: set[str] = set()  # several groups: requests whose load failed (a failed receive)
-        self._reported: set[bytes] = set()
-        self._failed_keys: list[bytes] = []  # chunks that failed a load since the last worker_meta
-        self._tier_touched = False  # a load may have read (and so touched) memory-tier entries
         self._closed = False
         atexit.register(self.close)
 
@@ -177,7 +177,6 @@ class WorkerSide:
         self.engine.premap(0, is_paused=not self.meta.is_idle)
         for spec in self.meta.loads:
             if spec.is_async:
-                self._tier_touched = True
                 self.loader.start_async(spec)
 
     def start_loads(self) -> None:
@@ -187,7 +186,6 @@ class WorkerSide:
         self.sync_started = True
         specs = [spec for spec in self.meta.loads if not spec.is_async]
         if specs:
-            self._tier_touched = True
             self.loader.start_layered(specs)
 
     def layer_load(self, name: str) -> None:
@@ -203,8 +201,6 @@ class WorkerSide:
         self._add_stats(outcome.req_id, outcome.stats)
         self.counters.add("load_read_ns", int(outcome.stats.load_read_s * 1e9))
         self.counters.add("loaded_tokens", outcome.stats.loaded_tokens)
-        if outcome.bad_key is not None:
-            self._failed_keys.append(outcome.bad_key)
         if outcome.bad_blocks:
             self.failed_reqs.add(outcome.req_id)
             self.counters.add("load_failed_tokens", outcome.stats.failed_tokens)
@@ -299,22 +295,8 @@ class WorkerSide:
         return {outcome.req_id for outcome in outcomes}
 
     def worker_meta(self) -> KVFabricWorkerMetadata | None:
-        stored = self.saver.take_stored()
-        if self.parts is not None:  # a chunk is stored with its window part: the scheduler needs both
-            stored += [self.parts.window_key(key) for key in stored]
-        removed: list[bytes] = []
-        if self.mirrored:
-            self._reported.update(stored)
-            if stored or self._tier_touched or self.engine.tier_usage("cpu").num_chunks < len(self._reported):
-                present = set(self.engine.tier_keys("cpu"))
-                removed = [key for key in self._reported if key not in present]
-                self._reported.difference_update(removed)
-        self._tier_touched = False
         requests, self.step_stats = self.step_stats, {}
-        failed, self._failed_keys = self._failed_keys, []
-        if not (requests or stored or removed or failed):
-            return None
-        return KVFabricWorkerMetadata(requests, list(stored), removed, failed)
+        return KVFabricWorkerMetadata(requests) if requests else None
 
     def take_failed_loads(self) -> set[str]:
         out, self.failed_loads = self.failed_loads, set()
@@ -350,6 +332,8 @@ class WorkerSide:
         self._closed = True
         try:
             self.flush()
+            if self.lookup_service is not None:
+                self.lookup_service.close()
             self.loader.stop()
             self.saver.stop(timeout=30)
             if self.stats_path:

@@ -36,7 +36,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kvfabric.counters import Counters
-from kvfabric.tiers.base import Blob, Scratch
+from kvfabric.pages import Scratch
+from kvfabric.tiers.base import Blob
 from kvfabric.tiers.pool import BlobPool
 from kvfabric.tiers.shm.coherence import CacheOps
 from kvfabric.tiers.shm.index import EntryRef, Index

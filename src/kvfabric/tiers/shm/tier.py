@@ -24,7 +24,8 @@ import numpy as np
 
 from kvfabric.config import ShmTierConfig
 from kvfabric.counters import Counters
-from kvfabric.tiers.base import Blob, Scratch, TierBase, TierUsage, TierView
+from kvfabric.pages import Scratch
+from kvfabric.tiers.base import Blob, TierBase, TierUsage, TierView
 from kvfabric.tiers.shm.allocator import Allocator
 from kvfabric.tiers.shm.arena import DEFAULT_ROOT, Arena, ShmLockTimeout
 from kvfabric.tiers.shm.coherence import CacheOps, cache_ops

@@ -1,0 +1,186 @@
+"""The scheduler's lookup channel to the worker's cache: one lookup authority.
+
+vLLM makes the connector twice: in the scheduler (EngineCore) and in each worker. Only the worker holds the cache
+(its CacheEngine, or a RemoteCache with `mode: server`), so the scheduler asks that cache, with its rule (window
+parts included), instead of keeping tiers and a mirror of its own.
+
+Contract:
+- `LookupService(cache, path)`: in the worker (rank 0 of its engine); a thread accepts connections on the Unix
+  socket `path` (mode 0600; a socket left by a dead worker is replaced) and answers each request with
+  `cache.lookup_keys(keys, num_tokens)`. A malformed request closes that connection (counted in `counters`); the
+  service keeps serving. `close()` stops it and removes the socket.
+- `LookupClient(path)`: in the scheduler; `lookup(keys, num_tokens) -> KeyLookup`. One connection, opened on first
+  use and again after a failure. A worker that does not answer within `timeout_s` is a miss (`KeyLookup()`,
+  counted), and is not asked again for `retry_s`: a dead worker costs one timeout, not one per request.
+- Frames: a 4-byte little-endian length, then a msgpack map: request {"keys": [bytes], "num_tokens": int},
+  answer {"num_chunks": int, "num_in_memory": int}. At most MAX_KEYS keys of at most 64 bytes each.
+- `lookup_path(engine_id, dp_rank)`: where the two sides meet, in the temp folder, named by vLLM's engine id (one
+  per `vllm serve`, the same in its scheduler and workers) and data-parallel rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgpack
+
+from kvfabric.counters import Counters
+from kvfabric.engine import KeyLookup, KVCache
+from kvfabric.framing import ProtocolError, recv_exact, send_all
+
+log = logging.getLogger(__name__)
+LENGTH = struct.Struct("<I")
+MAX_KEYS = 1 << 16  # 16M tokens at chunk 256: far beyond any model's context
+MAX_KEY_BYTES = 64
+MAX_FRAME = MAX_KEYS * (MAX_KEY_BYTES + 2) + 64
+TIMEOUT_S = 2.0  # a lookup runs in the scheduler's step: a worker that slow is treated as gone
+RETRY_S = 5.0
+
+
+def lookup_path(engine_id: str, dp_rank: int = 0) -> str:
+    safe = "".join(c for c in str(engine_id) if c.isalnum() or c in "-_")[:64] or "default"
+    return str(Path(tempfile.gettempdir()) / f"kvfabric-lookup-{safe}-{int(dp_rank)}.sock")
+
+
+def _send(sock: socket.socket, message: dict) -> None:
+    body = msgpack.packb(message, use_bin_type=True)
+    send_all(sock, [LENGTH.pack(len(body)), body])
+
+
+def _recv(sock: socket.socket, timeout_s: float | None) -> dict:
+    (size,) = LENGTH.unpack(recv_exact(sock, LENGTH.size, timeout_s))
+    if size > MAX_FRAME:
+        raise ProtocolError(f"frame of {size} bytes")
+    try:
+        message = msgpack.unpackb(recv_exact(sock, size, timeout_s), raw=False, strict_map_key=True)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several kinds for bytes that are not a message
+        raise ProtocolError(f"undecodable frame: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("a frame is a map")
+    return message
+
+
+def _count(message: dict, name: str, upper: int) -> int:
+    value = message.get(name)
+    if type(value) is not int or not 0 <= value <= upper:
+        raise ProtocolError(f"{name}: {value!r}")
+    return value
+
+
+class LookupService:
+    def __init__(self, cache: KVCache, path: str) -> None:
+        self.cache = cache
+        self.path = path
+        self.counters = Counters()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a dead worker's socket (the engine id is this engine's: nobody else serves it)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # created 0600: only this user asks this worker's cache
+        try:
+            self._listener.bind(path)
+        finally:
+            os.umask(old_umask)
+        self._listener.listen(8)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="kvfabric-lookup", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn,), name="kvfabric-lookup-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while not self._closed.is_set():
+                try:
+                    message = _recv(conn, None)
+                    keys = message.get("keys")
+                    if not isinstance(keys, list) or len(keys) > MAX_KEYS or \
+                            not all(isinstance(k, bytes) and 0 < len(k) <= MAX_KEY_BYTES for k in keys):
+                        raise ProtocolError("keys: a list of byte strings")
+                    num_tokens = _count(message, "num_tokens", 1 << 40)
+                    found = self.cache.lookup_keys(keys, num_tokens or None)
+                    _send(conn, {"num_chunks": found.num_chunks, "num_in_memory": found.num_in_memory})
+                    self.counters.add("lookups")
+                except ProtocolError as exc:
+                    if not isinstance(exc, ConnectionError):  # a closed connection is how a client says goodbye
+                        self.counters.add("bad_requests")
+                        log.warning("kvfabric lookup service: dropping a connection: %s", exc)
+                    return
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self._thread.join(5)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+class LookupClient:
+    def __init__(self, path: str, timeout_s: float = TIMEOUT_S, retry_s: float = RETRY_S) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self.counters = Counters()
+        self._sock: socket.socket | None = None
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    def lookup(self, keys: Sequence[bytes], num_tokens: int | None = None) -> KeyLookup:
+        if not keys:
+            return KeyLookup()
+        with self._lock:
+            if time.monotonic() < self._down_until:
+                self.counters.add("lookups_skipped")
+                return KeyLookup()
+            try:
+                sock = self._connect()
+                _send(sock, {"keys": list(keys), "num_tokens": int(num_tokens or 0)})
+                answer = _recv(sock, self.timeout_s)
+                found = KeyLookup(_count(answer, "num_chunks", len(keys)), _count(answer, "num_in_memory", len(keys)))
+            except (OSError, ProtocolError) as exc:  # timeouts, a worker gone or restarted, a bad answer: misses
+                self._drop()
+                self._down_until = time.monotonic() + self.retry_s
+                self.counters.add("lookup_errors")
+                log.warning("kvfabric: the worker's cache did not answer a lookup (%s); treating it as a miss "
+                            "for %.0f s", exc, self.retry_s)
+                return KeyLookup()
+            self.counters.add("lookups")
+            return found
+
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout_s)
+            try:
+                sock.connect(self.path)
+            except OSError:
+                sock.close()
+                raise
+            self._sock = sock
+        return self._sock
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()

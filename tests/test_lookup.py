@@ -1,0 +1,176 @@
+"""The lookup channel (connectors/lookup.py): a scheduler asks the worker's real CacheEngine over a real Unix socket.
+
+It answers with the cache's own rule (window parts included), tells how much of the prefix process memory holds,
+survives malformed requests, and a worker that is gone or silent is a miss within the client's deadline."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import struct
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+
+from kvfabric import CacheEngine, Config, KVLayout
+from kvfabric.chunk_parts import ChunkParts
+from kvfabric.config import DiskTierConfig
+from kvfabric.connectors.lookup import LookupClient, LookupService, lookup_path
+from kvfabric.engine import KeyLookup
+from kvfabric.tiers.cpu import CpuTier
+from kvfabric.tiers.disk import DiskTier
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32")
+CHUNK = 16
+
+
+@pytest.fixture
+def folder():
+    path = tempfile.mkdtemp(prefix="kvf-lk-")  # short: a Unix socket path has at most 107 bytes
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def engine(tmp_path):
+    cpu, disk = CpuTier(1 << 24), DiskTier(tmp_path / "disk", 1 << 26)
+    with CacheEngine(Config(chunk_size=CHUNK, tiers=("cpu", "disk"), disk=DiskTierConfig(path=str(tmp_path / "disk"))),
+                     LAYOUT, "m", tiers=[cpu, disk]) as engine:
+        engine.cpu, engine.disk = cpu, disk
+        yield engine
+
+
+def test_the_scheduler_gets_the_caches_answer_with_what_memory_holds(engine, folder):
+    tokens = list(range(5 * CHUNK))
+    engine.store(tokens[:3 * CHUNK], torch.randn(LAYOUT.shape(3 * CHUNK)))
+    engine.flush()
+    keys = engine.keys(tokens)
+    engine.cpu.delete(keys[2])  # chunk 2 only on disk now
+    path = str(folder / "lookup.sock")
+    with_service = LookupService(engine, path)
+    client = LookupClient(path)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert client.lookup(keys, len(tokens)) == KeyLookup(3, 2) == engine.lookup_keys(keys, len(tokens))
+        assert client.lookup([b"z" * 32, *keys]) == KeyLookup(0, 0)  # a prefix ends at the first chunk missing
+        assert client.lookup([]) == KeyLookup()
+        engine.cpu.delete(keys[1])  # chunk 1 evicted from both tiers
+        engine.disk.delete(keys[1])
+        assert client.lookup(keys) == KeyLookup(1, 1)  # asked anew each time: no stale mirror
+        assert with_service.counters["lookups"] == 3
+    finally:
+        client.close()
+        with_service.close()
+    assert not os.path.exists(path)
+
+
+def test_window_parts_rule_the_answer(tmp_path, folder):
+    layout = KVLayout.from_layer_types(["sliding_attention", "full_attention"], 1, 4, 2 * CHUNK, "float32")
+    disk = DiskTier(tmp_path / "disk", 1 << 26)
+    tokens = list(range(4 * CHUNK))
+    with CacheEngine(Config(chunk_size=CHUNK, tiers=("disk",)), layout, "m", tiers=[disk]) as engine:
+        engine.store(tokens, torch.randn(layout.shape(4 * CHUNK)))
+        engine.flush()
+        keys = engine.keys(tokens)
+        path = str(folder / "lookup.sock")
+        service, client = LookupService(engine, path), LookupClient(path)
+        try:
+            assert client.lookup(keys, len(tokens)).num_chunks == 4
+            assert disk.delete(ChunkParts.window_key(keys[3]))
+            assert client.lookup(keys, len(tokens)).num_chunks == 3 == engine.lookup(tokens) // CHUNK
+        finally:
+            client.close()
+            service.close()
+
+
+def _raw_call(path: str, body: bytes) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(path)
+        sock.sendall(struct.pack("<I", len(body)) + body)
+        return sock.recv(1 << 16)  # b"" when the service drops the connection
+
+
+@pytest.mark.parametrize("body", [
+    b"\xc1\xc1\xc1",  # not msgpack
+    msgpack.packb([1, 2, 3]),  # not a map
+    msgpack.packb({"keys": "nope", "num_tokens": 1}),
+    msgpack.packb({"keys": [b"x" * 65], "num_tokens": 1}),  # a key too long
+    msgpack.packb({"keys": [b"k"], "num_tokens": -1}),
+    msgpack.packb({"keys": [b"k"], "num_tokens": True}),
+])
+def test_a_malformed_request_drops_that_connection_and_the_service_keeps_serving(engine, folder, body):
+    path = str(folder / "lookup.sock")
+    service, client = LookupService(engine, path), LookupClient(path)
+    try:
+        assert _raw_call(path, body) == b""
+        assert service.counters["bad_requests"] == 1
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:  # a frame longer than any request
+            sock.connect(path)
+            sock.sendall(struct.pack("<I", 1 << 31))
+            sock.settimeout(5)
+            assert sock.recv(16) == b""
+        keys = engine.keys(list(range(CHUNK)))
+        assert client.lookup(keys) == KeyLookup(0, 0)
+        assert client.counters["lookups"] == 1 and not client.counters["lookup_errors"]
+    finally:
+        client.close()
+        service.close()
+
+
+def test_a_worker_that_is_gone_or_silent_is_a_miss_within_the_deadline(engine, folder):
+    path = str(folder / "lookup.sock")
+    keys = engine.keys(list(range(2 * CHUNK)))
+    nobody = LookupClient(path, timeout_s=0.5, retry_s=60)
+    assert nobody.lookup(keys) == KeyLookup()  # no worker yet
+    assert nobody.lookup(keys) == KeyLookup() and nobody.counters["lookups_skipped"] == 1  # not asked again
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a worker that accepts and never answers
+    listener.bind(path)
+    listener.listen(1)
+    silent = LookupClient(path, timeout_s=0.3, retry_s=0.0)
+    try:
+        started = time.monotonic()
+        assert silent.lookup(keys) == KeyLookup()
+        assert time.monotonic() - started < 2.0 and silent.counters["lookup_errors"] == 1
+    finally:
+        silent.close()
+        listener.close()
+    service = LookupService(engine, path)  # the worker's socket left behind is replaced
+    try:
+        engine.store(list(range(2 * CHUNK)), torch.randn(LAYOUT.shape(2 * CHUNK)))
+        assert silent.lookup(keys) == KeyLookup(2, 2)  # reconnects after the failure
+    finally:
+        silent.close()
+        service.close()
+
+
+def test_many_schedulers_threads_share_one_client(engine, folder):
+    path = str(folder / "lookup.sock")
+    tokens = list(range(4 * CHUNK))
+    engine.store(tokens, torch.randn(LAYOUT.shape(4 * CHUNK)))
+    keys = engine.keys(tokens)
+    service, client = LookupService(engine, path), LookupClient(path)
+    answers: list[KeyLookup] = []
+    try:
+        threads = [threading.Thread(target=lambda: answers.extend(client.lookup(keys[:n]) for n in (1, 2, 3, 4)))
+                   for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sorted(a.num_chunks for a in answers) == sorted([1, 2, 3, 4] * 4)
+    finally:
+        client.close()
+        service.close()
+
+
+def test_the_meeting_point_is_named_by_vllms_engine_id():
+    a, b = lookup_path("8a1f-uuid", 0), lookup_path("8a1f-uuid", 1)
+    assert a != b and a.endswith(".sock") and len(a) < 108
+    assert lookup_path("../../etc/x", 0) == lookup_path("etcx", 0)  # no path tricks in the name
