@@ -8,6 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+say() { echo "[setup +${SECONDS}s] $*"; }  # one line per step, with the time since the set-up started
+
 with_test=0
 for arg in "$@"; do
   case "$arg" in
@@ -18,20 +20,20 @@ done
 
 py=$(command -v python3.11 || command -v python3)
 if [ ! -x .venv/bin/python ]; then
-  echo "[setup] creating .venv with $py"
+  say "creating .venv with $py"
   "$py" -m venv .venv
 fi
 stamp=.venv/.kvfabric-installed
 want=$(cat pyproject.toml scripts/constraints.txt | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
-  echo "[setup] installing packages into .venv"
+  say "installing packages into .venv"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q torch==2.13.0          # pinned: a plain 'torch' pulls a multi-GB CUDA build
   .venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
   echo "$want" > "$stamp"
 fi
 
-echo "[setup] model"
+say "model"
 .venv/bin/kvfabric setup-model
 
 # a background step of the --test set-up: its output goes to a log, shown when it fails
@@ -53,7 +55,7 @@ debian() {
   command -v faketime >/dev/null || missing+=(faketime)
   dpkg -s libibverbs1 >/dev/null 2>&1 || missing+=(libibverbs1)
   if [ ${#missing[@]} -gt 0 ]; then
-    echo "[setup] installing ${missing[*]} (Debian)"
+    say "installing ${missing[*]} (Debian)"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
@@ -72,7 +74,7 @@ if [ "$with_test" = 1 ]; then
   # first, alone: it reinstalls kvfabric into .venv, which the test-models step runs (found without importing
   # it, since the import needs libibverbs1, which the debian step installs)
   if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('mooncake') is None)"; then
-    echo "[setup] installing the Mooncake client into .venv"
+    say "installing the Mooncake client into .venv"
     .venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test,mooncake]'
   fi
   logs=$(mktemp -d)
@@ -84,9 +86,9 @@ if [ "$with_test" = 1 ]; then
   failed=0
   for i in "${!pids[@]}"; do
     if wait "${pids[$i]}"; then
-      echo "[setup] ${names[$i]}: done"
+      say "${names[$i]}: done"
     else
-      echo "[setup] ${names[$i]} failed:" >&2
+      say "${names[$i]} failed:" >&2
       cat "$logs/${names[$i]}.log" >&2
       failed=1
     fi

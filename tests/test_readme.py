@@ -1,4 +1,6 @@
-"""Every code block of README.md runs as written, so an example can never drift from what works.
+"""Every code block of README.md and of every documentation page (docs/*.md; the generated reference pages hold
+none) runs as written, so an example can never drift from what works. A block that appears on several pages
+(the README's quick starts are also on their pages) is one block here.
 
 Blocks are the fenced ones with a language; blocks without one are output samples and diagrams, not code.
 - python: run as a script in a fresh directory with a private $KVFABRIC_HOME (the set-up models linked in). A
@@ -34,8 +36,13 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 README_PORT = "8000"
 
 
+def pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
 def blocks() -> list[tuple[str, str]]:
-    return [(m.group(1), m.group(2)) for m in FENCE.finditer((ROOT / "README.md").read_text())]
+    found = [(m.group(1), m.group(2)) for page in pages() for m in FENCE.finditer(page.read_text())]
+    return list(dict.fromkeys(found))  # in order, each distinct block once
 
 
 def _by(predicate) -> list[str]:

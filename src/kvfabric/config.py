@@ -85,7 +85,7 @@ class _TierSection:
 
 @dataclass(frozen=True, slots=True)
 class CpuTierConfig(_TierSection):
-    capacity: ByteSize = 4 * 2**30
+    capacity: ByteSize = 4 * 2**30  # bytes of chunks this process keeps in memory; least useful ones leave first
     codec: str = ""  # "" = the top-level codec; e.g. "cachegen:6" keeps this tier's copy compressed
     eviction: EvictionName = "lru"  # which chunk leaves when the tier is full (heat: best on the Mooncake
     # traces, +1.6 to +5 points of prefix hits, but its bookkeeping costs ~2x LRU's: over 2 us/access here)
@@ -97,11 +97,11 @@ class CpuTierConfig(_TierSection):
 @dataclass(frozen=True, slots=True)
 class DiskTierConfig(_TierSection):
     path: str = ""  # empty: <KVFABRIC_HOME>/chunks
-    capacity: ByteSize = 50 * 2**30
+    capacity: ByteSize = 50 * 2**30  # bytes of chunk files kept in the folder (shared by every process using it)
     fsync: bool = False  # atomic rename + checksums already make a crash a clean miss
     codec: str = ""  # "" = the top-level codec
-    eviction: EvictionName = "lru"
-    admission: AdmissionName = "always"
+    eviction: EvictionName = "lru"  # which chunk file goes when the folder is full (as cpu.eviction)
+    admission: AdmissionName = "always"  # whether a new chunk is written at all (as cpu.admission)
 
     def resolved_path(self) -> Path:
         return Path(self.path).expanduser() if self.path else kvfabric_home() / "chunks"
@@ -120,12 +120,12 @@ class ShmTierConfig(_TierSection):
 @dataclass(frozen=True, slots=True)
 class RedisTierConfig(_TierSection):
     url: str = "redis://127.0.0.1:6379/0"  # redis://, rediss://, unix:///path.sock
-    is_cluster: bool = False
+    is_cluster: bool = False  # a Redis Cluster (keys spread over its nodes) rather than one server
     ttl_s: int = 0  # 0: no expiry; the server's maxmemory policy evicts
-    timeout_s: float = 0.5
+    timeout_s: float = 0.5  # deadline of every call; a dead server = misses within it
     capacity: ByteSize = 2**40  # informational: the server's maxmemory is the real bound
     breaker_failures: int = 3  # consecutive failures that open the circuit
-    backoff_max_s: float = 30.0
+    backoff_max_s: float = 30.0  # the open circuit's longest wait before it tries the server again
     codec: str = ""  # "" = the top-level codec; "cachegen" sends ~4x fewer bytes over the network
 
 
@@ -151,15 +151,15 @@ class MooncakeTierConfig(_TierSection):
     master: str = "127.0.0.1:50051"  # mooncake_master's RPC address
     metadata_url: str = "http://127.0.0.1:8080/metadata"  # the transfer engine's metadata server (the master's HTTP one)
     metrics_url: str = ""  # the master's admin HTTP server, for keys() and usage(); "" = http://<master host>:9003
-    protocol: Literal["tcp", "rdma"] = "tcp"
+    protocol: Literal["tcp", "rdma"] = "tcp"  # the transfer engine's transport
     rdma_devices: str = ""  # with rdma: e.g. "mlx5_0"
     local_host: str = "127.0.0.1"  # this client's address (hostname <local_host>:<free port>, MC_TCP_BIND_ADDRESS)
     segment: ByteSizeOrZero = 2**30  # memory this client lends the store (its objects leave with it); 0: none
     buffer: ByteSize = 64 * 2**20  # the client's own transfer buffer
     timeout_s: float = 1.0  # deadline of every call, set-up included; a dead master = misses within it
     capacity: ByteSize = 2**40  # informational: the master evicts by its own watermark
-    breaker_failures: int = 3
-    backoff_max_s: float = 30.0
+    breaker_failures: int = 3  # consecutive failures that open the circuit
+    backoff_max_s: float = 30.0  # the open circuit's longest wait before it tries the store again
     codec: str = ""  # "" = the top-level codec
 
     def __post_init__(self) -> None:
@@ -174,18 +174,18 @@ class ClusterConfig:
     controller_url: str = ""  # e.g. http://127.0.0.1:8470; required with tier "peer"
     token: str = ""  # bearer token for the controller and the P2P server; required when either binds beyond loopback
     instance_id: str = ""  # "" = host-pid
-    p2p_host: str = "127.0.0.1"
+    p2p_host: str = "127.0.0.1"  # where this instance's P2P server listens (beyond loopback: set a token)
     p2p_port: int = 0  # 0 = any free port
     advertise_host: str = ""  # address peers use to reach us ("" = p2p_host)
-    serve_tiers: tuple[str, ...] = ("cpu", "disk")
+    serve_tiers: tuple[str, ...] = ("cpu", "disk")  # the local tiers peers may read from (and the controller learns)
     keep_fetched: bool = True  # keep a local copy of chunks fetched from peers
-    report_interval_s: float = 0.25
-    heartbeat_interval_s: float = 2.0
-    reconcile_interval_s: float = 10.0
-    lookup_timeout_s: float = 0.5
-    lookup_ttl_s: float = 2.0
-    connect_timeout_s: float = 0.5
-    fetch_timeout_s: float = 5.0
+    report_interval_s: float = 0.25  # how often new and evicted chunks are reported to the controller
+    heartbeat_interval_s: float = 2.0  # how often this instance tells the controller it is alive
+    reconcile_interval_s: float = 10.0  # how often the full key set is compared with the controller's view
+    lookup_timeout_s: float = 0.5  # deadline of a controller lookup; past it the chunks are misses
+    lookup_ttl_s: float = 2.0  # how long a lookup answer is reused for the same chunks
+    connect_timeout_s: float = 0.5  # deadline to connect to a peer's P2P server
+    fetch_timeout_s: float = 5.0  # deadline of a chunk fetch from a peer; past it the rest is recomputed
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +225,7 @@ class ServerConfig:
     slot_bytes: ByteSize = 8 * 2**20  # one slot holds one chunk's KV in the layout dtype
     max_slots_per_client: int = 8  # slots one client may lease at a time (reads in flight, stores being written)
     max_store_queue: int = 16  # per client: committed chunks waiting to be encoded and persisted
-    max_clients: int = 64
+    max_clients: int = 64  # engines connected at once; more are refused
     timeout_s: float = 2.0  # client: deadline of each request; past it the request is a miss
     retry_s: float = 1.0  # client: after the server failed, answer misses this long before reconnecting
     metrics_port: int = 0  # Prometheus metrics on 127.0.0.1:<port>; 0 = off
@@ -246,7 +246,7 @@ class ServerConfig:
 class MetricsConfig:
     """Prometheus metrics of this process (kvfabric.metrics): off unless a port is set."""
     port: int = 0  # 0 = no endpoint; e.g. 9464 serves http://127.0.0.1:9464/metrics
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the endpoint's address (beyond loopback: anyone on the network reads the metrics)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -256,10 +256,10 @@ class MetricsConfig:
 @dataclass(frozen=True, slots=True)
 class KVEventsConfig:
     """Chunk stored / removed events for KV-aware routers, in vLLM's wire format (kvfabric.events)."""
-    enabled: bool = False
+    enabled: bool = False  # track stored / removed chunks and publish them
     endpoint: str = "tcp://127.0.0.1:5557"  # ZMQ PUB; "" = collect only (the vLLM connector hands them to vLLM)
     replay_endpoint: str = ""  # ZMQ ROUTER answering replay requests from a sequence number
-    topic: str = "kvfabric"
+    topic: str = "kvfabric"  # the ZMQ topic of every published batch
     buffer_steps: int = 10_000  # batches kept for replay
     interval_s: float = 0.5  # how often queued events are published and vanished chunks looked for
     max_tracked: int = 1_000_000  # chunks remembered for removal events (oldest forgotten first)
@@ -267,13 +267,13 @@ class KVEventsConfig:
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    chunk_size: int = 256
-    hash: Literal["sha256", "blake3"] = "sha256"
+    chunk_size: int = 256  # tokens per chunk: the unit that is hashed, stored and loaded
+    hash: Literal["sha256", "blake3"] = "sha256"  # the chunk-key hash (keys differ between the two)
     salt: str = ""  # tenant salt: separates key namespaces
-    save_partial_chunk: bool = False
+    save_partial_chunk: bool = False  # also store a prompt's trailing partial chunk (hit only by the same prompt)
     codec: str = "raw"  # raw | int8 | cachegen, optionally with a level ("cachegen:6"); tiers may override
-    tiers: tuple[str, ...] = ("cpu", "disk")
-    write_queue_chunks: int = 64
+    tiers: tuple[str, ...] = ("cpu", "disk")  # fastest first, from cpu, shm, disk, redis, mooncake, peer
+    write_queue_chunks: int = 64  # chunks waiting to be written to the slower tiers; more are dropped
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     shm: ShmTierConfig = field(default_factory=ShmTierConfig)
