@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvfabric.builder import build_engine
 from kvfabric.breaker import CircuitBreaker
+from kvfabric.builder import build_engine
 from kvfabric.config import Config, ConfigError, MooncakeTierConfig
 from kvfabric.pages import Scratch
 from kvfabric.tiers.disk import DiskTier

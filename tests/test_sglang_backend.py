@@ -22,8 +22,7 @@ hicache = pytest.importorskip("sglang.srt.mem_cache.hicache_storage",
 
 from kvfabric.config import ConfigError  # noqa: E402
 from kvfabric.connectors.sglang import KVFabricStorage, backend_config  # noqa: E402
-from kvfabric.pages import Scratch
-from kvfabric.tiers.base import Scratch  # noqa: E402
+from kvfabric.pages import Scratch  # noqa: E402
 from tests.mooncake_fixtures import MooncakeMaster, hang, mooncake_master, needs_mooncake  # noqa: E402, F401
 from tests.sglang_host_pool import MHATokenToKVPoolHost  # noqa: E402
 

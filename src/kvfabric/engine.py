@@ -702,12 +702,10 @@ class CacheEngine:
         metas = [self._meta(i, len(keys), *self._span(i, num_tokens)) for i in range(len(keys))]
         ahead: Future | None = None
         # Read-ahead hints (disk: posix_fadvise) for READ_AHEAD_BYTES past the chunk being read, not for the whole
-        # prompt: hinted at once, the kernel reads the files side by side and the first chunk arrives late (33.6 MB
-        # chunks from disk: 0.69-0.73 of a plain read of the same bytes with hints for all, 0.77-0.83 with one
-        # ahead, 0.86-0.90 with none; 5.9 MB chunks: 1.04-1.18 with hints, 0.86-0.88 without).
-        # When hints are given, the first chunk is hinted too: a peer tier's prefetch is its fetch, in the order
-        # asked (see P2P). Chunks larger than READ_AHEAD_BYTES get none: a hint of the first one alone made it
-        # arrive later (33.6 MB chunks: 0.73 of a plain read with it, 0.83 without).
+        # prompt: hinted at once, the kernel reads the files side by side and the first chunk arrives late. Small
+        # chunks gain from hints; chunks as large as the window get none: a hinted read competes with the read in
+        # progress (docs/benchmarks.md, bench tiers, has the figures). When hints are given, the first chunk is
+        # hinted too: a peer tier's prefetch is its fetch, in the order asked (see P2P).
         num_hinted = READ_AHEAD_BYTES // max(1, self.layout.num_bytes(self.chunk_size))
         if num_hinted:
             self.stack.prefetch(keys[:num_hinted + 1])

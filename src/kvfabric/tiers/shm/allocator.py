@@ -43,7 +43,7 @@ class Allocator:
     def _lru_order(self, index: Index) -> list[int]:
         """READY slots, least recently used first, without this process's pinned keys."""
         offsets, sizes = index.extents()
-        ready = np.flatnonzero(sizes != 0)  # a bool mask first: nonzero over uint64 directly is ~8x slower
+        ready = np.flatnonzero(sizes != 0)  # a bool mask first: numpy's nonzero over uint64 is much slower
         del offsets, sizes
         entries = index.entries()
         order = ready[np.argsort(entries["atime"][ready], kind="stable")].tolist()
@@ -85,7 +85,7 @@ class Allocator:
                 return None
         # 3. a free extent, first fit; else evict in LRU order, merging gaps (sorted extents as a linked list)
         offsets, sizes = index.extents()
-        slots = np.flatnonzero(sizes != 0)  # (as in _lru_order: 30 us a put over 16384 slots, 4 with the mask)
+        slots = np.flatnonzero(sizes != 0)  # (as in _lru_order: this runs on every put)
         starts_arr = offsets[slots]
         stops_arr = starts_arr + sizes[slots]
         del offsets, sizes
