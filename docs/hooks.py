@@ -143,12 +143,11 @@ def cli_commands(group: Any = None, path: tuple[str, ...] = ()) -> list[tuple[tu
     import click
     from click.testing import CliRunner
 
-    if group is None:
-        from kvfabric.cli import main as group
-    out = []
-    runner = CliRunner()
     from kvfabric.cli import main
 
+    group = main if group is None else group
+    out = []
+    runner = CliRunner()
     for name in sorted(group.commands):
         command = group.commands[name]
         result = runner.invoke(main, [*path, name, "--help"], prog_name="kvfabric", catch_exceptions=True)

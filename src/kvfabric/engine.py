@@ -759,7 +759,7 @@ class CacheEngine:
         raise KeyError(f"no tier {name!r} in this engine ({', '.join(t.name for t in self.stack.tiers)})")
 
     def tier_keys(self, name: str) -> list[bytes]:
-        """The keys the tier called `name` holds (e.g. the process-memory tier, mirrored by the vLLM scheduler)."""
+        """The keys the tier called `name` holds."""
         return self._tier(name).keys()
 
     def tier_usage(self, name: str) -> TierUsage:

@@ -48,7 +48,6 @@ from vllm.logger import init_logger
 
 from kvfabric.blocks import as_words
 from kvfabric.builder import build_engine
-from kvfabric.chunk_parts import ChunkParts
 from kvfabric.config import Config
 from kvfabric.connectors.lookup import LookupService
 from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather, populate, save_blocks
@@ -92,7 +91,6 @@ class WorkerSide:
         # released thread: the cache's own threads (writer, premap) inherit its placement, not the forward's core
         self.engine = on_released(lambda: build_engine(config, layout, model_id, name=f"vllm-worker-{os.getpid()}",
                                                        events=events))
-        self.parts = ChunkParts.of(layout)  # window layers: each chunk's window part has its own key
         self.layers: dict[str, tuple[int, CpuPagedLayer]] = {}
         self.group_of: dict[int, int] = {}  # layer index -> its KV cache group (0 with one group)
         self.region_layouts: tuple[str, str] | None = None  # (K, V), measured on first use
