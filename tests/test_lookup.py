@@ -21,7 +21,7 @@ import torch
 from kvfabric import CacheEngine, Config, KVLayout
 from kvfabric.chunk_parts import ChunkParts
 from kvfabric.config import DiskTierConfig
-from kvfabric.connectors.lookup import LookupClient, LookupService, lookup_path
+from kvfabric.connectors.lookup import LookupClient, LookupService, lookup_path, start_lookup_service
 from kvfabric.engine import KeyLookup
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
@@ -148,6 +148,23 @@ def test_a_worker_that_is_gone_or_silent_is_a_miss_within_the_deadline(engine, f
     finally:
         silent.close()
         service.close()
+
+
+@pytest.mark.parametrize("where", ["no-such-folder/lookup.sock", "x" * 120 + ".sock"])
+def test_a_socket_the_worker_cannot_create_is_one_line_and_lookups_miss(engine, folder, caplog, where):
+    """A missing folder or a path past AF_UNIX's 107 bytes: one warning naming the path, no traceback, no service;
+    the scheduler's client then misses."""
+    path = str(folder / where)
+    with caplog.at_level("WARNING", logger="kvfabric.connectors.lookup"):
+        assert start_lookup_service(engine, path) is None
+    (record,) = caplog.records
+    assert path in record.getMessage() and "will miss" in record.getMessage() and record.exc_info is None
+    assert "\n" not in record.getMessage()
+    client = LookupClient(path, timeout_s=0.3, retry_s=0.0)
+    try:
+        assert client.lookup(engine.keys(list(range(CHUNK)))) == KeyLookup()
+    finally:
+        client.close()
 
 
 def test_many_schedulers_threads_share_one_client(engine, folder):

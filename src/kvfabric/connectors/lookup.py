@@ -8,7 +8,9 @@ Contract:
 - `LookupService(cache, path)`: in the worker (rank 0 of its engine); a thread accepts connections on the Unix
   socket `path` (mode 0600; a socket left by a dead worker is replaced) and answers each request with
   `cache.lookup_keys(keys, num_tokens)`. A malformed request closes that connection (counted in `counters`); the
-  service keeps serving. `close()` stops it and removes the socket.
+  service keeps serving. `close()` stops it and removes the socket. `start_lookup_service(cache, path)` is the
+  worker's entry: a socket it cannot create (a temp folder it cannot write, a path too long for AF_UNIX) is one
+  logged line and None, and the scheduler's lookups then miss; the worker itself serves on.
 - `LookupClient(path)`: in the scheduler; `lookup(keys, num_tokens) -> KeyLookup`. One connection, opened on first
   use and again after a failure. A worker that does not answer within `timeout_s` is a miss (`KeyLookup()`,
   counted), and is not asked again for `retry_s`: a dead worker costs one timeout, not one per request.
@@ -86,9 +88,12 @@ class LookupService:
         old_umask = os.umask(0o177)  # created 0600: only this user asks this worker's cache
         try:
             self._listener.bind(path)
+            self._listener.listen(8)
+        except OSError:
+            self._listener.close()
+            raise
         finally:
             os.umask(old_umask)
-        self._listener.listen(8)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="kvfabric-lookup", daemon=True)
         self._thread.start()
@@ -130,6 +135,15 @@ class LookupService:
         self._thread.join(5)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+def start_lookup_service(cache: KVCache, path: str) -> LookupService | None:
+    try:
+        return LookupService(cache, path)
+    except OSError as exc:
+        log.warning("kvfabric lookup service: cannot listen on %s (%s); the scheduler's lookups will miss",
+                    path, exc.strerror or exc)
+        return None
 
 
 class LookupClient:

@@ -49,7 +49,7 @@ from vllm.logger import init_logger
 from kvfabric.blocks import as_words
 from kvfabric.builder import build_engine
 from kvfabric.config import Config
-from kvfabric.connectors.lookup import LookupService
+from kvfabric.connectors.lookup import start_lookup_service
 from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather, populate, save_blocks
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE, DEFAULT_LOAD_THREADS, KVGroups, detect_cpu_kv_layout
 from kvfabric.connectors.vllm.loads import Loader, LoadOutcome
@@ -101,7 +101,7 @@ class WorkerSide:
         self.saver = Saver(self.engine, self.counters, int(options.get("save_queue_bytes") or 2**30),
                            on_stored=self.write_stats if self.stats_path else None)
         # the scheduler asks this cache which prefixes it can load (connectors/lookup.py); the engine's first worker answers
-        self.lookup_service = LookupService(self.engine, lookup_path) if lookup_path else None
+        self.lookup_service = start_lookup_service(self.engine, lookup_path) if lookup_path else None
         # per step
         self.meta: KVFabricMetadata | None = None
         self.sync_started = False
