@@ -5,7 +5,10 @@
   read *from another process* (the point of the pool) vs a memcpy of the same bytes in that process, both through
   `get_into` (the stack's fast path: a reused buffer) and through `get` (a fresh private copy each time).
 Sizes are one chunk of each benchmark layout (256 tokens): SmolLM2-135M 5.9 MB, Llama-8B-like 33.6 MB.
-Times are medians of `repeats` runs, ours and baseline alternated (order too). `gbps` is GB/s.
+Times are medians of `repeats` runs, ours and baseline alternated (order too). `gbps` is GB/s. The shm rows carry
+`huge_pages`: the `huge=` option of the tmpfs that holds the pool (`never` unless the host mounts it otherwise). With
+4 KiB pages a copy into the pool is slower than the baseline's copy into numpy memory (which numpy advises onto
+2 MiB pages); the configuration page of the docs says how to give the pool huge pages.
 """
 from __future__ import annotations
 
@@ -30,6 +33,23 @@ def _row(tier: str, op: str, layout: str, num_bytes: int, seconds: float, base_s
     return {"tier": tier, "op": op, "layout": layout, "mb": round(num_bytes / 1e6, 1),
             "size_mb": round(num_bytes / 1e6, 1), "gbps": round(gbps, 3), "baseline_gbps": round(base, 3),
             "ratio": round(gbps / base, 3), "baseline": baseline}
+
+
+def tmpfs_huge_option(path: str, mounts: str = "/proc/mounts") -> str:
+    """The `huge=` option of the tmpfs mount holding `path` ("never" when unset; "" when not tmpfs or unknown)."""
+    try:
+        with open(mounts) as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return ""
+    real, best = os.path.realpath(path), None
+    for row in rows:
+        if len(row) >= 4 and (real == row[1] or real.startswith(row[1].rstrip("/") + "/")):
+            if best is None or len(row[1]) >= len(best[1]):  # the innermost mount point wins
+                best = row
+    if best is None or best[2] != "tmpfs":
+        return ""
+    return next((opt[5:] for opt in best[3].split(",") if opt.startswith("huge=")), "never")
 
 
 def _sizes(sizes: Mapping[str, int] | tuple | list | None) -> list[tuple[str, int]]:
@@ -174,11 +194,14 @@ def bench_shm(sizes: Mapping[str, int] | tuple | list | None = None, repeats: in
                 raise RuntimeError(f"shm reader process failed: {result[1]}")
             _, into_s, copy1_s, get_s, copy2_s = result
             baseline = "memcpy of the same bytes into a preallocated buffer"
+            huge = tmpfs_huge_option(root)
             rows += [_row("shm", "store", name, size, store_s, copy_s, baseline + ", same process"),
                      _row("shm", "retrieve", name, size, into_s, copy1_s,
                           baseline + ", reader in another process (get_into)"),
                      _row("shm", "retrieve-copy", name, size, get_s, copy2_s,
                           baseline + ", reader in another process (get: fresh bytes)")]
+            for row in rows[-3:]:
+                row["huge_pages"] = huge
         finally:
             tier.close()
             ShmTier.destroy(pool, root)
