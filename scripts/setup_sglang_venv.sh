@@ -2,7 +2,7 @@
 # Create .venv-sglang: a separate Python 3.11 venv with sglang (pinned, installed --no-deps: SGLang 0.5.23 wants
 # CUDA, torch 2.14.1 and kernels that do not run on this CPU) plus exactly what its HiCache storage interface
 # (sglang.srt.mem_cache.hicache_storage, storage.StorageBackendFactory) imports, the Mooncake client and kvfabric
-# (editable, no deps; kvfabric's light deps added by hand). The kvfabric HiCache backend is tested there.
+# (editable, with its core dependencies; torch held at the CPU build). The kvfabric HiCache backend is tested there.
 # Idempotent: does nothing when the venv already imports all of it.
 set -euo pipefail
 
@@ -12,7 +12,7 @@ PY="${PYTHON:-python3.11}"
 SGLANG_SPEC="${SGLANG_SPEC:-sglang==0.5.23}"
 CHECK="from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage
 from sglang.srt.mem_cache.storage import StorageBackendFactory
-import mooncake.store, kvfabric"
+import mooncake.store, kvfabric, kvfabric.builder"
 
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "$CHECK" >/dev/null 2>&1; then
   echo "setup_sglang_venv: $VENV already has sglang's storage interface, mooncake and kvfabric; nothing to do"
@@ -32,11 +32,11 @@ PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install -q orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 triton==3.9.0 pillow==13.0.0 \
   starlette==1.10.0 msgspec==0.23.0 pydantic==2.14.4 pyzmq==27.3.0 tqdm==4.70.1 ipython==9.18.1 aiohttp==3.14.5
 "${PIP[@]}" install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
-# kvfabric itself, editable, with its light deps (torch comes from above)
-"${PIP[@]}" install -q numpy pyyaml xxhash blake3 click rich redis filelock "pytest>=8" "pytest-timeout>=2.3" \
-  "hypothesis>=6.100"
-# under a lock: setup.sh builds both venvs at once, and an editable build writes into the checkout
-flock "${TMPDIR:-/tmp}/kvfabric-editable.lock" "${PIP[@]}" install -q --no-deps -e "$ROOT"
+# kvfabric itself, editable, with its core dependencies (the backend builds its cache with kvfabric.builder), torch
+# held at the build above by the constraints; under a lock: setup.sh builds the venvs at once, and an editable build
+# writes into the checkout
+"${PIP[@]}" install -q "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
+flock "${TMPDIR:-/tmp}/kvfabric-editable.lock" "${PIP[@]}" install -q -c "$ROOT/scripts/constraints.txt" -e "$ROOT"
 
 "$VENV/bin/python" - <<PY
 $CHECK

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -322,6 +323,30 @@ def test_store_chunk_of_a_caller_laid_out_payload(config, codec):
     with CacheEngine(Config(chunk_size=16, codec=codec, tiers=("disk",), disk=config.disk), LAYOUT, "m") as engine:
         got = engine.retrieve(list(range(16)))
         assert got.shape[3] == 16 and (torch.equal(got, kv) or codec != "raw")
+
+
+def test_store_chunks_and_read_chunks_by_key_in_batches(config):
+    """The batched calls by key (the SGLang backend's): store_chunks skips what the tiers hold, read_chunks reads
+    each chunk into its scratch (disk here: read into the caller's buffer, not promoted) and misses the rest."""
+    kvs = [make_kv(16, seed=i) for i in range(3)]
+    with CacheEngine(Config(chunk_size=16, tiers=("disk",), disk=config.disk), LAYOUT, "m") as engine:
+        keys = [engine.keys(list(range(i * 100, i * 100 + 16)))[0] for i in range(3)]
+        payloads = []
+        for kv in kvs:
+            payloads.append(engine.new_payload())
+            payloads[-1].kv.copy_(kv)
+        assert engine.store_chunks(list(zip(keys[:2], payloads[:2]))) == [True, True]
+        engine.flush()
+        assert engine.store_chunks([(keys[1], engine.new_payload()), (keys[2], payloads[2])]) == [False, True]
+        engine.flush()
+        scratches = [Scratch() for _ in range(4)]
+        hits = engine.read_chunks([keys[0], b"\x01" * 32, keys[2], keys[1]], scratches)
+        assert [isinstance(h, ChunkHit) for h in hits] == [True, False, True, True]
+        assert [torch.equal(h.kv, kvs[i]) for h, i in zip((hits[0], hits[2], hits[3]), (0, 2, 1))] == [True] * 3
+        start = np.frombuffer(scratches[0].view(1), dtype=np.uint8).ctypes.data  # read into the caller's buffer
+        assert start <= hits[0].kv.data_ptr() < start + HEADER_BYTES + LAYOUT.num_bytes(16)
+        counters = engine.stats().counters
+        assert counters["chunks_stored"] == 3 and counters["chunk_read_hits"] == 3 and counters["miss"] == 1
 
 
 def test_store_chunk_and_read_chunk_from_two_threads(config):

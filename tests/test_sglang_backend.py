@@ -22,7 +22,6 @@ hicache = pytest.importorskip("sglang.srt.mem_cache.hicache_storage",
 
 from kvfabric.config import ConfigError  # noqa: E402
 from kvfabric.connectors.sglang import KVFabricStorage, backend_config  # noqa: E402
-from kvfabric.pages import Scratch  # noqa: E402
 from tests.mooncake_fixtures import MooncakeMaster, hang, mooncake_master, needs_mooncake  # noqa: E402, F401
 from tests.sglang_host_pool import MHATokenToKVPoolHost  # noqa: E402
 
@@ -67,7 +66,7 @@ def test_sglang_loads_it_with_the_dynamic_backend_option(mooncake_master, pool) 
     storage = backend(mooncake_master, pool)
     try:
         assert isinstance(storage, KVFabricStorage) and isinstance(storage, hicache.HiCacheStorage)
-        assert storage.tier.name == "mooncake" and storage.model_id == "org/model-1b"
+        assert storage.tier_name == "mooncake" and storage.model_id == "org/model-1b"
         assert storage.batch_set_v1(["p0", "p1"], pool.indices([0, 1])) == [True, True]
         assert storage.batch_exists(["p0", "p1", "p2"]) == 2
     finally:
@@ -79,10 +78,16 @@ def test_config_keys(mooncake_master) -> None:
                                       "file_storage_path": "/ignored", "prefetch_threshold": 256})
     assert config.tiers == ("disk",) and config.disk.capacity == 2**30 and options == {"model_id": "m"}
     assert backend_config({})[0].tiers == ("mooncake",)
-    with pytest.raises(ConfigError, match="one tier"):
+    with pytest.raises(ConfigError, match="one local tier"):
         backend_config({"tiers": ["cpu", "mooncake"]})
     with pytest.raises(ConfigError, match="mooncake.protocol"):
         backend_config({"mooncake": {"protocol": "udp"}})
+    with pytest.raises(ConfigError, match="one local tier"):
+        backend_config({"tiers": ["peer"]})
+    with pytest.raises(ConfigError, match="'server' is not supported"):
+        backend_config({"mode": "server"})
+    pages_as_they_are = backend_config({"codec": "int8", "tiers": ["disk"], "disk": {"codec": "cachegen"}})[0]
+    assert (pages_as_they_are.codec, pages_as_they_are.disk.codec) == ("raw", "")
 
 
 PAGE_KEYS = [f"{i:064x}" for i in range(6)]
@@ -213,14 +218,14 @@ def test_damaged_page_is_a_miss_and_is_dropped(mooncake_master, pool) -> None:
         keys = PAGE_KEYS[:3]
         assert storage.batch_set_v1(keys, pool.indices([0, 1, 2])) == [True] * 3
         name = object_key(storage.chunk_key(keys[1]))
-        damaged = bytearray(bytes(storage.tier.get_into(storage.chunk_key(keys[1]), Scratch())))
+        damaged = bytearray(raw.get(name))
         damaged[-5] ^= 0xFF  # one payload byte, written back raw through the store client
         assert raw.upsert(name, bytes(damaged)) == 0
         dst = MHATokenToKVPoolHost(seed=9)
         before = dst.kv_buffer.clone()
         storage.register_mem_pool_host(dst)
         assert storage.batch_get_v1(keys, dst.indices([4, 5, 6])) == [True, False, True]
-        assert storage.counters["corrupt"] == 1 and raw.is_exist(name) == 0  # dropped from the store
+        assert storage.cache.stats().counters["corrupt.mooncake"] == 1 and raw.is_exist(name) == 0  # dropped
         assert torch.equal(dst.page(5), before[:, :, 20:24].flatten())  # the damaged page never reached the pool
         assert storage.batch_exists(keys) == 1
     finally:

@@ -8,6 +8,7 @@ import typing
 import pytest
 
 from kvfabric.config import Config, ConfigError, DiskTierConfig, EvictionName
+from kvfabric.pages import Scratch
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
 from kvfabric.tiers.factory import build_tiers, codec_spec
@@ -122,6 +123,39 @@ def test_stack_falls_back_to_next_tier_when_one_copy_is_damaged(tmp_path):
     found = stack.get(key(1))
     assert found is not None and found.tier == "disk" and bytes(found.blob) == make_blob(key(1))
     assert stack.counters["corrupt.disk"] == 1
+    stack.close()
+
+
+def test_stack_get_many_reads_pending_writes_and_falls_back_past_damage(tmp_path):
+    """get_many: a queued write is served from the queue; a damaged copy is deleted and counted, the next tier's
+    copy served; nothing is promoted (every tier reads into the caller's scratch)."""
+    cpu, disk_a, disk_b = CpuTier(BLOB_BYTES * 10), DiskTier(tmp_path / "a", BLOB_BYTES * 10), \
+        DiskTier(tmp_path / "b", BLOB_BYTES * 10)
+    stack = TierStack([cpu, disk_a, disk_b])
+    for i in (1, 2):
+        stack.put(key(i), make_blob(key(i), seed=i))
+    stack.flush()
+    cpu.clear()
+    disk_a.path(key(2)).write_bytes(b"garbage")
+    release = threading.Event()
+    blocked = DiskTier(tmp_path / "c", BLOB_BYTES * 10)
+    slow = TierStack([blocked])
+    original = blocked.put
+    blocked.put = lambda k, b: release.wait(10) and original(k, b)  # the writer holds the first queued write
+    slow.put(key(7), make_blob(key(7), seed=7))
+    slow.put(key(8), make_blob(key(8), seed=8))
+    try:
+        got = slow.get_many([key(8), key(9)], [Scratch(), Scratch()])
+        assert got[0] is not None and got[0].tier == "pending" and bytes(got[0].blob) == make_blob(key(8), seed=8)
+        assert got[1] is None
+    finally:
+        release.set()
+        slow.close()
+    found = stack.get_many([key(1), key(2), key(3)], [Scratch() for _ in range(3)])
+    assert [f.tier if f else None for f in found] == ["disk", "disk", None]
+    assert [f.level for f in found[:2]] == [1, 2]  # key 2's copy in disk a was damaged: disk b's served
+    assert bytes(found[1].blob) == make_blob(key(2), seed=2) and stack.counters["corrupt.disk"] == 1
+    assert not disk_a.contains_many([key(2)])[0] and cpu.contains_many([key(1), key(2)]) == [False, False]
     stack.close()
 
 

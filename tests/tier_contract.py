@@ -230,6 +230,21 @@ class TierContract:
         found = stack.get(key(5))
         assert found is not None and bytes(found.blob) == blob and found.tier == tier.name
 
+    def test_stack_get_many_batches_and_verifies(self, tier):
+        stack = TierStack([tier])
+        blobs = {i: make_blob(key(i), seed=i) for i in (1, 3)}
+        items = list((key(i), b) for i, b in blobs.items())
+        if tier.is_read_only:
+            self.seed(tier, items)
+        for k, b in items:
+            stack.put(k, b)
+        stack.flush()
+        found = stack.get_many([key(1), key(2), key(3)], [Scratch() for _ in range(3)])
+        assert [f is not None for f in found] == [True, False, True]
+        assert bytes(found[0].blob) == blobs[1] and bytes(found[2].blob) == blobs[3] and found[0].tier == tier.name
+        assert stack.counters["miss"] == 1
+        stack.close()
+
     def test_restart_persistence(self, tier):
         blob = make_blob(key(1), seed=1)
         stored = tier.put(key(1), blob)

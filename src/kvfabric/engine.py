@@ -463,9 +463,15 @@ class CacheEngine:
     def store_chunk(self, key: bytes, payload: ChunkPayload) -> bool:
         """Store a chunk laid out in `new_payload()` under `key`; False when a writable tier already holds it.
         The payload belongs to the engine from here on: the caller must not write into it again."""
+        return self.store_chunks([(key, payload)])[0]
+
+    def store_chunks(self, items: Sequence[tuple[bytes, ChunkPayload]]) -> list[bool]:
+        """`store_chunk` for each (key, payload), with one batched check of what the tiers hold."""
+        held = self._held([key for key, _ in items])
+        return [not is_held and self._store_new(key, payload) for (key, payload), is_held in zip(items, held)]
+
+    def _store_new(self, key: bytes, payload: ChunkPayload) -> bool:
         started = time.perf_counter()
-        if self._held([key])[0]:
-            return False
         num_tokens = payload.num_tokens
         if payload.blob is not None:  # the stack seals it if it leaves memory
             seal(payload.blob, key, self.layout, False, num_tokens, payload.blocks)
@@ -531,6 +537,21 @@ class CacheEngine:
         if isinstance(result, ChunkHit):
             self._counters.add("chunk_read_hits")
         return result
+
+    def read_chunks(self, keys: Sequence[bytes], scratches: Sequence[Scratch]) -> list[ChunkHit | ChunkMiss]:
+        """Whole chunks by key, each read into its own `scratch` and viewed there (`read_chunk(key, scratch=...,
+        promote=False)` for each), with one batch call per tier: for a caller that copies each chunk elsewhere at
+        once and reads many (the SGLang backend's host pages). Layouts whose chunks are stored whole only."""
+        if self._parts is not None:
+            raise ValueError("read_chunks: this layout stores its chunks in parts (use read_chunk)")
+        started = time.perf_counter()
+        found = self.stack.get_many(keys, scratches)
+        results = [self._take(key, hit, self.chunk_size, None) for key, hit in zip(keys, found)]
+        self.histograms.observe("kvfabric_retrieve_seconds", time.perf_counter() - started, "read_chunks")
+        self._counters.add("chunk_reads")
+        self._counters.add("chunk_read_requests", len(keys))
+        self._counters.add("chunk_read_hits", sum(isinstance(r, ChunkHit) for r in results))
+        return results
 
     def chunk_blob_bytes(self) -> int:
         """Bytes of one whole chunk's blob with the raw codec (header + payload): the size a read buffer needs."""

@@ -1,30 +1,31 @@
-"""SGLang HiCache storage backend over one kvfabric tier: `KVFabricStorage`. SGLang loads it by module path:
+"""SGLang HiCache storage backend over kvfabric's cache with one tier: `KVFabricStorage`. SGLang loads it by module
+path:
 
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{"backend_name": "kvfabric",
       "module_path": "kvfabric.connectors.sglang", "class_name": "KVFabricStorage", "interface_v1": 1,
       "tiers": ["mooncake"], "mooncake": {"master": "10.0.0.1:50051", "metadata_url": "http://10.0.0.1:8080/metadata"}}'
 
 Contract:
-- Pages: one HiCache page (the host pool's flat data page, `get_data_page(i, flat=True)`, whatever the pool's
-  layout) is one kvfabric chunk blob (codec.format: checksummed header + the page's bytes as the raw payload). A
-  blob that fails its checks, or was written in another page format, is a miss, counted and deleted from the tier.
-  The header's shape reads the page as [1, 2, 1, page_size, elements per token / 2]; its fingerprint names the
-  page format exactly (host pool class, layout, dtype, page size, elements per page).
+- The cache: a CacheEngine (kvfabric.builder.build_engine) made when SGLang hands over its host pool, whose
+  layout reads a page as one chunk: [1, 2, 1, page_size, elements per token / 2] in the pool's dtype, chunk_size
+  = page_size, raw codec. So a page is a chunk blob like any other (codec.format: checksummed header + the page's
+  bytes), checked, counted and dropped when damaged by the cache's tier stack, with its metrics and events.
 - Keys: SGLang names a page by a hash string of its tokens and their prefix (the page key); its chunk key is
   sha256(namespace || page key). The namespace names the model (`model_id`, default SGLang's model name), the
   shard (TP rank for MHA pools; MLA pages are shared by the TP ranks, as in SGLang's HiCacheFile; PP, attention-CP
   and DCP ranks) and the page format: pages of other models, shards or formats never share a key.
 - Calls: the v1 batch calls (`interface_v1: 1` in the extra config) move pages between the tier and SGLang's host
-  pool. `batch_get_v1` reads `SLOTS` pages per tier batch (`get_many_into`: with the mooncake tier, straight into
-  registered scratch buffers) and copies each verified payload into its host page; `batch_set_v1` skips pages
-  the tier holds (one batched exists) and stores the rest, `SLOTS` pages per `put_many`. Without `interface_v1`
+  pool. `batch_get_v1` reads `SLOTS` pages per batch (`CacheEngine.read_chunks`: one tier batch call; with the
+  mooncake tier, straight into registered scratch buffers) and copies each verified payload into its host page;
+  `batch_set_v1` skips pages the tier holds (one batched check) and stores the rest (`store_chunks`), then waits
+  for the writes and answers whether the tier holds each page. Without `interface_v1`
   SGLang calls `get` / `set` / `batch_get` / `batch_set` with page tensors; they answer as SGLang's HiCacheFile
   does (tests/test_sglang_backend.py compares the two call by call). `exists` / `batch_exists` (how many leading
   pages are present) are one batched contains call. The v2 calls (hybrid models' extra pools) are not offered.
-- Configuration: the extra-config keys that are kvfabric config keys configure the tier, on top of `config_file`
-  (or $KVFABRIC_CONFIG) and KVFABRIC_* variables; `tiers` (default ["mooncake"]) names the one tier pages live in
-  (HiCache's host memory is the level above it). Other keys belong to SGLang and are left alone. Pages are stored
-  as they are: a codec set for the tier is not used.
+- Configuration: the extra-config keys that are kvfabric config keys configure the cache, on top of
+  `config_file` (or $KVFABRIC_CONFIG) and KVFABRIC_* variables; `tiers` (default ["mooncake"]) names the one
+  local tier pages live in (HiCache's host memory is the level above it; `mode: server` and "peer" are refused).
+  Other keys belong to SGLang and are left alone. Pages are stored as they are: codecs are set to raw.
 - Faults are the tier's: a miss or False, never an exception into SGLang's I/O threads (a dead Mooncake master
   is misses within the tier's timeout). Thread safe: each calling thread has its own scratch buffers.
 """
@@ -40,21 +41,19 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, parse, write_blob
+from kvfabric.builder import build_engine
 from kvfabric.config import Config, ConfigError
 from kvfabric.counters import Counters
-from kvfabric.layout import DTYPES
+from kvfabric.engine import CacheEngine, ChunkHit, ChunkPayload
+from kvfabric.layout import DTYPES, KVLayout
 from kvfabric.pages import Scratch
-from kvfabric.tiers.base import Blob, TierBase
-from kvfabric.tiers.factory import build_tiers
 
 log = logging.getLogger(__name__)
 
 SLOTS = 16  # pages per tier batch: bounds a reading thread's scratch memory to SLOTS pages
 OPTION_KEYS = ("model_id", "config_file")
 NAMESPACE = b"kvfabric/sglang/pages/v1"
-RAW_CODEC = 0
-_DTYPE_CODES = {torch_dtype: code for torch_dtype, _, code in DTYPES.values()}
+_DTYPE_NAMES = {torch_dtype: name for name, (torch_dtype, _, _) in DTYPES.items()}
 
 
 def backend_config(extra: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
@@ -63,38 +62,46 @@ def backend_config(extra: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
     options = {key: extra[key] for key in OPTION_KEYS if key in extra}
     data = {key: value for key, value in extra.items() if key in fields}
     config = Config.load(options.get("config_file")).merged({"tiers": ["mooncake"], **data})
-    if len(config.tiers) != 1:
-        raise ConfigError(f"tiers: the SGLang backend stores pages in one tier (HiCache's host memory is the level "
-                          f"above it), got {list(config.tiers)}")
-    return config, options
+    if len(config.tiers) != 1 or config.tiers[0] == "peer":
+        raise ConfigError(f"tiers: the SGLang backend stores pages in one local tier (HiCache's host memory is the "
+                          f"level above it), got {list(config.tiers)}")
+    if config.mode == "server":
+        raise ConfigError("mode: the SGLang backend keeps pages in a tier of its own process; 'server' is not "
+                          "supported")
+    tier = config.tiers[0]
+    return config.merged({"codec": "raw", tier: {"codec": ""}}), options  # pages as they are
 
 
 class KVFabricStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
-        config, options = backend_config(dict(storage_config.extra_config or {}))
-        self.tier: TierBase = build_tiers(config)[0]  # type: ignore[assignment] - local tiers are TierBase
+        self.config, options = backend_config(dict(storage_config.extra_config or {}))
         self.model_id = str(options.get("model_id") or storage_config.model_name or "")
+        self.tier_name = self.config.tiers[0]
+        self.cache: CacheEngine | None = None  # made when the host pool fixes the page format
         self.counters = Counters()
         self._local = threading.local()
         self._namespace = b""
 
-    # ---- the page format and keys, fixed when SGLang hands over its host pool ---------------------------
+    # ---- the page format, the cache and the keys, fixed when SGLang hands over its host pool ---------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         page = mem_pool_host.get_dummy_flat_data_page()
         page_size, numel = int(mem_pool_host.page_size), page.numel()
-        if page.dtype not in _DTYPE_CODES:
+        if page.dtype not in _DTYPE_NAMES:
             raise NotImplementedError(f"KVFabricStorage stores float16, bfloat16 or float32 pages, not {page.dtype}")
         if numel % (2 * page_size):
             raise NotImplementedError(f"a page of {numel} elements does not split into 2 x {page_size} tokens")
         page_format = f"{type(mem_pool_host).__name__}/{mem_pool_host.layout}/{page.dtype}/{page_size}/{numel}"
-        self._dtype, self._page_bytes = page.dtype, numel * page.element_size()
-        self._template = ChunkHeader(RAW_CODEC, _DTYPE_CODES[page.dtype], 0,
-                                     hashlib.sha256(page_format.encode()).digest()[:8],
-                                     (1, 2, 1, page_size, numel // (2 * page_size)), b"", self._page_bytes)
+        layout = KVLayout(1, 1, numel // (2 * page_size), _DTYPE_NAMES[page.dtype])  # a page read as one chunk
         name = "|".join([self.model_id, self._shard(), page_format])
         self._namespace = hashlib.sha256(NAMESPACE + b"|" + name.encode()).digest()
+        if self.cache is None or self.cache.layout != layout or self.cache.chunk_size != page_size:
+            old, self.cache = self.cache, build_engine(self.config.merged({"chunk_size": page_size}), layout,
+                                                       self.model_id, name="sglang")  # type: ignore[assignment]
+            if old is not None:
+                old.close()
+        self._numel = numel
 
     def _shard(self) -> str:
         c = self.storage_config
@@ -110,58 +117,56 @@ class KVFabricStorage(HiCacheStorage):
             raise RuntimeError("KVFabricStorage: register_mem_pool_host must come first (it fixes the page format)")
         return hashlib.sha256(self._namespace + page_key.encode()).digest()
 
-    def _encode(self, key: bytes, page: torch.Tensor) -> bytearray:
-        data = page.detach().contiguous().view(-1).view(torch.uint8)
-        if data.numel() != self._page_bytes:
-            raise ValueError(f"a page is {self._page_bytes} bytes, got {data.numel()}")
-        blob = bytearray(HEADER_BYTES + self._page_bytes)
-        torch.frombuffer(blob, dtype=torch.uint8, offset=HEADER_BYTES).copy_(data)
-        write_blob(dataclasses.replace(self._template, key=key), blob)
-        return blob
-
-    def _decode(self, key: bytes, blob: Blob) -> torch.Tensor | None:
-        """The verified page (a view of `blob`), or None after counting and deleting a damaged or foreign blob."""
-        try:
-            header = parse(blob, key)
-            if dataclasses.replace(header, key=b"") != self._template:
-                raise ChunkFormatError(f"a page of another format ({header.shape}, dtype {header.dtype_code})")
-        except ChunkFormatError as exc:
-            log.warning("kvfabric: dropping damaged page %s from tier %s: %s", key.hex()[:16], self.tier.name, exc)
-            self.counters.add("corrupt")
-            self.tier.delete(key)
-            return None
-        view = memoryview(blob)
-        if view.readonly:  # tiers that hand out bytes (redis); torch wants a writable buffer
-            view = memoryview(bytearray(view))
-        return torch.frombuffer(view, dtype=self._dtype, offset=HEADER_BYTES)
+    def _cache(self) -> CacheEngine:
+        if self.cache is None:
+            raise RuntimeError("KVFabricStorage: register_mem_pool_host must come first (it fixes the page format)")
+        return self.cache
 
     # ---- batched page I/O -------------------------------------------------------------------------------
     def _read_pages(self, page_keys: Sequence[str]) -> Iterator[torch.Tensor | None]:
-        """Each page's verified data or None, in order; a page is a view of this thread's scratch buffers, valid
-        until the next item is asked for (the next tier batch reuses them)."""
+        """Each page's verified data (flat) or None, in order; a page is a view of this thread's scratch buffers,
+        valid until the next item is asked for (the next batch reuses them)."""
+        cache = self._cache()
         scratches = getattr(self._local, "scratches", None)
         if scratches is None:
             scratches = self._local.scratches = [Scratch() for _ in range(SLOTS)]
         for start in range(0, len(page_keys), SLOTS):
             keys = [self.chunk_key(page_key) for page_key in page_keys[start:start + SLOTS]]
-            for key, blob in zip(keys, self.tier.get_many_into(keys, scratches[:len(keys)])):
-                if blob is None:
+            for hit in cache.read_chunks(keys, scratches[:len(keys)]):
+                if not isinstance(hit, ChunkHit):
                     self.counters.add("miss")
-                yield None if blob is None else self._decode(key, blob)
+                    yield None
+                    continue
+                yield hit.kv.reshape(-1)  # [1, 2, 1, page_size, D], a contiguous view of the scratch
 
     def _write_pages(self, page_keys: Sequence[str], page_of: Callable[[int], torch.Tensor]) -> list[bool]:
         """Store the pages the tier lacks, each key once (a page the tier holds is left as it is, as HiCacheFile
-        does; a key repeated in the batch keeps its first page)."""
+        does; a key repeated in the batch keeps its first page); then wait for the writes and answer whether the
+        tier holds each page."""
+        cache = self._cache()
         keys = [self.chunk_key(page_key) for page_key in page_keys]
-        results = self.tier.contains_many(keys)
+        results = cache.holds(keys)
         first = {key: i for i, key in reversed(list(enumerate(keys)))}
         todo = [i for i, present in enumerate(results) if not present and first[keys[i]] == i]
         for start in range(0, len(todo), SLOTS):
             group = todo[start:start + SLOTS]
-            for i, ok in zip(group, self.tier.put_many([(keys[i], self._encode(keys[i], page_of(i))) for i in group])):
-                results[i] = ok
-                self.counters.add("pages_stored", int(ok))
+            self.counters.add("pages_stored", sum(cache.store_chunks([(keys[i], self._payload(page_of(i)))
+                                                                      for i in group])))
+        if todo:
+            cache.flush()  # the tier's writes run on the cache's writer thread: SGLang expects them done
+            for i, present in zip(todo, cache.holds([keys[i] for i in todo])):
+                results[i] = present
         return [results[first[key]] for key in keys]
+
+    def _payload(self, page: torch.Tensor) -> ChunkPayload:
+        """The page copied into a new chunk payload of the cache (its blob, header sealed by the cache)."""
+        cache, data = self._cache(), page.detach().reshape(-1)
+        if data.numel() != self._numel or data.dtype != cache.layout.torch_dtype:
+            raise ValueError(f"a page is {self._numel} elements of {cache.layout.torch_dtype}, got {data.numel()} "
+                             f"of {data.dtype}")
+        payload = cache.new_payload()
+        payload.kv.view(-1).copy_(data)
+        return payload
 
     # ---- HiCacheStorage: v1 batch calls (`interface_v1: 1`) ------------------------------------------------
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -205,15 +210,18 @@ class KVFabricStorage(HiCacheStorage):
         return all(self._write_pages(keys, lambda i: values[i]))
 
     def exists(self, key: str) -> bool:
-        return self.tier.contains_many([self.chunk_key(key)])[0]
+        return self._cache().holds([self.chunk_key(key)])[0]
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        present = self.tier.contains_many([self.chunk_key(key) for key in keys])
+        present = self._cache().holds([self.chunk_key(key) for key in keys])
         return present.index(False) if False in present else len(keys)
 
     def clear(self) -> None:
         """Every kvfabric chunk in the tier goes (as HiCacheFile empties its whole directory)."""
-        self.tier.clear()
+        cache = self._cache()
+        cache.flush()
+        cache.clear_tier(self.tier_name)
 
     def close(self) -> None:
-        self.tier.close()
+        if self.cache is not None:
+            self.cache.close()

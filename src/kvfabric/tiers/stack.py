@@ -3,7 +3,8 @@
 Contract:
 - `prefix_length(keys)`: how many leading keys some tier holds (or a queued write holds). One batched call per
   tier, and only for keys the faster tiers did not have.
-- `get(key, scratch, meta, permit)`: the first tier holding a valid blob wins; blobs from untrusted tiers are
+- `get(key, scratch, meta, permit)` (`get_many(keys, scratches)`: many, batched per tier, not promoted): the first
+  tier holding a valid blob wins; blobs from untrusted tiers are
   verified (codec.format) and a damaged one is deleted from that tier, counted, and the next tier is tried. A
   chunk served below the first tier is promoted (placement.py: on its `promote_after`-th such read; exclusive
   placement moves it, write-through copies it). Reads below the first tier need a slow-read slot
@@ -173,26 +174,60 @@ class TierStack:
                 blob = None if view is None else view.blob
             else:
                 blob = self._read(level, tier, key, scratch if level == 0 or not promote else None, meta)
-            if blob is None:
+            hit = None if blob is None else self._checked(level, key, blob, view, verify_payload, promote)
+            if hit is None:
                 continue
-            try:
-                header = parse(blob, key, verify_payload, is_trusted=tier.is_trusted)
-            except ChunkFormatError as exc:
-                if view is not None and not view.is_current():  # rewritten while we checked it: not damage
-                    self.counters.add("view_reused")
-                    continue
-                log.warning("dropping damaged chunk %s from tier %s: %s", key.hex()[:16], tier.name, exc)
-                self.counters.add(f"corrupt.{tier.name}")
-                tier.delete(key)
-                continue
-            self.counters.add(f"hit.{tier.name}")
-            self.counters.add(f"bytes_read.{tier.name}", len(blob))
-            is_verified = verify_payload or tier.is_trusted
-            if level > 0 and promote and is_verified:
+            if level > 0 and promote and hit.is_verified:
                 self._promote(level, key, blob, meta)
-            return StackHit(blob, header, tier.name, view, is_verified, level=level, is_promoted=promote)
+            return hit
         self.counters.add("miss")
         return None
+
+    def get_many(self, keys: Sequence[bytes], scratches: Sequence[Scratch]) -> list[StackHit | None]:
+        """`get(key, scratch, promote=False)` for each pair (one scratch per key), with one batch call per tier
+        (`get_many_into`) for the keys the tiers above lacked: a remote tier moves the batch in one round trip.
+        Checked as `get` checks; a damaged blob is deleted from its tier and the next tier is asked."""
+        found: list[StackHit | None] = [None] * len(keys)
+        missing = list(range(len(keys)))
+        with self.load_permit() as permit:
+            for level, tier in enumerate(self.tiers):
+                if level == int(self.tiers[0].is_trusted):  # queued writes: where `get` looks for them
+                    for i in missing:
+                        if (pending := self._pending.get(keys[i])) is not None:
+                            self.counters.add("hit.pending")
+                            found[i] = StackHit(pending[0], parse(pending[0], keys[i], is_trusted=True), "pending")
+                    missing = [i for i in missing if found[i] is None]
+                if not missing:
+                    break
+                if level > 0 and not permit.allows():
+                    self.counters.add("slow_read_refused")
+                    break
+                blobs = tier.get_many_into([keys[i] for i in missing], [scratches[i] for i in missing])
+                for i, blob in zip(missing, blobs):
+                    found[i] = None if blob is None else self._checked(level, keys[i], blob)
+                missing = [i for i in missing if found[i] is None]
+        self.counters.add("miss", len(missing))
+        return found
+
+    def _checked(self, level: int, key: bytes, blob: Blob, view: TierView | None = None,
+                 verify_payload: bool = True, promote: bool = False) -> StackHit | None:
+        """The hit of a blob `level` handed out, its header (and payload unless not `verify_payload`) checked; None
+        when it fails (a damaged blob is deleted from its tier and counted; a view reused meanwhile is not damage)."""
+        tier = self.tiers[level]
+        try:
+            header = parse(blob, key, verify_payload, is_trusted=tier.is_trusted)
+        except ChunkFormatError as exc:
+            if view is not None and not view.is_current():  # rewritten while we checked it: not damage
+                self.counters.add("view_reused")
+                return None
+            log.warning("dropping damaged chunk %s from tier %s: %s", key.hex()[:16], tier.name, exc)
+            self.counters.add(f"corrupt.{tier.name}")
+            tier.delete(key)
+            return None
+        self.counters.add(f"hit.{tier.name}")
+        self.counters.add(f"bytes_read.{tier.name}", len(blob))
+        return StackHit(blob, header, tier.name, view, verify_payload or tier.is_trusted, level=level,
+                        is_promoted=promote)
 
     def confirm(self, key: bytes, hit: StackHit, meta: AccessMeta = NO_META) -> bool:
         """Check the payload of a hit read with get(verify_payload=False) and, when it was read with promote, promote
