@@ -1,6 +1,6 @@
 """The contract every eviction policy passes (tiers/policies/types.py), driven through `PolicyIndex`.
 Subclass and provide `make_policy(capacity_bytes, requests)`; `requests` is the whole workload (lists of
-keys, head chunk first), which only an offline policy (Belady) reads.
+keys, head chunk first), which only an offline policy (Belady, tests/test_belady.py) reads.
 
 Checked: the resident bytes never exceed the capacity; a victim is never pinned; the same sequence gives the
 same victims (also with bytes keys); the policy and the index agree on what is resident; bookkeeping is O(1)

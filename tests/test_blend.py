@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfabric import Config
+from kvfabric.bench.blend import random_ranker
 from kvfabric.blend import (BlendConfig, Blender, LlamaRunner, LoadController, PassageMatcher, PassageStore,
                             passage_digest, rotate)
 from kvfabric.blend import matcher as matcher_mod
@@ -304,8 +305,8 @@ def test_blend_recomputes_selected_tokens_and_closes_the_gap(smol, prompt):
         reuse = b.prefill(prompt, mode="reuse", logits_from=q_start)
         frac = sum(gradual.layer_shares(0.3, 30)) / 30  # the compute of final ratio 0.3 with this schedule
         blend = b.prefill(prompt, mode="blend", recompute_frac=frac, logits_from=q_start)
-        rand = b.prefill(prompt, mode="random", recompute_frac=frac, logits_from=q_start, seed=3)
-        rand2 = b.prefill(prompt, mode="random", recompute_frac=frac, logits_from=q_start, seed=3)
+        rand = b.prefill(prompt, mode="blend", recompute_frac=frac, logits_from=q_start, ranking=random_ranker(3))
+        rand2 = b.prefill(prompt, mode="blend", recompute_frac=frac, logits_from=q_start, ranking=random_ranker(3))
     fixed = len(prompt[-1])
     assert reuse.tokens_per_layer == [fixed] * 30  # nothing but the question computed
     tpl = blend.tokens_per_layer
@@ -374,7 +375,7 @@ def test_a_caller_ranking_chooses_the_recomputed_tokens(blender32, prompt):
     with pytest.raises(ValueError, match="one score per prompt token"):
         blender32.prefill(prompt, mode="blend", ranking=torch.zeros(n - 1), logits_from=q_start)
     with pytest.raises(ValueError, match="only used by mode='blend'"):
-        blender32.prefill(prompt, mode="random", ranking=ranking, logits_from=q_start)
+        blender32.prefill(prompt, mode="reuse", ranking=ranking, logits_from=q_start)
 
 
 @pytest.mark.slow

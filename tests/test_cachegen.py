@@ -10,12 +10,12 @@ from kvfabric.codec.cachegen import CacheGenCodec
 from kvfabric.codec.cachegen import family as F
 from kvfabric.codec.cachegen import profile as P
 from kvfabric.codec.cachegen import quant as Q
-from kvfabric.codec.cachegen import reference as R
 from kvfabric.codec.cachegen import wire as W
 from kvfabric.codec.cachegen.rans import encode_lossy
 from kvfabric.codec.cachegen.rans_decode import decode_lossy
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, parse
 from kvfabric.layout import KVLayout
+from kvfabric.research import cachegen_reference as R
 
 KEY = bytes(32)
 
@@ -101,16 +101,20 @@ def test_rans_costs_close_to_the_ideal_and_to_constriction():
     assert abs(rans_bits - ref_bits) <= 0.02 * ref_bits + 256, (rans_bits, ref_bits)
 
 
-def test_constriction_stream_decodes_to_the_same_values():
+def test_reference_coder_stream_decodes_to_the_same_values_and_only_with_that_coder():
     layout = KVLayout(2, 2, 16, "float16")
     kv = torch.randn(layout.shape(70)).half()
     a = CacheGenCodec(5, coder="rans", use_profile=False, threads=1).encode(kv, KEY, layout)
-    b = CacheGenCodec(5, coder="constriction", use_profile=False).encode(kv, KEY, layout)
+    b = CacheGenCodec(5, coder=R, use_profile=False).encode(kv, KEY, layout)
     out_a, out_b = torch.empty(layout.shape(70)), torch.empty(layout.shape(70))
     CacheGenCodec().decode(parse(a, KEY), memoryview(a), layout, out_a)
-    CacheGenCodec().decode(parse(b, KEY), memoryview(b), layout, out_b)
+    CacheGenCodec(coder=R).decode(parse(b, KEY), memoryview(b), layout, out_b)
     assert torch.equal(out_a, out_b)
     assert abs(len(a) - len(b)) <= 0.03 * len(a) + 64
+    with pytest.raises(ChunkFormatError, match="reference coder"):  # the runtime codec has no reference coder
+        CacheGenCodec().decode(parse(b, KEY), memoryview(b), layout, out_b)
+    with pytest.raises(ValueError, match="coder"):
+        CacheGenCodec(coder="constriction")
 
 
 def test_shipped_family_is_the_generated_one():

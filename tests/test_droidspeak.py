@@ -1,11 +1,11 @@
-"""kvfabric.droidspeak: family namespace, hidden-state chunks, the runtime's exactness, profiling.
+"""kvfabric.droidspeak: family namespace, hidden-state chunks, the runtime's exactness (the profiler and the fine-tuned
+sibling: tests/test_droidspeak_profile.py, tests/test_finetune.py).
 
 Fast tests use a tiny randomly initialised Llama (seeded) so the runtime's arithmetic is checked without the real
 model; the real fine-tuned pair is exercised by `kvfabric bench droidspeak`.
 """
 from __future__ import annotations
 
-import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,7 +15,6 @@ import torch
 from kvfabric.blend.runner import LlamaRunner
 from kvfabric.config import Config, DiskTierConfig
 from kvfabric.droidspeak.family import DroidStore, FamilyMember, chunk_as_hidden, hidden_as_chunk
-from kvfabric.droidspeak.profile import ProfileTable, kl_rows, profile_prompt
 from kvfabric.droidspeak.runtime import Block, droid_prefill, recompute_block, sender_prefill
 from kvfabric.hashing import family_namespace
 from kvfabric.layout import KVLayout
@@ -146,94 +145,6 @@ def test_empty_block_is_the_plain_cache_hit_and_whole_model_is_full_prefill(pair
         Block(3, 2)
 
 
-# ---- profiling -----------------------------------------------------------------------------------------------
-def test_profile_table_extremes_choice_and_json(pair, tmp_path):
-    a, b = pair
-    gen = torch.Generator().manual_seed(3)
-    context, suffix = torch.randint(0, 128, (40,), generator=gen).tolist(), torch.randint(0, 128, (10,), generator=gen).tolist()
-    prof = profile_prompt(a, b, context, suffix, num_answer=4)
-    assert float(prof.kl[0, 0]) > 1e-4  # the two models differ: naive reuse costs something
-    assert float(prof.kl[0, 4]) < 1e-6 and float(prof.kl_ans[0, 4]) < 1e-6  # whole model: the full prefill
-    for s, e in ((0, 0), (1, 3), (2, 4), (3, 4), (0, 2)):  # the shared-trajectory scores equal a direct run
-        kv_a, hidden_a = sender_prefill(a, context, capture=range(4))
-        ws = b.workspace(50)
-        ws[:, :, :, :40] = kv_a
-        recompute_block(b, context, ws, Block(s, e), hidden_a.get(s))
-        ref = torch.log_softmax(b.logits(b.forward(torch.tensor(context + suffix), b.workspace(50))[40:]), -1)
-        with torch.inference_mode():
-            rows = kl_rows(ref, b.logits(b.forward(torch.tensor(suffix), ws, start=40)))
-        assert abs(float(rows.mean()) - float(prof.kl[s, e])) < 1e-5
-        assert abs(float(rows[6:].mean()) - float(prof.kl_ans[s, e])) < 1e-5
-    coarse = profile_prompt(a, b, context, suffix, num_answer=4, stride=2)  # ends at 2 and 4 only
-    scored = {(s, e) for s in range(5) for e in range(5) if not torch.isnan(coarse.kl[s, e])}
-    assert scored == {(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (0, 2), (0, 4), (2, 4)}
-    assert all(abs(float(coarse.kl[s, e] - prof.kl[s, e])) < 1e-6 for s, e in scored)
-    coarse_table = ProfileTable.from_prompts("a", "b", [coarse])
-    assert {(blk.start, blk.stop) for blk in coarse_table.blocks()} == {(0, 2), (0, 4), (2, 4)}
-    assert coarse_table.best_of_size(1) is None and coarse_table.nearest_of_size(1).num_layers == 2
-    selfprof = profile_prompt(a, a, context, suffix, num_answer=4)
-    assert float(selfprof.kl.nan_to_num(0).abs().max()) < 1e-6  # a model reusing itself loses nothing anywhere
-    table = ProfileTable.from_prompts("a", "b", [prof, prof])
-    assert table.gap_closed(Block(0, 4)) == (1.0, 1.0) and table.gap_closed(Block(0, 0)) == (0.0, 0.0)
-    chosen = table.choose(0.9)
-    assert min(table.gap_closed(chosen)) >= 0.9
-    smaller = [blk for blk in table.blocks() if blk.num_layers < chosen.num_layers]
-    assert all(min(table.gap_closed(blk)) < 0.9 for blk in smaller)
-    assert table.best_of_size(0) == Block(0, 0) and table.best_of_size(4) == Block(0, 4)
-    assert ProfileTable.from_json(table.to_json()).to_json() == table.to_json()  # NaN below the diagonal
-    with pytest.raises(ValueError):
-        ProfileTable.from_json(table.to_json().replace('"num_layers": 4', '"num_layers": 5'))
-
-
-# ---- models: family declarations and the fine-tune recipe ----------------------------------------------------
-def test_model_families_are_declared_by_builtins_siblings_and_markers(tmp_path):
-    from kvfabric.engines.finetune import FINETUNED_MODELS
-    from kvfabric.engines.model import MARKER, model_family
-    assert model_family("smollm2-135m-instruct") == model_family("smollm2-135m-musique") == "smollm2-135m"
-    assert FINETUNED_MODELS["smollm2-135m-musique"].base == "smollm2-135m-instruct"
-    assert model_family("qwen2.5-coder-0.5b") == model_family("qwen2.5-coder-1.5b") == "qwen2.5-coder"
-    assert model_family(tmp_path) is None  # a folder that declares nothing
-    (tmp_path / MARKER).write_text('{"name": "x", "family": "fam"}')
-    assert model_family(tmp_path) == "fam"
-
-
-def test_finetune_text_is_the_first_questions_passages_once(tmp_path, monkeypatch):
-    import json
-
-    from kvfabric.engines.finetune import FINETUNED_MODELS, training_text
-    examples = [{"ctxs": [{"title": f"t{i}", "text": "same"}, {"title": "t0", "text": "same"}]} for i in range(150)]
-    (tmp_path / "musique_s.json").write_text(json.dumps(examples))
-    monkeypatch.setenv("KVFABRIC_DATA_DIR", str(tmp_path))
-    text = training_text(FINETUNED_MODELS["smollm2-135m-musique"])
-    assert text == "".join(f"t{i}\nsame\n\n" for i in range(100))  # questions 0-99, each passage once
-
-
-def test_a_sibling_built_by_an_older_recipe_is_rebuilt(tmp_path, monkeypatch):
-    """setup-model of a fine-tuned sibling: a folder built by today's recipe is reused, one whose recorded recipe
-    differs (e.g. the 24-step one) is rebuilt. The 25-minute build itself is replaced by a stand-in here."""
-    import json
-
-    from kvfabric.engines import finetune, model
-    from kvfabric.engines.finetune import FINETUNED_MODELS
-    monkeypatch.setenv("KVFABRIC_HOME", str(tmp_path))
-    monkeypatch.setattr(model, "ensure_model", lambda name=None: tmp_path / "base")
-    builds = []
-
-    def stand_in(name, base_dir, out):
-        builds.append(name)
-        out.mkdir(parents=True)
-        (out / "config.json").write_text("{}")
-    monkeypatch.setattr(finetune, "build_finetuned", stand_in)
-    name = "smollm2-135m-musique"
-    dest = model._setup_finetuned(name)
-    assert builds == [name] and model._setup_finetuned(name) == dest and builds == [name]  # built once
-    meta = json.loads((dest / model.MARKER).read_text())
-    assert meta["recipe"]["steps"] == FINETUNED_MODELS[name].steps
-    meta["recipe"]["steps"] = 24  # as a folder built before the recipe changed records it
-    (dest / model.MARKER).write_text(json.dumps(meta))
-    assert model._setup_finetuned(name) == dest and builds == [name, name]
-
-
 @pytest.mark.slow
 def test_real_model_self_reuse_is_exact(tmp_path):
     """SmolLM2-135M reusing its own chunks through the family path: empty block == the plain hit, whole model ==
@@ -270,35 +181,6 @@ def test_fp16_chunks_load_on_the_loader_thread(pair, tmp_path):
         got = droid_prefill(b, sibling, ids, Block(2, 3), 30, loader)
         assert got is not None
         assert torch.equal(got.kv[[0, 1, 3]], kv_a[[0, 1, 3]].half().float())
-
-
-def test_finetune_training_is_seeded_and_leaves_the_embedding_alone():
-    """`train`: the same recipe and windows give the same weights; the input embedding never moves, the layers do."""
-    from kvfabric.engines.finetune import FINETUNED_MODELS, train
-    recipe = dataclasses.replace(FINETUNED_MODELS["smollm2-135m-musique"], steps=3, warmup=1, seq_len=16, threads=1)
-    windows = torch.randint(0, 128, (5, 16), generator=torch.Generator().manual_seed(1))
-    base = tiny_model(0).state_dict()
-    runs = []
-    for _ in range(2):
-        model = tiny_model(0)
-        losses = train(model, windows, recipe)
-        assert len(losses) == 3 and not model.training
-        runs.append(model.state_dict())
-    assert all(torch.equal(runs[0][k], runs[1][k]) for k in base)
-    emb = "model.embed_tokens.weight"
-    assert torch.equal(runs[0][emb], base[emb])
-    assert not torch.equal(runs[0]["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
-
-
-def test_heldout_passages_are_not_training_passages(tmp_path, monkeypatch):
-    import json
-
-    from kvfabric.engines.finetune import FINETUNED_MODELS, heldout_texts
-    examples = [{"ctxs": [{"title": f"t{i}", "text": "x"}, {"title": "t0", "text": "x"}]} for i in range(150)]
-    (tmp_path / "musique_s.json").write_text(json.dumps(examples))
-    monkeypatch.setenv("KVFABRIC_DATA_DIR", str(tmp_path))
-    # questions 110-119: their own passage is new, the shared "t0" passage was trained on
-    assert heldout_texts(FINETUNED_MODELS["smollm2-135m-musique"], 110, 10) == [f"t{i}\nx" for i in range(110, 120)]
 
 
 def test_cacheblend_over_a_siblings_kv_at_full_compute_is_the_full_prefill(tmp_path):

@@ -7,11 +7,12 @@ import torch
 from kvfabric import Config
 from kvfabric.config import FlexiCacheConfig
 from kvfabric.data import demo_document
-from kvfabric.engines.flexicache import paged_kv
+from kvfabric.engines.flexicache import PagedKV, paged_kv
 from kvfabric.engines.flexicache.heads import load_table
 from kvfabric.engines.hf import HFEngine
 from kvfabric.engines.model import DEFAULT_MODEL
 from kvfabric.engines.runtime import BufferCache, layout_for, load_for_inference, prefill
+from kvfabric.research.flexicache_baselines import make_plan
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +49,12 @@ def test_full_budget_decode_equals_dense_kv_bit_for_bit(smol, method):
     feed = ids[600:640]  # teacher-forced: 40 steps, across page boundaries
     buf = prefill(model, ids[:600], 640)
     dense = step_logits(model, BufferCache(buf.clone(), 600), feed, 600)
-    kv = paged_kv(model.config, DEFAULT_MODEL, FlexiCacheConfig(), 640, budget=1.0, method=method)
+    if method == "flexicache":
+        kv = paged_kv(model.config, DEFAULT_MODEL, FlexiCacheConfig(), 640, budget=1.0)
+    else:  # a baseline: its plan from kvfabric.research
+        layout = layout_for(model.config)
+        plan = make_plan(method, 1.0, layout.num_layers, layout.num_kv_heads, FlexiCacheConfig())
+        kv = PagedKV(plan, layout.num_layers, layout.num_kv_heads, layout.head_dim, 640, "memory")
     kv.ingest(buf, 600)
     paged = step_logits(model, kv, feed, 600, kv_attention=kv)
     stats = kv.stats()

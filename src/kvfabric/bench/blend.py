@@ -41,6 +41,7 @@ from rich.console import Console
 
 from kvfabric.bench.common import emit, threads_note
 from kvfabric.blend.prompt import rag_segments
+from kvfabric.blend.values import Ranker
 from kvfabric.data import find_musique
 
 SYSTEM = "You are a helpful assistant. Answer the question using the passages."
@@ -123,6 +124,13 @@ def compare(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, floa
     return float(kl.mean()), float(top1.mean())
 
 
+def random_ranker(seed: int) -> Ranker:
+    """The control (`random@F`): random scores for the reused tokens still active, drawn anew at each check layer
+    from a generator seeded once per prompt (the Blender's ranking hook)."""
+    gen = torch.Generator().manual_seed(seed)
+    return lambda layer, positions: torch.rand(positions.numel(), generator=gen)
+
+
 def setting_name(kind: str, frac: float) -> str:
     """``blend@25.5`` for 0.255: a setting named by its recompute_frac, in percent."""
     return f"{kind}@{round(frac * 100, 1):g}"
@@ -177,13 +185,15 @@ def run(as_json: bool = False, limit: int = 5, passages: int = 10,
             ref_text = ""
             reuse_kv: torch.Tensor | None = None
             for setting, mode, frac in settings:
-                ranking = None
+                ranking: torch.Tensor | Ranker | None = None
                 if setting.startswith("oracle") and reuse_kv is not None:
                     tokens = [t for seg in segments for t in seg]
                     ranking = oracle_ranking(blender.runner, tokens, q_start, reuse_kv, blend_config.check_layers[0])
+                elif mode == "random":
+                    ranking = random_ranker(seed + qi)
                 cpu = time.process_time()
-                res = blender.prefill(segments, mode=mode, recompute_frac=frac, logits_from=q_start, capacity=capacity,
-                                      seed=seed + qi, ranking=ranking)
+                res = blender.prefill(segments, mode="blend" if mode == "random" else mode, recompute_frac=frac,
+                                      logits_from=q_start, capacity=capacity, ranking=ranking)
                 cpu_s = time.process_time() - cpu
                 if setting == "reuse" and oracle:
                     reuse_kv = res.kv

@@ -16,11 +16,11 @@ _pydecimal, inspect); `mix` = the three in turn. Without the MuSiQue file, `musi
 document, and the rows say `held_out: false`. `--only cachegen:4-8` measures one codec's levels.
 
 Size: `ratio` = fp16 bytes / coded bytes (whole blobs: chunk header, model side info and all); `bits` per value.
-Speed: encode (fp32 KV as the engine holds it -> blob) and decode (blob -> fp32 buffer) in MB/s of fp16 KV,
-wall clock with the codec's threads, and per CPU-second (what one core does, robust to a busy machine). The
-"naive" baseline is the same codec with the pure-library entropy coder (constriction, one call per channel
-group) and numpy quantization; `lib_*` is constriction's best case (one bulk call, one model, one thread).
-The cachegen level the codec uses for this model when none is given (profile.default_level) is marked
+Speed: encode (fp32 KV as the engine holds it -> blob) and decode (blob -> fp32 buffer) in MB/s of fp16 KV, wall
+clock with the codec's threads, and per CPU-second (what one core does, robust to a busy machine). The "naive"
+baseline is the same codec with the reference coder (kvfabric.research.cachegen_reference: constriction, one call
+per channel group) and numpy quantization; `lib_*` is constriction's best case (one bulk call, one model, one
+thread). The cachegen level the codec uses for this model when none is given (profile.default_level) is marked
 `default: true`.
 """
 from __future__ import annotations
@@ -142,6 +142,7 @@ def run(as_json: bool = False, plot: str | None = None, num_docs: int = 8, ctx_t
     from kvfabric.codec.cachegen import CacheGenCodec
     from kvfabric.codec.cachegen import profile as cachegen_profile
     from kvfabric.codec.format import parse
+    from kvfabric.research import cachegen_reference
     if quick:
         num_docs, ctx_tokens = min(num_docs, 2), min(ctx_tokens, 1024)
     if not quality:
@@ -190,7 +191,7 @@ def run(as_json: bool = False, plot: str | None = None, num_docs: int = 8, ctx_t
             row.update(top1=None, kl_mean=None, kl_p99=None)
         row.update(_speed(make(), layout, speed_chunks, repeats))
         rows.append(row)
-    naive = _speed(CacheGenCodec(default_level, coder="constriction"), layout, speed_chunks[:2], 1)
+    naive = _speed(CacheGenCodec(default_level, coder=cachegen_reference), layout, speed_chunks[:2], 1)
     lib = constriction_ceiling()
     for row in rows:
         if row["codec"] == "cachegen" and row["level"] == default_level:

@@ -40,9 +40,11 @@ from kvfabric.blend.fusion import Blender
 from kvfabric.blend.values import BlendConfig
 from kvfabric.config import Config, DiskTierConfig
 from kvfabric.droidspeak.family import DroidStore
-from kvfabric.droidspeak.pair import check_pair, load_examples, load_sibling, musique_prompt, profile_pair
-from kvfabric.droidspeak.profile import load_table
+from kvfabric.droidspeak.pair import check_pair, load_examples, load_sibling, musique_prompt
 from kvfabric.droidspeak.runtime import Block, droid_prefill, sender_prefill
+from kvfabric.droidspeak.table import load_table
+from kvfabric.research.finetune import DERIVED, ensure_finetuned
+from kvfabric.research.droidspeak_profile import profile_pair
 
 PAIRS = {"finetuned": ("smollm2-135m-instruct", "smollm2-135m-musique")}
 COLUMNS = ["pair", "method", "block", "questions", "ttft_s", "ttft_speedup", "model_kl", "kl", "gap_closed", "gap_ans", "top1",
@@ -131,6 +133,9 @@ def run(pair: str = "finetuned", as_json: bool = False, limit: int = 3, start: i
             if b is not None and b.num_layers / table.num_layers >= floor:
                 blend_fracs[method.replace("droidspeak", "cacheblend")] = b.num_layers / table.num_layers
         methods += [(name, None) for name in blend_fracs]
+    for name in (sender_name, receiver_name):
+        if name in DERIVED:
+            ensure_finetuned(name)  # PAIRS["finetuned"]'s receiver: built here on first use
     sender, receiver = load_sibling(sender_name), load_sibling(receiver_name)
     check_pair(sender, receiver)
     runner, tok = receiver.runner, receiver.tokenizer

@@ -21,7 +21,8 @@ besides the budget. `target_quality_met` wants every prompt at top-1 >= 0.99 and
 compares the two cadences in CPU time per step (engine stats): `rerank16_over_rerank1_stable_rerank` the stable
 heads' selection + moves (the target), `..._rerank` every due head's, `..._radar` the radar's (scoring every page + its promotions), `rerank16_over_rerank1` all page
 management in wall time. `tpot_cpu_ratio` is `tpot_ratio` in CPU time; `by_prompt` each prompt's figures.
-`--study` runs the head study instead (engines.flexicache.study) and prints its figures.
+`--study` runs the head study instead (kvfabric.research.head_stability) and prints its figures. The baselines'
+head plans come from kvfabric.research.flexicache_baselines.
 """
 from __future__ import annotations
 
@@ -37,11 +38,12 @@ from rich.console import Console
 
 from kvfabric.bench.common import emit, emit_summary, save_figure, subplots, threads_note
 from kvfabric.config import FlexiCacheConfig
-from kvfabric.engines.flexicache import PagedKV, load_table, make_plan
-from kvfabric.engines.flexicache.probe import AttentionProbe
-from kvfabric.engines.flexicache.study import banned_ids, bench_prompts, report, run_study
+from kvfabric.engines.flexicache import PagedKV, load_table
 from kvfabric.engines.model import DEFAULT_MODEL
 from kvfabric.engines.runtime import BufferCache, layout_for, load_for_inference
+from kvfabric.research.attention_probe import AttentionProbe
+from kvfabric.research.flexicache_baselines import make_plan
+from kvfabric.research.head_stability import banned_ids, bench_prompts, report, run_study
 
 BUDGETS = (0.1, 0.2, 0.3, 0.5)
 DENSE_EVERY = 4  # a method's decode interleaves a timed dense step every this many steps (its TPOT baseline)
@@ -298,7 +300,7 @@ def write_plot(rows: list[dict], path: str) -> None:
 def study(as_json: bool = False, data: str | None = None, steps: int = 256, threshold: float | None = None,
           model_name: str = DEFAULT_MODEL) -> dict:
     """Run the head study on the profiler's prompts and print its figures (the shipped table is not touched)."""
-    from kvfabric.engines.flexicache.study import DEFAULT_THRESHOLD
+    from kvfabric.research.head_stability import DEFAULT_THRESHOLD
     console = Console(stderr=True, emoji=False, highlight=False)
     result = run_study(model_name, data, steps=steps, progress=lambda m: console.print(f"[dim]{m}[/]"))
     figures = report(result.table(DEFAULT_THRESHOLD if threshold is None else threshold))

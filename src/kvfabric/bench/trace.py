@@ -33,7 +33,8 @@ from kvfabric.bench.trace_replay import ReplayResult, ReplaySetup, TierSpec, rep
 from kvfabric.bench.trace_sim import (IndexFactory, SimResult, TierConfig, TraceRun, TTFTModel, request_metas,
                                       simulate_one_tier, simulate_two_tiers)
 from kvfabric.config import Config, PlacementConfig
-from kvfabric.tiers.policies import Belady, BeladyFuture, PolicyIndex, make_admission, make_eviction
+from kvfabric.research.belady import Belady, BeladyFuture
+from kvfabric.tiers.policies import PolicyIndex, make_admission, make_eviction
 
 CAPACITIES = (0.01, 0.03, 0.1, 0.3)
 ONE_TIER = ("lru", "lfu", "s3fifo", "arc", "heat", "lru+second", "lru+tinylfu", "heat+second", "shm")

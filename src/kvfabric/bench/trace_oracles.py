@@ -9,8 +9,8 @@ trace's future through `BeladyFuture`.
 """
 from __future__ import annotations
 
-from kvfabric.tiers.policies import LRU, AccessMeta, Belady, BeladyFuture, Key
-from kvfabric.tiers.policies.belady import NEVER
+from kvfabric.research.belady import NEVER, Belady, BeladyFuture
+from kvfabric.tiers.policies import LRU, AccessMeta, Key
 
 
 class OracleAlive(LRU):

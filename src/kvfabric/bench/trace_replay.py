@@ -32,8 +32,8 @@ from kvfabric.config import Config, PlacementConfig
 from kvfabric.engine import CacheEngine
 from kvfabric.hashing import KeySpace
 from kvfabric.layout import KVLayout
+from kvfabric.research.belady import Belady, BeladyFuture
 from kvfabric.tiers.base import Tier
-from kvfabric.tiers.policies import Belady, BeladyFuture
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")  # 32 bytes a token
 BLOB_BYTES = HEADER_BYTES + LAYOUT.num_bytes(1)

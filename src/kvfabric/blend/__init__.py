@@ -10,7 +10,7 @@ from kvfabric.blend.fusion import Blender
 from kvfabric.blend.matcher import Match, PassageMatcher
 from kvfabric.blend.runner import LlamaRunner, UnsupportedModel, rotate
 from kvfabric.blend.store import PassageStore, passage_digest
-from kvfabric.blend.values import BlendConfig, BlendResult
+from kvfabric.blend.values import BlendConfig, BlendResult, Ranker
 
 __all__ = ["BlendConfig", "BlendResult", "Blender", "LlamaRunner", "LoadController", "Match", "PassageMatcher",
-           "PassageStore", "UnsupportedModel", "passage_digest", "rotate"]
+           "PassageStore", "Ranker", "UnsupportedModel", "passage_digest", "rotate"]

@@ -18,10 +18,11 @@ kept in a :class:`~kvfabric.blend.store.PassageStore` (a CacheEngine namespace `
       linearly to the final ratio at the last); later layers run only for the active tokens (plus every computed
       token) and write their K/V over the cached ones. ``recompute_frac`` (default ``BlendConfig.recompute_frac``,
       or the load controller's choice) is the compute: the share of the reused tokens recomputed per layer,
-      averaged over all layers, a check layer counted with every token it scores; the final ratio follows from it;
-    - ``"random"``: the same, with random scores (the control).
-  ``ranking`` (a score per prompt token, higher first) replaces the blend score at every check layer: a study tool,
-  e.g. the oracle of ``kvfabric bench blend --oracle`` built from a full prefill.
+      averaged over all layers, a check layer counted with every token it scores; the final ratio follows from it.
+  ``ranking`` replaces the blend score at every check layer (higher first), the hook of studies and controls: a score
+  per prompt token (e.g. the oracle of ``kvfabric bench blend --oracle``, built from a full prefill), or a
+  ``Ranker``, called at each check layer with the positions of the reused tokens still active (e.g. the bench's
+  seeded random control, ``random@F``).
   Loads are pipelined: a loader thread fetches the passages' KV from the tiers layer group by layer group, in layer
   order, re-rotating each as it lands, and runs ahead of the compute thread, which waits only for the group of the
   layer it is about to run (layer i+1 loads while layer i computes; layers before the first check layer are
@@ -53,7 +54,7 @@ from kvfabric.blend.loader import Loader, LoadFailed
 from kvfabric.blend.matcher import PassageMatcher
 from kvfabric.blend.runner import LlamaRunner, rotate
 from kvfabric.blend.store import PassageStore
-from kvfabric.blend.values import MODES, BlendConfig, BlendResult, Mode
+from kvfabric.blend.values import MODES, BlendConfig, BlendResult, Mode, Ranker
 from kvfabric.config import Config
 
 log = logging.getLogger("kvfabric.blend")
@@ -144,7 +145,7 @@ class Blender:
     @torch.inference_mode()
     def prefill(self, segments: Sequence[Sequence[int]], *, mode: Mode = "blend", reuse: Sequence[bool] | None = None,
                 recompute_frac: float | None = None, logits_from: int | None = None, capacity: int | None = None,
-                seed: int = 0, ranking: torch.Tensor | None = None) -> BlendResult:
+                ranking: torch.Tensor | Ranker | None = None) -> BlendResult:
         started = time.perf_counter()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -174,7 +175,7 @@ class Blender:
         fixed = torch.ones(n, dtype=torch.bool)  # tokens always computed
         for off, seg in spans:
             fixed[off:off + len(seg)] = False
-        if ranking is not None and tuple(ranking.shape) != (n,):
+        if isinstance(ranking, torch.Tensor) and tuple(ranking.shape) != (n,):
             raise ValueError(f"ranking must have one score per prompt token ({n}), got {tuple(ranking.shape)}")
         if logits_from < 0 or logits_from >= n or not bool(fixed[logits_from:].all()):
             raise ValueError(f"logits_from={logits_from} must fall in the computed suffix of the prompt")
@@ -198,7 +199,7 @@ class Blender:
         groups = sorted({self.store.group_of(l) for l in range(first_loaded, self.runner.num_layers)})
         loader = Loader(self.store, self.runner, self._pool, kv, spans, groups)
         try:
-            result = self._blend(tokens, kv, fixed, loader, checks, ratio, mode, logits_from, seed, started, ranking)
+            result = self._blend(tokens, kv, fixed, loader, checks, ratio, mode, logits_from, started, ranking)
         except LoadFailed:
             loader.finish()  # raises if the loader failed with an error rather than a miss
             log.warning("kvfabric.blend: a cached passage vanished during the load; full prefill instead")
@@ -222,8 +223,8 @@ class Blender:
                            [n] * self.runner.num_layers, time.perf_counter() - started, fallback=fallback)
 
     def _blend(self, tokens: list[int], kv: torch.Tensor, fixed: torch.Tensor, loader: Loader, checks: list[int],
-               ratio: float, mode: str, logits_from: int, seed: int, started: float,
-               ranking: torch.Tensor | None) -> BlendResult:
+               ratio: float, mode: str, logits_from: int, started: float,
+               ranking: torch.Tensor | Ranker | None) -> BlendResult:
         runner, store = self.runner, self.store
         n = len(tokens)
         num_reused = n - int(fixed.sum())
@@ -233,7 +234,6 @@ class Blender:
         active = torch.arange(n) if first > 0 else torch.nonzero(fixed).view(-1)
         run = runner.tokens(active, n)  # rope, slots and attention plan of the active set, shared by its layers
         hidden = runner.embed(ids[active])
-        gen = torch.Generator().manual_seed(seed)
         per_layer: list[int] = []
         wait_s = compute_s = 0.0
         token_layers = 0
@@ -251,10 +251,10 @@ class Blender:
                 pos_reused = active[local_reused]
                 old = (kv[l, 0][:, pos_reused], kv[l, 1][:, pos_reused])  # gathered (copies) before the write
                 runner.write_kv(kv, l, run.slots, k, v)  # fresh K/V for every active token
-                if mode == "random":
-                    scores = torch.rand(local_reused.numel(), generator=gen)
-                elif ranking is not None:  # the caller's own ranking (studies: an oracle built from a full prefill)
+                if isinstance(ranking, torch.Tensor):  # the caller's own ranking (studies: an oracle)
                     scores = ranking[pos_reused]
+                elif ranking is not None:  # the caller's ranker (the bench's random control)
+                    scores = ranking(l, pos_reused)
                 else:
                     local_fixed = torch.nonzero(fixed[active]).view(-1)
                     scores = self.score(l, pos_reused, (k[0][:, local_reused], v[0][:, local_reused]), old,

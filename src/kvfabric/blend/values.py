@@ -2,13 +2,16 @@
 `BlendResult` (the KV workspace and logits of one prefill, with what was done)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-Mode = Literal["blend", "reuse", "full", "random"]
-MODES = ("blend", "reuse", "full", "random")
+Mode = Literal["blend", "reuse", "full"]
+MODES = ("blend", "reuse", "full")
+# a caller's own ranking at each check layer: (layer, positions of the reused tokens still active [r]) -> scores [r]
+Ranker = Callable[[int, torch.Tensor], torch.Tensor]
 SCORES = ("attn_v", "kv", "k", "v", "kv_norm")
 
 

@@ -3,5 +3,8 @@ contiguous block of layers from the sibling's hidden state.
 
 * :mod:`kvfabric.droidspeak.family` - family members, the shared key namespace, the KV + hidden-state chunk store.
 * :mod:`kvfabric.droidspeak.runtime` - sender prefill with hidden states, the receiver's block recompute.
-* :mod:`kvfabric.droidspeak.profile` - per-pair profiling of every contiguous block, the saved table.
+* :mod:`kvfabric.droidspeak.table` - a pair's profile table: the block the receiver recomputes.
+* :mod:`kvfabric.droidspeak.pair` - loading a sender/receiver pair, its prompts.
+
+The profiler that measures a pair's table is kvfabric.research.droidspeak_profile (`kvfabric droidspeak profile`).
 """

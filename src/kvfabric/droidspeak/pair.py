@@ -1,4 +1,5 @@
-"""A sender/receiver pair of sibling models, their profiling prompts, and `profile_pair` (the CLI's profiler).
+"""A sender/receiver pair of sibling models and their prompts (the profiler, `profile_pair`, is
+kvfabric.research.droidspeak_profile).
 
 Contract
 --------
@@ -8,8 +9,7 @@ Contract
   tokenizer fingerprint and KV layout).
 * :func:`musique_prompt` turns one MuSiQue example into ``(context, question)`` token lists with the model's chat
   template: the context (system text + passages) is what the sender caches, the question is always computed.
-* :func:`profile_pair` profiles ``num_prompts`` questions (from ``first``; ``passages`` passages each, short on
-  purpose: O(L^2) suffix passes per prompt) and saves the table (``profile.save_table``).
+* :func:`load_examples` reads ``count`` MuSiQue examples from ``first``.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from typing import Any
 from kvfabric.blend.runner import LlamaRunner
 from kvfabric.data import find_musique
 from kvfabric.droidspeak.family import FamilyMember, tokenizer_fingerprint
-from kvfabric.droidspeak.profile import ProfileTable, greedy_answer, profile_prompt, save_table
 
 SYSTEM = "You are a helpful assistant. Answer the question using the passages."
 MARK = "\x00KVFABRIC\x00"
@@ -66,18 +65,3 @@ def musique_prompt(tokenizer: Any, example: dict, passages: int) -> tuple[list[i
 def load_examples(data: str | Path | None, first: int, count: int) -> list[dict]:
     path = find_musique(data)
     return json.loads(path.read_text())[first:first + count]
-
-
-def profile_pair(sender_name: str, receiver_name: str, num_prompts: int = 3, first: int = 100, passages: int = 3,
-                 num_answer: int = 8, stride: int = 1, data: str | Path | None = None, log: Any = None) -> tuple[ProfileTable, Path]:
-    sender, receiver = load_sibling(sender_name), load_sibling(receiver_name)
-    check_pair(sender, receiver)
-    profiles = []
-    for i, example in enumerate(load_examples(data, first, num_prompts)):
-        context, question = musique_prompt(receiver.tokenizer, example, passages)
-        answer = greedy_answer(receiver.runner, context + question, num_answer)
-        profiles.append(profile_prompt(sender.runner, receiver.runner, context, question + answer, num_answer, stride))
-        if log is not None:
-            log(f"prompt {i + 1}/{num_prompts}: {len(context)} context tokens, reuse KL {float(profiles[-1].kl[0, 0]):.4f}")
-    table = ProfileTable.from_prompts(sender_name, receiver_name, profiles)
-    return table, save_table(table)

@@ -3,7 +3,6 @@
 * :mod:`kvfabric.engines.model` - fetch / convert / load the reference model.
 * :mod:`kvfabric.engines.runtime` - model runtime helpers: in-place KV buffer cache, fast attention, layouts.
 * :mod:`kvfabric.engines.hf` - reference runner over a HF causal LM using the cache.
-* :mod:`kvfabric.engines.calibrate` - offline: measure cachegen's per-model profile (`kvfabric profile cachegen`).
 """
 
 from __future__ import annotations

@@ -23,8 +23,11 @@ Contract
 * ``load_model(name_or_path, dtype) -> (model, tokenizer)``: eval-mode model.
 * ``installed_builtin(name) -> Path | None``: the folder if that builtin is set up.
 * ``setup_model(name) -> Path``: CLI helper printing where the model is.
-* Fine-tuned siblings (``engines.finetune.FINETUNED_MODELS``, e.g. ``smollm2-135m-musique``) are built once from
-  their base by their recipe, atomically and under the same lock discipline, into ``$KVFABRIC_HOME/models/<name>``.
+* ``ensure_derived(name, DerivedModel)``: a model derived from a builtin base (its family, a recipe and a build
+  function), built once by its recipe, atomically and under the same lock discipline, into
+  ``$KVFABRIC_HOME/models/<name>``; a folder built by another recipe is rebuilt. The runtime declares none: research
+  code names them and builds them (kvfabric.research.finetune's ``smollm2-135m-musique``, through
+  ``kvfabric setup-model``). Once built, ``ensure_model(name)`` finds it by name in any process.
 * ``model_family(name_or_path) -> str | None``: the family a model declares (builtin table, or ``family`` in its
   marker); ``None`` for models that declare nothing.
 Anything that is not a causal LM raises :class:`ModelError` (a ``ValueError``).
@@ -44,7 +47,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from rich.console import Console
@@ -307,35 +310,52 @@ MODEL_FAMILIES: Mapping[str, str] = MappingProxyType({
 })
 
 
+@dataclass(frozen=True, slots=True)
+class DerivedModel:
+    """A model built on this machine from the builtin `base`: `build(base_dir, out)` writes a plain HF folder into
+    `out`; `recipe` (plain values) is recorded in the folder's marker."""
+    base: str
+    family: str
+    recipe: Mapping[str, Any]
+    build: Callable[[Path, Path], None]
+
+
 def model_family(name_or_path: str | Path) -> str | None:
     """The declared family of a builtin name or a model folder (its marker's ``family``), else None."""
     key = str(name_or_path).strip().lower()
     if key in MODEL_FAMILIES:
         return MODEL_FAMILIES[key]
-    marker = Path(name_or_path).expanduser() / MARKER
-    if marker.is_file():
-        meta = json.loads(marker.read_text())
-        return meta.get("family") or MODEL_FAMILIES.get(str(meta.get("name", "")).lower())
-    from kvfabric.engines.finetune import FINETUNED_MODELS
-    return FINETUNED_MODELS[key].family if key in FINETUNED_MODELS else None
+    for folder in (Path(name_or_path).expanduser(), _built(key)):
+        if folder is not None and (folder / MARKER).is_file():
+            meta = json.loads((folder / MARKER).read_text())
+            return meta.get("family") or MODEL_FAMILIES.get(str(meta.get("name", "")).lower())
+    return None
 
 
-def _setup_finetuned(name: str) -> Path:
-    """Build the fine-tuned sibling ``name`` from its base (set up first), atomically, once."""
+def _built(name: str) -> Path | None:
+    """The folder of a model built here under this plain name (a derived model), if complete."""
+    if not name or "/" in name or name.startswith("."):
+        return None
+    folder = kvfabric_home() / "models" / name
+    return folder if _is_complete(folder) else None
+
+
+def ensure_derived(name: str, derived: DerivedModel) -> Path:
+    """Build the derived model ``name`` from its base (set up first), atomically, once."""
     from filelock import FileLock
 
-    from kvfabric.engines.finetune import FINETUNED_MODELS, build_finetuned
-
-    recipe = FINETUNED_MODELS[name]
-    fields = {f: getattr(recipe, f) for f in recipe.__dataclass_fields__}
+    name = name.lower()
+    if name in BUILTIN_MODELS:
+        raise ModelError(f"{name!r} is a builtin model")
+    fields = dict(derived.recipe)
     models = kvfabric_home() / "models"
     dest = models / name
 
-    def is_current() -> bool:  # built, and by today's recipe (a sibling of an older recipe is rebuilt)
+    def is_current() -> bool:  # built, and by today's recipe (a model of an older recipe is rebuilt)
         return _is_complete(dest) and json.loads((dest / MARKER).read_text()).get("recipe") == fields
     if is_current():
         return dest
-    base_dir = ensure_model(recipe.base)
+    base_dir = ensure_model(derived.base)
     models.mkdir(parents=True, exist_ok=True)
     with FileLock(str(models / f".{name}.lock")):
         if is_current():
@@ -344,8 +364,8 @@ def _setup_finetuned(name: str) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         with tempfile.TemporaryDirectory(dir=models, prefix=f".{name}.tmp-") as tmp:
             out = Path(tmp) / "out"
-            build_finetuned(name, base_dir, out)
-            meta = {"name": name, "family": recipe.family, "dtype": "float32",
+            derived.build(base_dir, out)
+            meta = {"name": name, "family": derived.family, "dtype": "float32",
                     "recipe": fields,
                     "torch": torch.__version__}
             (out / MARKER).write_text(json.dumps(meta, indent=2))
@@ -371,17 +391,16 @@ def ensure_model(name_or_path: str = DEFAULT_MODEL) -> Path:
     key = str(name_or_path).strip()
     if key.lower() in BUILTIN_MODELS:
         return _setup_builtin(key.lower(), BUILTIN_MODELS[key.lower()])
-    from kvfabric.engines.finetune import FINETUNED_MODELS
-    if key.lower() in FINETUNED_MODELS:
-        return _setup_finetuned(key.lower())
+    if (built := _built(key.lower())) is not None:
+        return built  # a derived model built earlier (kvfabric setup-model NAME)
     path = Path(key).expanduser()
     if path.is_dir():
         check_causal_lm(path)
         return path.resolve()
     if path.exists() or key.startswith((".", "/", "~")) or key.count("/") != 1:
         raise ModelError(
-            f"{key!r} is not a builtin model ({', '.join(BUILTIN_MODELS)}), "
-            "a local model folder, or a hub id (owner/name)"
+            f"{key!r} is not a builtin model ({', '.join(BUILTIN_MODELS)}), a model built here (kvfabric "
+            "setup-model NAME builds smollm2-135m-musique), a local model folder, or a hub id (owner/name)"
         )
     if _hub_offline():
         raise ModelError(f"{key!r} is not a builtin model or a local folder, and HF_HUB_OFFLINE is set")

@@ -20,10 +20,11 @@ Every value decodes within half a step of the original (the contract's error bou
 
 Stream (the chunk payload; all integers little-endian, every block 4-byte aligned):
 
-    prelude  36 bytes: magic b"KVCG", version 1, mode (0 lossless, 1 lossy), coder (0 rANS-4, 1 constriction
-             reference), flags (1 head token stored, 2 uses a profile), group size, anchor bits, value bytes,
-             reserved, u16 segments (= 2 * layers), u16 reserved, u32 channels (= heads * head_dim),
-             u64 family id (checksum of the probability tables), u64 profile id (0 = none)
+    prelude  36 bytes: magic b"KVCG", version 1, mode (0 lossless, 1 lossy), coder (0 rANS-4, 1 the reference coder: a
+             `SegmentCoder` plugged in from outside the runtime, see below), flags (1 head token stored, 2 uses a
+             profile), group size, anchor bits, value bytes, reserved, u16 segments (= 2 * layers), u16 reserved, u32
+             channels (= heads * head_dim), u64 family id (checksum of the probability tables), u64 profile id (0 =
+             none)
     kinds    u8[segments]: 0 raw (layout dtype), 1 lossy with embedded models, 2 lossy with the profile's
              models, 3 lossless byte planes
     lengths  u32[segments]: coded bytes of each segment
@@ -37,6 +38,11 @@ Decoding (the prelude here, the lossy segments in decode.py) trusts nothing: mag
 model indices and ids are checked before any kernel runs, lengths must add up to the payload exactly, and each
 rANS segment must end exactly where it should with its states back at their initial value. Any failure raises
 ChunkFormatError.
+
+The runtime codes with rANS only. `CacheGenCodec(coder=...)` also takes a `SegmentCoder`, a second entropy coder for
+the lossy segments (stream coder 1): the reference coder, kvfabric.research.cachegen_reference (numpy quantization,
+constriction's range coder), which the tests and `kvfabric bench codec`'s "naive" baseline plug in. Only a codec
+given such a coder decodes a coder-1 stream; any other refuses it (ChunkFormatError: a miss).
 """
 from __future__ import annotations
 
@@ -71,6 +77,7 @@ from kvfabric.codec.cachegen.wire import (
     SEG_RAW,
     STREAM_VERSION,
     Reader,
+    SegmentCoder,
     bits_to_f32,
     pad4,
     round_to_layout,
@@ -97,20 +104,23 @@ class CacheGenCodec:
     codec_id = CODEC_ID
 
     def __init__(self, level: int | None = None, *, group_size: int = 10, anchor_bits: int = 1,
-                 use_profile: bool = True, coder: str = "rans", threads: int | None = None) -> None:
+                 use_profile: bool = True, coder: str | SegmentCoder = "rans", threads: int | None = None) -> None:
         if level is not None and (not isinstance(level, int) or not 0 <= level <= MAX_LEVEL):
             raise ValueError(f"cachegen level must be an int in 0..{MAX_LEVEL} or None, got {level!r}")
         if not 1 <= group_size <= 255:
             raise ValueError(f"group_size must be in 1..255, got {group_size}")
         if not 0 <= anchor_bits <= 7:
             raise ValueError(f"anchor_bits must be in 0..7, got {anchor_bits}")
-        if coder not in ("rans", "constriction"):
-            raise ValueError(f"coder must be 'rans' or 'constriction', got {coder!r}")
+        is_segment_coder = hasattr(coder, "encode_segment") and hasattr(coder, "decode_segment")
+        if coder != "rans" and not is_segment_coder:
+            raise ValueError(f"coder must be 'rans' or a SegmentCoder (kvfabric.research.cachegen_reference), "
+                             f"got {coder!r}")
         self.level = level  # None: the layout's default (profile.default_level), resolved per encode
         self.group_size = group_size
         self.anchor_bits = anchor_bits
         self.use_profile = use_profile
-        self.coder = coder
+        self.coder = "rans" if coder == "rans" else "reference"
+        self._reference: SegmentCoder | None = None if coder == "rans" else coder  # type: ignore[assignment]
         self.threads = threads or default_threads()
         self.is_lossless = level == 0
         self._local = threading.local()
@@ -143,7 +153,7 @@ class CacheGenCodec:
             parts, flags, pid = self._encode_lossy(kv, layout, level)
             mode = MODE_LOSSY
         L, _, H, T, D = shape
-        prelude = PRELUDE.pack(MAGIC, STREAM_VERSION, mode, CODER_CONSTRICTION if self.coder == "constriction"
+        prelude = PRELUDE.pack(MAGIC, STREAM_VERSION, mode, CODER_CONSTRICTION if self._reference is not None
                                else CODER_RANS, flags, self.group_size, self.anchor_bits, layout.itemsize, 0,
                                2 * L, 0, H * D, family().id, pid)
         blocks = [np.frombuffer(prelude, np.uint8)] + parts
@@ -243,10 +253,11 @@ class CacheGenCodec:
             self._split(work, lossy)
             coded = [words[s, starts[s]:] for s in range(S)]
         else:
-            from kvfabric.codec.cachegen import reference as R
+            ref = self._reference
+            assert ref is not None
             coded = [np.zeros(0, np.uint16)] * S
             for s in lossy:
-                coded[s] = R.encode_segment(x[s // 2, s % 2], head[s], mu[s], steps[s], asteps[s], dflag[s], ia[s],
+                coded[s] = ref.encode_segment(x[s // 2, s % 2], head[s], mu[s], steps[s], asteps[s], dflag[s], ia[s],
                                             idx[s], bool(choose[s]), G).view(np.uint16)
         raw_bytes = H * T * D * layout.itemsize
         raw_parts: dict[int, np.ndarray] = {}
@@ -322,7 +333,7 @@ class CacheGenCodec:
         if mode == MODE_LOSSLESS:
             decode_lossless(rd, kinds, lengths, layout, o5, header.shape, self._split)
         else:
-            decode_lossy(rd, kinds, lengths, layout, o5, header, flags, pid, coder, G, ab, self._split)
+            decode_lossy(rd, kinds, lengths, layout, o5, header, flags, pid, coder, G, ab, self._split, self._reference)
         if rd.pos != pad4(len(pay)) or len(pay) % 4:
             raise ChunkFormatError("cachegen stream has trailing bytes")
         if scratch:

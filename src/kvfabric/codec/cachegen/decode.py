@@ -23,6 +23,7 @@ from kvfabric.codec.cachegen.wire import (
     SEG_PROFILE,
     SEG_RAW,
     Reader,
+    SegmentCoder,
     as_out,
     bits_to_f32,
     dtype_bits,
@@ -34,9 +35,11 @@ from kvfabric.layout import KVLayout
 
 def decode_lossy(rd: Reader, kinds: np.ndarray, lengths: np.ndarray, layout: KVLayout, o5: np.ndarray,
                  header: ChunkHeader, flags: int, pid: int, coder: int, G: int, ab: int,
-                 split: Callable[[Callable[[np.ndarray], int], np.ndarray], list[int]]) -> None:
+                 split: Callable[[Callable[[np.ndarray], int], np.ndarray], list[int]],
+                 reference: SegmentCoder | None = None) -> None:
     """Decode into o5: float32, or uint16 holding fp16 values (written by the kernel itself: no float32
-    pass, no cast). On ChunkFormatError o5 may be partly written: the caller treats the chunk as a miss."""
+    pass, no cast). On ChunkFormatError o5 may be partly written: the caller treats the chunk as a miss.
+    A coder-1 stream needs `reference`, the codec's SegmentCoder (codec.py); without one it is refused."""
     L, _, H, T, D = header.shape
     S, C = 2 * L, H * D
     if not flags & FLAG_HEAD:
@@ -96,6 +99,9 @@ def decode_lossy(rd: Reader, kinds: np.ndarray, lengths: np.ndarray, layout: KVL
     segs = np.flatnonzero(lossy).astype(np.int64)
     if not len(segs):
         return
+    if coder != CODER_RANS and reference is None:
+        raise ChunkFormatError("cachegen stream coded by the reference coder (coder 1): only a codec given that "
+                               "coder decodes it")
     if coder == CODER_RANS:
         slots = family().slots
 
@@ -108,11 +114,11 @@ def decode_lossy(rd: Reader, kinds: np.ndarray, lengths: np.ndarray, layout: KVL
             return bad
         bad = sum(split(work, segs))
     else:
-        from kvfabric.codec.cachegen import reference as R
+        assert reference is not None
         bad = 0
         for s in segs:
             try:
-                q = R.decode_segment(words_all[offs[s]:ends[s]], T, C, ia[s], idx[s], G)
+                q = reference.decode_segment(words_all[offs[s]:ends[s]], T, C, ia[s], idx[s], G)
             except ValueError:
                 bad += 1
                 continue

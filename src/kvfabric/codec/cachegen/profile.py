@@ -17,7 +17,7 @@ A chunk coded with a profile stores only its per-channel means; the stream names
 (a checksum of its arrays), and a decoder without that profile refuses the chunk (a miss, never garbage).
 Profiles ship as `tables/profile_<layout fingerprint hex>.npz` (plain arrays, loaded with allow_pickle=False);
 their meta (not part of the id) may name the model's default level (`default_level`).
-`build` makes one from a Fisher diagonal and calibration KV; `kvfabric profile cachegen` (kvfabric.engines.
+`build` makes one from a Fisher diagonal and calibration KV; `kvfabric profile cachegen` (kvfabric.research.
 calibrate) measures those on the model and rebuilds the shipped file (minutes on a CPU).
 """
 from __future__ import annotations
@@ -173,7 +173,7 @@ def by_id(pid: int, layout: KVLayout | None = None) -> Profile | None:
     return None
 
 
-# ---- building a profile (offline; the model's side, Fisher information, is kvfabric.engines.calibrate) -----
+# ---- building a profile (offline; the model's side, Fisher information, is kvfabric.research.calibrate) ----
 def build(layout: KVLayout, fisher: np.ndarray, kv_chunks: list[np.ndarray], *, alpha1: float = 2.5e-5,
           group_size: int = 10, anchor_bits: int = 1, shrink: float = 1.0, meta: dict | None = None) -> Profile:
     """Profile from a Fisher diagonal [L, 2, H, D] and calibration KV chunks ([L, 2, H, T, D] float32 each):

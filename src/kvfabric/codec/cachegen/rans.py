@@ -1,11 +1,11 @@
 """Hot loops of the cachegen codec: the 4-lane interleaved rANS coder of quantized residuals, compiled with numba.
 This module holds the stream format, its parameters and the encoder; rans_decode.py holds the decoder.
 
-Why our own coder: constriction (the reference path, `reference.py`) decodes 26-49 M symbols/s on one thread;
-a 1 Gbit/s link needs about 60 M fp16 values/s and our target is 250 M/s. Here each table lookup is a single
-load from a small shared table (family.py), four independent rANS states hide its latency, and dequantization
-is fused into the decode loop, which writes straight into the caller's (strided) output view, as float32 or as
-fp16 (jit.store).
+Why our own coder: constriction (the reference coder, kvfabric.research.cachegen_reference) decodes 26-49 M
+symbols/s on one thread; a 1 Gbit/s link needs about 60 M fp16 values/s and our target is 250 M/s. Here each table
+lookup is a single load from a small shared table (family.py), four independent rANS states hide its latency, and
+dequantization is fused into the decode loop, which writes straight into the caller's (strided) output view, as
+float32 or as fp16 (jit.store).
 
 rANS parameters: 32-bit states in [2^16, 2^32), 16-bit renormalization words, PROB_BITS = 12. A symbol whose
 model has a raw shift k also carries k bypass bits; an escape symbol carries 16 raw bits (the residual + 32768).

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import struct
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -17,12 +18,27 @@ STREAM_VERSION = 1
 MAX_LEVEL = 9
 DEFAULT_LEVEL = 6
 MODE_LOSSLESS, MODE_LOSSY = 0, 1
-CODER_RANS, CODER_CONSTRICTION = 0, 1
+CODER_RANS, CODER_CONSTRICTION = 0, 1  # 1: the reference coder, a SegmentCoder given to the codec
 SEG_RAW, SEG_EMBEDDED, SEG_PROFILE, SEG_BYTES = 0, 1, 2, 3
 FLAG_HEAD, FLAG_PROFILE = 1, 2
 PRELUDE = struct.Struct("<4sBBBBBBBBHHIQQ")
 HEURISTIC_BETA1 = 2.0 ** -4  # level-1 step / channel std without a profile
 QLIMIT = 16000.0  # |residual| stays below this (the escape codes 16 bits): a floor under every step
+
+
+class SegmentCoder(Protocol):
+    """A second entropy coder for lossy segments (stream coder 1), given to `CacheGenCodec(coder=...)`
+    (kvfabric.research.cachegen_reference is one).
+    `encode_segment` quantizes and codes one segment x [H, T, D] with the given steps (fitting the model indices
+    into ia / idx in place when `choose`) and returns its uint32 words; `decode_segment` returns q [T, C] (int32)
+    from the words, raising ValueError on a stream that does not decode."""
+
+    def encode_segment(self, x: np.ndarray, head: np.ndarray, mu: np.ndarray, steps: np.ndarray,
+                       asteps: np.ndarray, dflag: np.ndarray, ia: np.ndarray, idx: np.ndarray, choose: bool,
+                       G: int) -> np.ndarray: ...
+
+    def decode_segment(self, words: np.ndarray, T: int, C: int, ia: np.ndarray, idx: np.ndarray,
+                       G: int) -> np.ndarray: ...
 
 
 def pad4(n: int) -> int:

@@ -2,9 +2,9 @@
 
 Contract:
 - `HeadTable` holds, per (layer, KV head), `stability`: the mean overlap of the head's top-K pages (by attention
-  mass) between decode step t and t + lag, measured offline on long prompts (engines/flexicache/study.py), and the
-  same per prompt kind; `threshold`: heads below it are unstable; `miss`: the mean share of the head's attention
-  outside the pages a radar-ranked resident set would hold (study.head_steps).
+  mass) between decode step t and t + lag, measured offline on long prompts (kvfabric/research/head_stability.py),
+  and the same per prompt kind; `threshold`: heads below it are unstable; `miss`: the mean share of the head's
+  attention outside the pages a radar-ranked resident set would hold (head_stability.head_steps).
 - `unstable()`: the [L, H] mask at the threshold. `full_order(by)`: every head as a flat index (layer * H + head),
   the first to keep whole first: by "stability" (least stable first, FlexiCache as published) or by "retention"
   (lowest (1 - miss) * stability first: the share of its attention a top-K set holds and keeps over `lag` steps).

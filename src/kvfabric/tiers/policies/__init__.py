@@ -1,6 +1,7 @@
 """Cache policies for the tiers: eviction (LRU, LFU with aging, S3-FIFO, ARC, prefix-aware heat/cost), admission
-(always, second access, TinyLFU), Belady's offline optimum, and `PolicyIndex`, the byte-bounded index that
-owns them. Nothing here imports the rest of kvfabric: tiers use it, it uses no tier.
+(always, second access, TinyLFU) and `PolicyIndex`, the byte-bounded index that owns them. Nothing here imports the
+rest of kvfabric: tiers use it, it uses no tier. Belady's offline optimum, a bound for benchmarks that reads the
+future, is not a policy to ship: it lives in kvfabric.research.belady (`kvfabric bench trace` builds it there).
 
 `make_eviction(name, capacity_bytes)` and `make_admission(name, num_entries)` build a policy by its config
 name (`EVICTION_NAMES`, `ADMISSION_NAMES`, the same as config's `EvictionName` / `AdmissionName`);
@@ -13,7 +14,6 @@ from collections.abc import Callable
 
 from kvfabric.tiers.policies.admission import AlwaysAdmit, SecondAccess, TinyLFU
 from kvfabric.tiers.policies.arc import ARC
-from kvfabric.tiers.policies.belady import Belady, BeladyFuture
 from kvfabric.tiers.policies.heat import PrefixHeat
 from kvfabric.tiers.policies.index import PolicyIndex
 from kvfabric.tiers.policies.keyhash import key_hash64
@@ -58,7 +58,7 @@ def make_index(capacity_bytes: int, eviction: str | EvictionPolicy = "lru", admi
 
 __all__ = [
     "ADMISSION_NAMES", "ARC", "EVICTION_NAMES", "LFU", "LRU", "NO_META", "S3FIFO", "AccessMeta",
-    "AdmissionPolicy", "AlwaysAdmit", "Belady", "BeladyFuture", "EvictionPolicy", "IndexStats", "Key",
+    "AdmissionPolicy", "AlwaysAdmit", "EvictionPolicy", "IndexStats", "Key",
     "PolicyIndex", "PrefixHeat", "SecondAccess", "TinyLFU", "key_hash64", "make_admission", "make_eviction",
     "make_index", "prefill_cost_s"
 ]

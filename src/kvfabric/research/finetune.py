@@ -1,7 +1,11 @@
-"""Fine-tuned siblings of a builtin model: deterministic, documented recipes built once on the CPU.
+"""Fine-tuned siblings of a builtin model (DroidSpeak's study pair): deterministic, documented recipes built once on
+the CPU.
 
 Contract
 --------
+* ``ensure_finetuned(name)`` builds the sibling once (``engines.model.ensure_derived``; ``kvfabric setup-model
+  NAME`` calls it); from then on ``ensure_model(name)`` and ``model_family(name)`` find it by name in any process
+  (``droidspeak.pair.load_sibling``). ``DERIVED`` holds each sibling as the runtime's ``DerivedModel``.
 * ``FINETUNED_MODELS`` maps a sibling's name to its :class:`FineTuneRecipe`. ``smollm2-135m-musique`` is a full
   fine-tune of SmolLM2-135M-Instruct on the passages of the first 100 MuSiQue questions of the shared data set
   (``musique_s.json``; the benchmarks use questions 100 and later, so they see held-out text): ``steps`` AdamW steps
@@ -23,6 +27,7 @@ import json
 import resource
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -31,6 +36,7 @@ import torch
 from rich.console import Console
 
 from kvfabric.data import find_shared_data
+from kvfabric.engines.model import DerivedModel, ensure_derived
 
 
 HELDOUT_WINDOWS = 8  # x seq_len tokens of held-out passages for the KL to the base
@@ -172,3 +178,19 @@ def build_finetuned(name: str, base_dir: Path, out: Path, recipe: FineTuneRecipe
     (out / "finetune.json").write_text(json.dumps(stats, indent=2))
     for f in out.iterdir():
         f.chmod(0o644)
+
+
+def _build(name: str, base_dir: Path, out: Path) -> None:
+    build_finetuned(name, base_dir, out)  # looked up at call time (the tests stand in for it)
+
+
+DERIVED: Mapping[str, DerivedModel] = MappingProxyType({
+    name: DerivedModel(recipe.base, recipe.family,
+                       MappingProxyType({f: getattr(recipe, f) for f in recipe.__dataclass_fields__}),
+                       partial(_build, name))
+    for name, recipe in FINETUNED_MODELS.items()})
+
+
+def ensure_finetuned(name: str) -> Path:
+    """The sibling's folder, built first when it is not (or was built by another recipe)."""
+    return ensure_derived(name, DERIVED[name.lower()])

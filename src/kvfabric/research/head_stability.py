@@ -27,9 +27,9 @@ import torch
 
 from kvfabric.data import demo_document, find_musique
 from kvfabric.engines.flexicache.heads import HeadTable, save_table, table_path
-from kvfabric.engines.flexicache.probe import AttentionProbe
 from kvfabric.engines.model import DEFAULT_MODEL
 from kvfabric.engines.runtime import BufferCache, load_for_inference, prefill
+from kvfabric.research.attention_probe import AttentionProbe
 
 SYSTEM_DOC = "You are a helpful assistant. Answer using only the document."
 SYSTEM_QA = "You are a helpful assistant. Answer the question using the passages."

@@ -1,9 +1,11 @@
-"""Reference path: the same quantization in plain numpy and the same models coded with constriction's range coder.
+"""CacheGen's reference coder: the same quantization in plain numpy and the same models coded with constriction's
+range coder.
 
-Used by `CacheGenCodec(coder="constriction")` (stream coder id 1) and by the tests, which check that the
-compiled kernels quantize bit-identically to `quantize_ref`, reconstruct identically to `dequantize_ref`, and
-code within a few percent of what a well-kept entropy coding library achieves with the same models.
-constriction is imported only here, so the default (rANS) path does not need it.
+This module is a `SegmentCoder` (codec.cachegen.wire): `CacheGenCodec(coder=cachegen_reference)` codes and decodes
+stream coder 1 with it (`kvfabric bench codec`'s "naive" baseline). The tests check that the compiled kernels
+quantize bit-identically to `quantize_ref`, reconstruct identically to `dequantize_ref`, and code within a few
+percent of what a well-kept entropy coding library achieves with the same models. constriction is imported only
+here, so the runtime (rANS) path does not need it.
 """
 from __future__ import annotations
 

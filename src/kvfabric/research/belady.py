@@ -12,7 +12,8 @@ descendant stays. The resident set stays closed under prefixes, every block hit 
 block-hit optimum is also the optimum of prefix-hit blocks (unit sizes). With token weights (a shorter last
 chunk) it is optimal up to the partial chunks.
 
-The heap costs O(log n) per access: this is a baseline for benchmarks, not a policy to ship.
+The heap costs O(log n) per access, and it reads the future: a bound for benchmarks (`kvfabric bench trace`), not a
+policy to ship, so no config can name it (tiers.policies.make_eviction does not know it).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import itertools
 from bisect import bisect_right
 from collections.abc import Container, Iterable, Sequence
 
-from kvfabric.tiers.policies.types import AccessMeta, Key
+from kvfabric.tiers.policies import AccessMeta, Key
 
 NEVER = float("inf")
 
