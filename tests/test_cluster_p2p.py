@@ -123,7 +123,7 @@ def test_bad_token_is_refused_and_server_keeps_serving(server, token):
 def test_binding_beyond_loopback_needs_a_token(tiers):
     with pytest.raises(ValueError, match="token"):
         PeerServer(list(tiers), host="0.0.0.0")
-    PeerServer(list(tiers), host="0.0.0.0", token="x").close()  # allowed with a token (never started)
+    PeerServer(list(tiers), host="0.0.0.0", token="x", insecure=True).close()  # a token (and TLS, tests/test_cluster_tls)
 
 
 def test_control_messages(tiers):

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import yaml
 
 from kvfabric.codec.registry import CodecSpecError, parse_codec
+from kvfabric.permissions import parse_mode
 
 ENV_PREFIX = "KVFABRIC_"
 RESERVED_ENV = {"KVFABRIC_HOME", "KVFABRIC_CONFIG"}
@@ -102,6 +103,18 @@ class DiskTierConfig(_TierSection):
     codec: str = ""  # "" = the top-level codec
     eviction: EvictionName = "lru"  # which chunk file goes when the folder is full (as cpu.eviction)
     admission: AdmissionName = "always"  # whether a new chunk is written at all (as cpu.admission)
+    mode: str = "0700"  # the folders' mode (files: the same without x); "0770": a group of service users shares it
+
+    def __post_init__(self) -> None:
+        _TierSection.__post_init__(self)  # (no zero-argument super() in a slotted dataclass)
+        try:
+            parse_mode(self.mode)
+        except ValueError as exc:
+            raise ConfigError(f"disk.mode: {exc} (in YAML, quote it: mode: \"0700\")") from None
+
+    @property
+    def dir_mode(self) -> int:
+        return parse_mode(self.mode)
 
     def resolved_path(self) -> Path:
         return Path(self.path).expanduser() if self.path else kvfabric_home() / "chunks"
@@ -169,6 +182,15 @@ class MooncakeTierConfig(_TierSection):
 
 
 @dataclass(frozen=True, slots=True)
+class TLSConfig:
+    """TLS of the P2P server and its clients and of the calls to the controller (kvfabric.tls); no cert: plain."""
+    cert: str = ""  # PEM certificate this instance presents (as a P2P server, and as a client where mTLS is on)
+    key: str = ""  # its private key (PEM)
+    ca: str = ""  # PEM CA bundle that peers' and the controller's certificates are checked against ("" = system's)
+    require_client_cert: bool = False  # mTLS: the P2P server serves only clients with a certificate the CA signed
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """This instance's membership in a fleet (tier "peer"): report to the controller, serve chunks to peers."""
     controller_url: str = ""  # e.g. http://127.0.0.1:8470; required with tier "peer"
@@ -186,6 +208,8 @@ class ClusterConfig:
     lookup_ttl_s: float = 2.0  # how long a lookup answer is reused for the same chunks
     connect_timeout_s: float = 0.5  # deadline to connect to a peer's P2P server
     fetch_timeout_s: float = 5.0  # deadline of a chunk fetch from a peer; past it the rest is recomputed
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    insecure: bool = False  # allow the P2P server beyond loopback without TLS (token and chunks in clear; logged)
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +308,7 @@ class Config:
     flexicache: FlexiCacheConfig = field(default_factory=FlexiCacheConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    strict_permissions: bool = False  # a cache folder or pool readable by others: an error (default: a warning)
     mode: Literal["inproc", "server"] = "inproc"  # server: engines use `kvfabric server` (section `server`)
     server: ServerConfig = field(default_factory=ServerConfig)
 

@@ -10,6 +10,7 @@ Each protocol keeps its own header layout; what they share is here:
 from __future__ import annotations
 
 import socket
+import ssl
 import time
 from collections.abc import Sequence
 
@@ -51,7 +52,12 @@ def recv_exact(sock: socket.socket, n: int, timeout_s: float | None = None,
 
 
 def send_all(sock: socket.socket, buffers: Sequence[Buffer]) -> None:
-    """Send several buffers with scatter-gather writes (no concatenation copy); loops over partial sends."""
+    """Send several buffers with scatter-gather writes (no concatenation copy); loops over partial sends. A TLS
+    socket has no sendmsg: each buffer is encrypted and sent in turn."""
+    if isinstance(sock, ssl.SSLSocket):
+        for buffer in buffers:
+            sock.sendall(buffer)
+        return
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     while views:
         sent = sock.sendmsg(views)

@@ -5,6 +5,7 @@ One ControllerClient per thread of use is the simple rule (httpx pools connectio
 """
 from __future__ import annotations
 
+import ssl
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,10 +21,13 @@ class ControllerError(Exception):
 
 
 class ControllerClient:
-    def __init__(self, url: str, token: str | None = None, timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 2.0,
+                 tls: ssl.SSLContext | None = None) -> None:
+        """`tls`: the client context (kvfabric.tls.client_context) an https:// controller is checked with."""
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s, trust_env=False)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s, trust_env=False,
+                                  verify=tls if tls is not None else True)
 
     def call(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None) -> Any:
         try:

@@ -17,7 +17,9 @@ API (all under /v1 and all requiring `Authorization: Bearer <token>` when a toke
   GET  /v1/health      liveness and the index backend's state
   POST /v1/workers/register, /v1/workers/{id}/heartbeat, /v1/workers/{id}/events; DELETE /v1/workers/{id}
 
-Security: binds 127.0.0.1 unless told otherwise, and refuses to bind elsewhere without a token; the token is
+Security: binds 127.0.0.1 unless told otherwise, and refuses to bind elsewhere without a token, nor without TLS
+(`--tls-cert` / `--tls-key`; `--tls-ca` with `--tls-require-client-cert` for mTLS, and to check the workers' P2P
+servers) unless `--insecure` (then a logged warning); the token is
 compared in constant time; request bodies are bounded (`max_body_bytes`, 413) and every field is validated
 (422): a malformed or hostile request gets a 4xx. Worker addresses must be IP literals (no DNS lookups on
 behalf of a client). Commands that need a worker (pin, clear, move) reach it over the P2P protocol with the
@@ -38,7 +40,7 @@ from collections.abc import Sequence
 from kvfabric.cluster.controller_app import create_app
 from kvfabric.cluster.controller_models import MAX_BODY_BYTES
 from kvfabric.cluster.index import open_index
-from kvfabric.cluster.p2p_server import is_loopback
+from kvfabric.tls import TLSFiles, check_exposure, client_context, is_loopback, server_context
 
 DEFAULT_PORT = 8470
 
@@ -52,23 +54,32 @@ def run_controller(host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str
                    index_url: str | None = "memory", *, index_is_cluster: bool = False, index_prefix: str = "kvfc:",
                    instance_ttl_s: float = 10.0, max_body_bytes: int = MAX_BODY_BYTES,
                    control_timeout_s: float = 30.0, log_level: str = "warning", metrics_port: int = 0,
-                   metrics_host: str = "127.0.0.1") -> None:
-    """Serve the controller until interrupted (blocks). Raises ValueError for an unsafe bind. With
-    `metrics_port`, /metrics is also served there without a token (for a Prometheus on this host)."""
+                   metrics_host: str = "127.0.0.1", tls: TLSFiles = TLSFiles(), insecure: bool = False) -> None:
+    """Serve the controller until interrupted (blocks). Raises ValueError for an unsafe bind (TLSConfigError, a
+    ValueError, for plain text beyond loopback or unreadable TLS files). With `metrics_port`, /metrics is also
+    served there without a token (for a Prometheus on this host). `tls`: the API over HTTPS (uvicorn's TLS), and
+    the CA the workers' P2P servers are checked against."""
     import uvicorn
 
     from kvfabric.metrics import MetricsEndpoint
     check_bind(host, token)
+    check_exposure(host, tls.is_enabled, insecure, "the controller")
+    server_context(tls)  # a missing or unreadable file: one line now, not a uvicorn traceback
     if metrics_port and not is_loopback(metrics_host):
         raise ValueError(f"the metrics endpoint binds {metrics_host!r}: metrics are served without a token, on "
                          "loopback only")
     index = open_index(index_url, is_cluster=index_is_cluster, prefix=index_prefix)
     app = create_app(index, token=token, instance_ttl_s=instance_ttl_s, max_body_bytes=max_body_bytes,
-                     control_timeout_s=control_timeout_s)
+                     control_timeout_s=control_timeout_s, peer_tls=client_context(tls))
+    ssl_options: dict = {}
+    if tls.is_enabled:
+        import ssl
+        ssl_options = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key or None, "ssl_ca_certs": tls.ca or None,
+                       "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_NONE}
     if metrics_port:
         MetricsEndpoint(app.controller.metrics.registry, metrics_host, metrics_port)  # a daemon thread
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, limit_concurrency=512,
-                timeout_keep_alive=30, h11_max_incomplete_event_size=64 * 1024, server_header=False)
+                timeout_keep_alive=30, h11_max_incomplete_event_size=64 * 1024, server_header=False, **ssl_options)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,6 +95,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="also serve /metrics without a token on 127.0.0.1:PORT (0: only on the API port)")
+    parser.add_argument("--tls-cert", default="", help="PEM certificate: serve the API over HTTPS")
+    parser.add_argument("--tls-key", default="", help="its private key (PEM)")
+    parser.add_argument("--tls-ca", default="",
+                        help="PEM CA bundle: checks client certificates (mTLS) and the workers' P2P servers")
+    parser.add_argument("--tls-require-client-cert", action="store_true",
+                        help="accept only clients with a certificate the CA signed (mTLS)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow plain HTTP beyond loopback (the token crosses the network in clear)")
     args = parser.parse_args(argv)
     token = os.environ.get("KVFABRIC_CLUSTER__TOKEN") or None
     if args.token_file:
@@ -93,7 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run_controller(args.host, args.port, token, args.index, index_prefix=args.index_prefix,
                        instance_ttl_s=args.instance_ttl, max_body_bytes=args.max_body_bytes,
-                       log_level=args.log_level, metrics_port=args.metrics_port)
+                       log_level=args.log_level, metrics_port=args.metrics_port,
+                       tls=TLSFiles(args.tls_cert, args.tls_key, args.tls_ca, args.tls_require_client_cert),
+                       insecure=args.insecure)
     except ValueError as exc:
         print(f"kvfabric controller: {exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ import binascii
 import contextlib
 import hmac
 import logging
+import ssl
 from importlib import resources
 from typing import Any
 
@@ -56,12 +57,13 @@ log = logging.getLogger(__name__)
 
 def create_app(index: ChunkIndex | None = None, *, token: str | None = None, instance_ttl_s: float = 10.0,
                max_body_bytes: int = MAX_BODY_BYTES, sweep_interval_s: float | None = None,
-               control_timeout_s: float = 30.0, connect_timeout_s: float = 1.0) -> Any:
+               control_timeout_s: float = 30.0, connect_timeout_s: float = 1.0,
+               peer_tls: ssl.SSLContext | None = None) -> Any:
     """The ASGI app (FastAPI wrapped in the body-size guard). `app.state.controller` is the Controller
     (on the inner FastAPI app; the returned object exposes it as `.controller` too)."""
     ctl = Controller(index if index is not None else open_index("memory"), token=token,
                      instance_ttl_s=instance_ttl_s, control_timeout_s=control_timeout_s,
-                     connect_timeout_s=connect_timeout_s)
+                     connect_timeout_s=connect_timeout_s, peer_tls=peer_tls)
     interval = sweep_interval_s if sweep_interval_s is not None else max(0.1, min(instance_ttl_s / 2, 5.0))
 
     @contextlib.asynccontextmanager

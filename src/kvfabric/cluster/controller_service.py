@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 from collections import deque
@@ -61,14 +62,15 @@ class Controller:
     """State and logic behind the HTTP routes (usable directly in tests)."""
 
     def __init__(self, index: ChunkIndex, *, token: str | None = None, instance_ttl_s: float = 10.0,
-                 control_timeout_s: float = 30.0, connect_timeout_s: float = 1.0) -> None:
+                 control_timeout_s: float = 30.0, connect_timeout_s: float = 1.0,
+                 peer_tls: ssl.SSLContext | None = None) -> None:
         self.index = index
         self.token = token or None
         self.instance_ttl_s = instance_ttl_s
         self.control_timeout_s = control_timeout_s
         self.metrics = Metrics()
         self.peers = PeerPool(self.token, connect_timeout_s=connect_timeout_s, io_timeout_s=control_timeout_s,
-                              pool_size=2)
+                              pool_size=2, tls=peer_tls)  # workers' P2P servers, TLS where they use it
         # the status page's memory (this process only; a restarted controller starts a new history)
         self._history: dict[str, deque[HistoryPoint]] = {}
         self._recent: deque[HistoryEvent] = deque(maxlen=RECENT_EVENTS)

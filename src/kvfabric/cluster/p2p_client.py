@@ -1,6 +1,8 @@
 """Peer-to-peer chunk transfer, client side: `PeerClient`, `PeerPool`, `PeerError`, the receive buffer allocator.
 
-Client (`PeerClient`): one per peer address, thread safe, keeps up to `pool_size` idle connections.
+Client (`PeerClient`): one per peer address, thread safe, keeps up to `pool_size` idle connections. With `tls`
+(an ssl client context from kvfabric.tls) each connection is TLS, the server's certificate checked against the
+CA and the address; a refused handshake is a PeerError naming the reason ("certificate verify failed: ...").
 `fetch(keys)` streams (key, blob | None) in request order, each blob a memoryview of its own new buffer; any
 failure raises `PeerError` (after yielding what did arrive), never hangs past the timeouts.
 `PeerPool`: one `PeerClient` per (host, port), made on first use with the pool's settings; `close` closes them all.
@@ -10,6 +12,7 @@ The server side is `p2p_server`.
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -18,6 +21,7 @@ import numpy as np
 
 from kvfabric.cluster import protocol as p
 from kvfabric.framing import no_delay, recv_into
+from kvfabric.tls import handshake_error
 
 
 def new_buffer(size: int) -> memoryview:
@@ -33,8 +37,9 @@ class PeerError(Exception):
 class PeerClient:
     def __init__(self, host: str, port: int, token: str | None = None, *, connect_timeout_s: float = 1.0,
                  io_timeout_s: float = 5.0, max_frame_bytes: int = p.DEFAULT_MAX_FRAME_BYTES,
-                 pool_size: int = 4) -> None:
+                 pool_size: int = 4, tls: ssl.SSLContext | None = None) -> None:
         self.host, self.port = host, int(port)
+        self.tls = tls
         self.token = token
         self.connect_timeout_s = connect_timeout_s
         self.io_timeout_s = io_timeout_s
@@ -58,6 +63,13 @@ class PeerClient:
         except OSError as exc:
             raise PeerError(f"cannot connect to {self.host}:{self.port}: {exc}") from None
         no_delay(sock)
+        if self.tls is not None:
+            try:
+                sock = self.tls.wrap_socket(sock, server_hostname=self.host)  # handshake within connect_timeout_s
+            except (ssl.SSLError, OSError) as exc:
+                sock.close()
+                raise PeerError(f"TLS handshake with {self.host}:{self.port} refused: {handshake_error(exc)}") \
+                    from None
         return sock, False
 
     def _release(self, sock: socket.socket) -> None:
@@ -173,9 +185,9 @@ class PeerClient:
 class PeerPool:
     """One PeerClient per peer address, thread safe."""
 
-    def __init__(self, token: str | None, **client_kw: float) -> None:
+    def __init__(self, token: str | None, **client_kw) -> None:
         self.token = token
-        self.client_kw = client_kw  # PeerClient's keywords (timeouts, pool_size), for clients made from now on
+        self.client_kw = client_kw  # PeerClient's keywords (timeouts, pool_size, tls), for clients made from now on
         self._clients: dict[tuple[str, int], PeerClient] = {}
         self._lock = threading.Lock()
 

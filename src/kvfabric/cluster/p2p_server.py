@@ -1,7 +1,11 @@
 """Peer-to-peer chunk transfer, server side: a threaded TCP server that serves chunks from local tiers.
 
 `PeerServer`:
-- Binds 127.0.0.1 unless told otherwise; binding elsewhere needs a token. At most `max_connections`
+- Binds 127.0.0.1 unless told otherwise; binding elsewhere needs a token, and TLS (`tls`, an ssl server context
+  from kvfabric.tls) unless `insecure` (then a logged warning). With TLS every connection's handshake runs on its
+  own thread within `io_timeout_s`; a refused one (a client with the wrong CA or an expired certificate, a
+  plain-text client) is one logged line and counted (`tls_refused`), and the server keeps serving. A chunk kept
+  as a file goes out through TLS as read blocks, not sendfile. At most `max_connections`
   connections are served at once (one thread each; extra ones get ERROR 503 and are closed).
 - A connection waits at most `idle_timeout_s` for the next request and `io_timeout_s` for the rest of a frame;
   any protocol violation (bad magic, oversize or truncated body, bad token) gets an ERROR frame and the
@@ -20,10 +24,10 @@ The client side is `p2p_client`.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,26 +37,22 @@ from kvfabric.codec.format import fill_checksums
 from kvfabric.framing import no_delay, recv_into, send_all
 from kvfabric.counters import Counters
 from kvfabric.tiers.base import Blob, Tier
+from kvfabric.tls import check_exposure, handshake_error, is_loopback
 
 log = logging.getLogger(__name__)
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+FILE_BLOCK = 4 << 20  # a chunk file read and sent in blocks of this size through TLS (sendfile cannot encrypt)
 
 
 class PeerServer:
     def __init__(self, tiers: Sequence[Tier], *, token: str | None = None, host: str = "127.0.0.1", port: int = 0,
                  control: Callable[[dict], dict] | None = None, on_missing: Callable[[bytes], None] | None = None,
                  max_connections: int = 64, io_timeout_s: float = 10.0, idle_timeout_s: float = 60.0,
-                 max_keys: int = p.MAX_KEYS, max_request_bytes: int = p.MAX_REQUEST_BYTES) -> None:
+                 max_keys: int = p.MAX_KEYS, max_request_bytes: int = p.MAX_REQUEST_BYTES,
+                 tls: ssl.SSLContext | None = None, insecure: bool = False) -> None:
         if not token and not is_loopback(host):
             raise ValueError(f"the peer server binds {host!r}, beyond loopback: a token is required")
+        check_exposure(host, tls is not None, insecure, "the peer server")
+        self.tls = tls
         self.tiers = list(tiers)
         self._token = token.encode() if token else None
         self.control = control
@@ -66,7 +66,7 @@ class PeerServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self.counters = Counters({"requests": 0, "chunks_sent": 0, "bytes_sent": 0, "missing": 0,
-                                         "errors": 0, "rejected": 0, "sendfile": 0})
+                                         "errors": 0, "rejected": 0, "sendfile": 0, "tls_refused": 0})
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -110,8 +110,28 @@ class PeerServer:
         finally:
             conn.close()
 
+    def _handshake(self, conn: socket.socket) -> socket.socket | None:
+        """The connection wrapped in TLS, or None after a refused handshake (logged and counted)."""
+        assert self.tls is not None
+        try:
+            conn.settimeout(self.io_timeout_s)
+            wrapped = self.tls.wrap_socket(conn, server_side=True)
+        except (ssl.SSLError, OSError) as exc:
+            self.counters.add("tls_refused")
+            log.warning("peer server: TLS handshake refused: %s", handshake_error(exc))
+            return None
+        with self._lock:
+            self._conns.discard(conn)
+            self._conns.add(wrapped)
+        return wrapped
+
     def _serve(self, conn: socket.socket) -> None:
         try:
+            if self.tls is not None:
+                wrapped = self._handshake(conn)
+                if wrapped is None:
+                    return
+                conn = wrapped
             while not self._closing.is_set():
                 try:
                     kind, _, length = p.recv_header(conn, self.idle_timeout_s)
@@ -211,7 +231,9 @@ class PeerServer:
                 conn.sendall(p.pack_header(p.FrameType.CHUNK, p.KEY_BYTES + size, p.Status.OK) + key)
                 # socket.sendfile: os.sendfile, waiting within the socket's timeout when its buffer is full.
                 # The file is immutable once renamed into place (the disk tier's contract).
-                if conn.sendfile(f, 0, size) != size:
+                if self.tls is not None:
+                    self._send_blocks(conn, f, size)
+                elif conn.sendfile(f, 0, size) != size:
                     raise ConnectionError("file shrank while being sent")  # the client sees a failure
             with self._lock:
                 self.counters.add("chunks_sent")
@@ -219,6 +241,19 @@ class PeerServer:
                 self.counters.add("sendfile")
             return True
         return False
+
+    @staticmethod
+    def _send_blocks(conn: socket.socket, f, size: int) -> None:
+        """A file through TLS: read into one reused block, encrypted and sent from there (socket.sendfile on a
+        TLS socket would fall back to 8 KiB sends)."""
+        block = memoryview(bytearray(min(size, FILE_BLOCK)))
+        left = size
+        while left:
+            n = f.readinto(block[:min(left, len(block))])
+            if not n:
+                raise ConnectionError("file shrank while being sent")
+            conn.sendall(block[:n])
+            left -= n
 
     @staticmethod
     def _read(tiers: Sequence[Tier], key: bytes) -> Blob | None:

@@ -37,6 +37,7 @@ from kvfabric.cluster.p2p_client import PeerError, PeerPool
 from kvfabric.cluster.protocol import MAX_KEYS
 from kvfabric.config import ClusterConfig
 from kvfabric.tiers.base import Blob, TierBase, TierUsage
+from kvfabric.tls import TLSFiles, client_context
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,9 @@ class PeerTier(TierBase):
                  suspect_s: float = 10.0, max_cached_keys: int = 65536, fetch_threads: int = 4) -> None:
         """`settings`: the controller's URL, the token, and the lookup and fetch timeouts (ClusterConfig)."""
         self.settings = settings
-        self.controller = ControllerClient(settings.controller_url, settings.token or None, settings.lookup_timeout_s)
+        tls = client_context(TLSFiles.of(settings.tls))
+        self.controller = ControllerClient(settings.controller_url, settings.token or None, settings.lookup_timeout_s,
+                                           tls)
         self.instance_id = instance_id
         self.miss_ttl_s = miss_ttl_s
         self.suspect_s = suspect_s
@@ -88,7 +91,7 @@ class PeerTier(TierBase):
         self._suspects: dict[str, float] = {}
         self._slots: dict[bytes, _Slot] = {}
         self.peers = PeerPool(settings.token or None, connect_timeout_s=settings.connect_timeout_s,
-                              io_timeout_s=settings.fetch_timeout_s)
+                              io_timeout_s=settings.fetch_timeout_s, tls=tls)
         self._fetched: OrderedDict[bytes, float] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="kvfabric-peer-fetch")

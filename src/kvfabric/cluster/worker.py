@@ -32,6 +32,7 @@ from kvfabric.codec.format import ChunkFormatError, parse
 from kvfabric.config import ClusterConfig
 from kvfabric.hashing import KEY_BYTES
 from kvfabric.tiers.base import Blob, Tier
+from kvfabric.tls import TLSFiles, client_context, server_context
 
 
 def default_instance_id() -> str:
@@ -54,14 +55,16 @@ class ClusterNode:
         self.local: list[Tier] = [ObservedTier(t, self._changed, refuse) if t.name in settings.serve_tiers else t
                                   for t in local_tiers]
         self.served: dict[str, ObservedTier] = {t.name: t for t in self.local if isinstance(t, ObservedTier)}
+        tls = TLSFiles.of(settings.tls)
         self.server = PeerServer(list(self.served.values()), token=self.token, host=settings.p2p_host,
-                                 port=settings.p2p_port, control=self.control, on_missing=self._missing)
+                                 port=settings.p2p_port, control=self.control, on_missing=self._missing,
+                                 tls=server_context(tls), insecure=settings.insecure)
         self.advertise_host = settings.advertise_host or _advertised(settings.p2p_host)
         self.peers = PeerPool(self.token, connect_timeout_s=settings.connect_timeout_s,
-                              io_timeout_s=max(settings.fetch_timeout_s, 10.0))
+                              io_timeout_s=max(settings.fetch_timeout_s, 10.0), tls=client_context(tls))
         self.peer = PeerTier(settings, self.instance_id)
         self.reporter = Reporter(ControllerClient(settings.controller_url, self.token,
-                                                  max(2.0, settings.lookup_timeout_s)),
+                                                  max(2.0, settings.lookup_timeout_s), client_context(tls)),
                                  self.instance_id, self.info, self.served, interval_s=settings.report_interval_s,
                                  heartbeat_interval_s=settings.heartbeat_interval_s,
                                  reconcile_interval_s=settings.reconcile_interval_s, stats=self._stats)

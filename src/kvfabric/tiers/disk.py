@@ -20,6 +20,9 @@ Contract:
   plain file write of the same bytes here, most of it faults on the engine's thread.
 - A directory deleted while running is made again by the next put (the index starts over); a full file system
   makes puts fail (False, counted by the stack) until there is room again.
+- Modes (kvfabric.permissions): the directories it makes get `mode` (default 0700: only this user), chunk files
+  `mode` without execute bits (0600); a root directory that grants more than `mode` is a warning at start, an
+  error with `strict`. `disk.mode: "0770"` lets a group of service users share one cache directory.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from pathlib import Path
 from kvfabric.codec.format import HEADER_BYTES
 from kvfabric.counters import Counters
 from kvfabric.pages import Scratch
+from kvfabric.permissions import PRIVATE_DIR, check_mode, create_file, file_mode, make_private_dir
 from kvfabric.tiers.base import Blob, PolicyTier
 from kvfabric.tiers.policies import NO_META, AccessMeta, EvictionPolicy, make_index
 from kvfabric.tiers.pool import BlobPool
@@ -84,12 +88,15 @@ class DiskTier(PolicyTier):
     is_ranged = True  # open_ranged: a chunk file read one piece at a time
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, fsync: bool = False,
-                 eviction: str | EvictionPolicy = "lru", admission: str = "always") -> None:
+                 eviction: str | EvictionPolicy = "lru", admission: str = "always", mode: int = PRIVATE_DIR,
+                 strict: bool = False) -> None:
         self.root = Path(root).expanduser()
         self.capacity_bytes = capacity_bytes
         self.is_fsync = fsync
+        self.mode = mode
         self._tmp = self.root / "tmp"
-        self._tmp.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self._tmp, mode)
+        check_mode(self.root, mode, "disk cache directory", strict)
         self._index = make_index(capacity_bytes, eviction, admission, on_evict=self._evicted)
         self._writing: set[bytes] = set()  # booked in the index, file not yet in place
         self._dropped: set[bytes] = set()  # of those, evicted or deleted meanwhile: unlinked once written
@@ -246,8 +253,9 @@ class DiskTier(PolicyTier):
         path = self.path(key)
         tmp = self._tmp / f"{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
-            path.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb") as f:
+            if not path.parent.is_dir():
+                make_private_dir(path.parent, self.mode)
+            with open(create_file(tmp, file_mode(self.mode)), "wb") as f:
                 f.write(blob)
                 if self.is_fsync:
                     f.flush()
@@ -261,7 +269,7 @@ class DiskTier(PolicyTier):
     def _recreate(self) -> bool:
         """The directory is gone (deleted while running): make it again; the index forgets what was in it."""
         try:
-            self._tmp.mkdir(parents=True, exist_ok=True)
+            make_private_dir(self._tmp, self.mode)
         except OSError:
             return False
         self._index.clear()

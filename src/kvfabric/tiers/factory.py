@@ -26,12 +26,13 @@ def _cpu(config: Config) -> Tier:
 def _disk(config: Config) -> Tier:
     from kvfabric.tiers.disk import DiskTier
     c = config.disk
-    return DiskTier(c.resolved_path(), c.capacity, fsync=c.fsync, eviction=c.eviction, admission=c.admission)
+    return DiskTier(c.resolved_path(), c.capacity, fsync=c.fsync, eviction=c.eviction, admission=c.admission,
+                    mode=c.dir_mode, strict=config.strict_permissions)
 
 
 def _shm(config: Config) -> Tier:
     from kvfabric.tiers.shm import ShmTier
-    return ShmTier.from_config(config.shm)
+    return ShmTier.from_config(config.shm, strict_permissions=config.strict_permissions)
 
 
 def _redis(config: Config) -> Tier:

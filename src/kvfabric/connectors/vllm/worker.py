@@ -59,6 +59,7 @@ from kvfabric.connectors.vllm.threads import on_released
 from kvfabric.counters import Counters
 from kvfabric.events import ChunkEvents
 from kvfabric.layout import KVLayout
+from kvfabric.permissions import PRIVATE_FILE, create_file
 
 # The worker process's GIL switch interval once the connector is attached (CPython's default: 5 ms). A load
 # thread's Python steps (a chunk's lookup, open and header checks before the native copy) each wait up to one
@@ -315,7 +316,9 @@ class WorkerSide:
         path = Path(self.stats_path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            tmp.write_text(json.dumps(self.stats(), indent=1, sort_keys=True))
+            tmp.unlink(missing_ok=True)  # left by a process of the same pid that died mid-write
+            with open(create_file(tmp, PRIVATE_FILE), "w") as f:  # 0600, as everything kvfabric keeps
+                f.write(json.dumps(self.stats(), indent=1, sort_keys=True))
             os.replace(tmp, path)
         except OSError as exc:
             logger.warning("kvfabric: cannot write stats to %s: %s", path, exc)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from kvfabric.counters import Counters
 from kvfabric.pages import Scratch
+from kvfabric.permissions import PRIVATE_FILE, check_mode
 from kvfabric.tiers.base import Blob
 from kvfabric.tiers.pool import BlobPool
 from kvfabric.tiers.shm.coherence import CacheOps
@@ -72,7 +73,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 class Arena:
     def __init__(self, name: str, capacity_bytes: int, *, root: str | os.PathLike, num_slots: int | None,
-                 lock_timeout_s: float, counters: Counters, ops: CacheOps | None = None) -> None:
+                 lock_timeout_s: float, counters: Counters, ops: CacheOps | None = None,
+                 strict_permissions: bool = False) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         if not name or "/" in name or name.startswith("."):
@@ -99,6 +101,8 @@ class Arena:
         try:
             with self.locked(timeout_s=max(30.0, lock_timeout_s)):
                 self._open(strict=True)
+            for path, what in ((self.path, "shm pool"), (self.lock_path, "shm pool lock file")):
+                check_mode(path, PRIVATE_FILE, what, strict_permissions)  # made 0600; one made by hand may not be
         except BaseException:
             os.close(self._lock_fd)
             raise

@@ -49,18 +49,20 @@ class ShmTier(TierBase):
 
     def __init__(self, name: str = "kvfabric", capacity_bytes: int = 2**30, *, root: str | os.PathLike = DEFAULT_ROOT,
                  num_slots: int | None = None, lock_timeout_s: float = 2.0, coherent: bool = True,
-                 ops: CacheOps | None = None) -> None:
+                 ops: CacheOps | None = None, strict_permissions: bool = False) -> None:
         """coherent=False: the publish protocol's flushes and invalidations run (coherence.py); `ops` replaces
-        the primitives (a recording shim in the tests)."""
+        the primitives (a recording shim in the tests). A pool or lock file that grants more than 0600 is a
+        warning, an error with `strict_permissions`."""
         self.counters = Counters()
         self.allocator = Allocator(self.counters)
         self.arena = Arena(name, capacity_bytes, root=root, num_slots=num_slots, lock_timeout_s=lock_timeout_s,
-                           counters=self.counters, ops=ops or cache_ops(coherent))
+                           counters=self.counters, ops=ops or cache_ops(coherent),
+                           strict_permissions=strict_permissions)
 
     @classmethod
-    def from_config(cls, config: ShmTierConfig) -> ShmTier:
+    def from_config(cls, config: ShmTierConfig, strict_permissions: bool = False) -> ShmTier:
         return cls(config.name, config.capacity, root=config.root, lock_timeout_s=config.lock_timeout_s,
-                   coherent=config.coherent)
+                   coherent=config.coherent, strict_permissions=strict_permissions)
 
     @staticmethod
     def destroy(name: str, root: str | os.PathLike = DEFAULT_ROOT) -> None:
