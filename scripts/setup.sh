@@ -3,7 +3,8 @@
 #   .venv (Python 3.11) with torch==2.13.0 (CPU build) and kvfabric[test] (every extra, at the versions of
 #   scripts/constraints.txt); the SmolLM2 model (converted once under ~/.cache/kvfabric/models). With --test also redis-server, chromium, prometheus and faketime (Debian),
 #   the Mooncake client (kvfabric[mooncake] plus Debian's libibverbs1), the vLLM venv (.venv-vllm) and the SGLang
-#   venv (.venv-sglang), and the Gemma-3-270m and Qwen2.5-Coder-0.5B models for the real-model layout tests.
+#   venv (.venv-sglang), the Gemma-3-270m and Qwen2.5-Coder-0.5B models for the real-model layout tests, and
+#   (as root) two system users without a login, kvfabric-test-a and kvfabric-test-b, for the file-mode tests.
 # Re-running skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +59,13 @@ debian() {
     say "installing ${missing[*]} (Debian)"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+  # two unprivileged users for the file-mode tests (tests/test_permissions_users.py: a second user cannot read
+  # the first one's cache); system accounts, no home, no login
+  if [ "$(id -u)" = 0 ]; then
+    for user in kvfabric-test-a kvfabric-test-b; do
+      id "$user" >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin "$user"
+    done
   fi
 }
 

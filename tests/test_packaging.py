@@ -45,7 +45,8 @@ def test_core_dependencies_are_ranges_and_extras_cover_the_optional_modules():
     assert not [r for r in core if "==" in r], "a pin in the core fights vLLM's / SGLang's own"
     optional = PYPROJECT["optional-dependencies"]
     distributions = {"transformers": "transformers", "accelerate": "accelerate", "gguf": "gguf",
-                     "constriction": "constriction", "av": "av", "matplotlib": "matplotlib"}
+                     "constriction": "constriction", "av": "av", "matplotlib": "matplotlib",
+                     "cryptography": "cryptography"}
     assert set(distributions) == set(EXTRAS)
     for module, extra in EXTRAS.items():
         assert distributions[module] in {_name(r) for r in optional[extra]}, (module, extra)

@@ -13,6 +13,7 @@ EXTRAS = {  # top-level module -> the extra that installs it
     "constriction": "cachegen",  # CacheGen's arithmetic coder
     "av": "video",  # KVFetcher's video codec
     "matplotlib": "plot",  # benchmark plots
+    "cryptography": "security",  # sealed chunks (AEAD) and `bench p2p --tls`'s throw-away certificate
 }
 
 

@@ -29,6 +29,10 @@ def recv_into(sock: socket.socket, view: memoryview, timeout_s: float | None = N
               deadline: float | None = None) -> None:
     """Fill `view` from `sock`. Raises PeerClosed, TimeoutError or OSError."""
     pos, size = 0, len(view)
+    if deadline is None and timeout_s is not None:
+        # one timeout for every wait: a TLS socket returns one record (16 KiB) a call, hundreds a chunk
+        sock.settimeout(timeout_s)
+        timeout_s = None
     while pos < size:
         if timeout_s is not None or deadline is not None:
             wait = timeout_s

@@ -11,6 +11,8 @@ Contract:
   verify failed: certificate has expired", "wrong version number" for a plain-text peer ...).
 - `check_exposure(host, tls, insecure, what)`: a server bound beyond loopback without TLS refuses to start
   (`TLSConfigError`) unless `insecure`, and then logs one warning: tokens and chunks cross the network in clear.
+- `self_signed(folder)`: a throw-away certificate for 127.0.0.1 and its key (for benchmarks: `bench p2p --tls`);
+  needs `cryptography` (the `security` extra).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import ipaddress
 import logging
 import ssl
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,33 @@ def client_context(files: TLSFiles) -> ssl.SSLContext | None:
     if not files.ca:
         ctx.load_default_certs()
     return _load(ctx, files, own_cert=True)
+
+
+def self_signed(folder: Path, days: int = 1) -> TLSFiles:
+    """A self-signed certificate for 127.0.0.1 / localhost (its own CA) and its key, written 0600 into folder."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvfabric self-signed")])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                                        x509.DNSName("localhost")]), critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = folder / "self-signed.pem", folder / "self-signed.key"
+    for path, data in ((cert_path, cert.public_bytes(serialization.Encoding.PEM)),
+                       (key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                    serialization.NoEncryption()))):
+        path.write_bytes(data)
+        path.chmod(0o600)
+    return TLSFiles(str(cert_path), str(key_path), str(cert_path))
 
 
 def handshake_error(exc: BaseException) -> str:

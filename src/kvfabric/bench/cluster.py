@@ -12,6 +12,9 @@ controller `move` of a 4k-token prompt's chunks.
   checksums and the key checked per chunk, promotion into the local cpu tier): the real miss path.
 - move: POST /v1/move of a 4096-token prompt's chunks from instance A's cpu tier to instance B's cpu or disk
   tier (controller, two nodes, all on loopback); time, bytes and GB/s, beside the raw socket time of the bytes.
+- with `--tls`: the same fetches (cpu tier, and disk tier: TLS has no sendfile) over TLS (a throw-away
+  self-signed certificate, kvfabric.tls), paired with the plain P2P fetch of the same chunks in the same run: rows
+  with `tls: true` carry `ratio_vs_plain` (TLS throughput / plain P2P throughput; target >= 0.8).
 """
 from __future__ import annotations
 
@@ -143,6 +146,39 @@ def bench_fetch(num_chunks: int, repeats: int, root: Path) -> list[dict]:
                  "chunk", chunks=num_chunks, path="served with sendfile from the page cache")]
 
 
+def bench_fetch_tls(num_chunks: int, repeats: int, root: Path) -> list[dict]:
+    """P2P fetch over TLS vs plain P2P, cpu and disk tiers, alternated in the same run."""
+    from kvfabric.tls import client_context, self_signed, server_context
+
+    files = self_signed(root)
+    keys, blobs = make_chunks(num_chunks)
+    num_bytes = sum(map(len, blobs))
+    cpu, disk = CpuTier(num_bytes * 2), DiskTier(root / "served-tls", num_bytes * 2)
+    for key, blob in zip(keys, blobs):
+        cpu.put(key, blob)
+        disk.put(key, blob)
+    rows = []
+    for name, tier in (("fetch", cpu), ("fetch (disk tier)", disk)):
+        plain_server = PeerServer([tier], token=TOKEN).start()
+        tls_server = PeerServer([tier], token=TOKEN, tls=server_context(files)).start()
+        plain = PeerClient(plain_server.host, plain_server.port, TOKEN)
+        secure = PeerClient(tls_server.host, tls_server.port, TOKEN, tls=client_context(files))
+        try:
+            got = secure.fetch_all(keys)
+            assert all(got[k] == b for k, b in zip(keys, blobs)), "P2P over TLS returned different bytes"
+            tls_s, plain_s = paired(lambda: secure.fetch_all(keys), lambda: plain.fetch_all(keys), repeats)
+        finally:
+            for c in (plain, secure):
+                c.close()
+            plain_server.close()
+            tls_server.close()
+        row = _row(name, num_bytes, tls_s, plain_s, "plain P2P fetch of the same chunks", chunks=num_chunks,
+                   tls=True)
+        row["ratio_vs_plain"], row["target"] = row["ratio"], 0.8
+        rows.append(row)
+    return rows
+
+
 def start_controller() -> tuple[Any, threading.Thread, str]:
     """A controller (in-memory index, token TOKEN) on a free loopback port, served by a thread of this process:
     (uvicorn server, its thread, url). Stop it with `server.should_exit = True; thread.join()`."""
@@ -239,14 +275,16 @@ def bench_cluster(num_tokens: int, repeats: int, root: Path) -> list[dict]:
 
 
 def run(as_json: bool = False, repeats: int = 5, quick: bool = False, num_chunks: int | None = None,
-        move_tokens: int = 4096) -> list[dict]:
+        move_tokens: int = 4096, tls: bool = False) -> list[dict]:
     chunks = num_chunks or (8 if quick else 16)
     with tempfile.TemporaryDirectory(prefix="kvfabric-bench-p2p-", dir=os.environ.get("KVFABRIC_BENCH_DIR")) as tmp:
-        rows = bench_fetch(chunks, repeats, Path(tmp))
+        rows = [{**row, "tls": False} for row in bench_fetch(chunks, repeats, Path(tmp))]
+        if tls:
+            rows += bench_fetch_tls(chunks, repeats, Path(tmp))
         rows += bench_cluster(move_tokens if not quick else min(move_tokens, 2048), max(2, repeats // 2 + 1),
                               Path(tmp))
     emit(rows, as_json, f"kvfabric bench p2p ({threads_note()}, {time.strftime('%H:%M:%S')})",
-         ["op", "mb", "gbps", "baseline_gbps", "ratio", "target", "seconds", "baseline"])
+         ["op", "tls", "mb", "gbps", "baseline_gbps", "ratio", "target", "seconds", "baseline"])
     return rows
 
 
