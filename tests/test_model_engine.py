@@ -90,6 +90,21 @@ def test_full_prompt_hit_recomputes_last_token(smol, tmp_path):
         assert (res.logits - full_logits(smol[1], ids)).abs().max().item() < 1e-4
 
 
+def test_tenant_mode_serves_an_engine_without_a_salt_without_the_cache(smol, tmp_path, caplog):
+    path, model, tok = smol
+    cache = DiskTierConfig(path=str(tmp_path))
+    with HFEngine(path, model=model, tokenizer=tok, kv_dtype="float32",
+                  config=Config(chunk_size=16, tiers=("cpu", "disk"), disk=cache, tenant_mode=True)) as anon:
+        assert anon.is_tenantless and "no cache is used" in caplog.text
+        first, again = anon.generate(PROMPT, 2), anon.generate(PROMPT, 2)
+        assert first.hit_tokens == again.hit_tokens == 0 and anon.cache.lookup(anon.encode(PROMPT)) == 0
+    config = Config(chunk_size=16, tiers=("cpu", "disk"), disk=cache, tenant_mode=True, salt="tenant-a")
+    with HFEngine(path, model=model, tokenizer=tok, kv_dtype="float32", config=config) as tenant:
+        assert not tenant.is_tenantless
+        tenant.generate(PROMPT, 2)
+        assert tenant.generate(PROMPT, 2).hit_tokens > 0  # a named tenant keeps its cache
+
+
 def test_fp16_storage_same_greedy_text_small_kl(smol, tmp_path):
     with make_engine(smol, tmp_path, kv_dtype="float16") as eng:
         assert eng.layout.dtype == "float16"

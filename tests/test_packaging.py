@@ -33,7 +33,8 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 """
 NEEDS_EXTRAS = ("kvfabric.bench.", "kvfabric.research.", "kvfabric.engines.",  # HF models, plots, constriction
-                "kvfabric.connectors.")  # vLLM, SGLang
+                "kvfabric.connectors.",  # vLLM, SGLang
+                "kvfabric.seal", "kvfabric.tiers.sealed")  # cryptography (sealed chunks)
 
 
 def _name(requirement: str) -> str:
@@ -85,6 +86,17 @@ def test_a_command_that_needs_an_extra_says_which_in_one_line(argv, tmp_path):
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
     assert lines[0].startswith("kvfabric: ") and "pip install 'kvfabric[hf]'" in lines[0]
+
+
+def test_sealing_without_its_extra_is_one_line_naming_it(tmp_path):
+    import base64
+    env = {**os.environ, "KVFABRIC_HOME": str(tmp_path), "KVFABRIC_TIERS": "cpu,disk", "KVFABRIC_SEAL__TIERS": "disk",
+           "KVFABRIC_SEAL__KEYS": base64.b64encode(bytes(32)).decode()}
+    done = subprocess.run([sys.executable, "-c", BLOCK + "from kvfabric.cli import main; main()", "cache", "stats"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert "seal.keys" in lines[0] and "pip install 'kvfabric[security]'" in lines[0]
 
 
 def test_info_works_without_the_extras(tmp_path):

@@ -337,6 +337,17 @@ def test_token_keys_skip_lora_and_salt_selects_a_namespace(tmp_path):
     both = SchedulerSide(salted_config, layout, "m", 128, "tokens", client=side.lookup.client).request_keys(
         SimpleNamespace(**{**vars(plain), "cache_salt": "tenant"}))
     assert not {*both} & {*salted}
+    # tenant mode: a request that names no tenant is served without the cache (no keys: no lookup, load or store)
+    tenants = Config.from_dict({**config.to_dict(), "tenant_mode": True})
+    for key_mode in ("tokens", "vllm"):
+        strict = SchedulerSide(tenants, layout, "m", 128, key_mode, client=side.lookup.client)
+        blocks = [bytes([i]) * 32 for i in range(4)]
+        assert strict.request_keys(SimpleNamespace(**{**vars(plain), "block_hashes": blocks})) == []
+        assert strict.num_new_matched_tokens(SimpleNamespace(**{**vars(plain), "request_id": "e", "num_tokens": 600,
+                                                                 "kv_transfer_params": None}), 0) == 0
+        named = strict.request_keys(SimpleNamespace(**{**vars(plain), "request_id": "f", "cache_salt": "tenant",
+                                                       "block_hashes": blocks}))
+        assert len(named) == 2 and (key_mode == "vllm" or named == salted)
 
 
 def test_a_chunk_that_failed_a_load_is_not_offered_again(tmp_path):

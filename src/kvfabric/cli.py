@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 
 # Before torch loads: with the default (active) wait policy, OpenMP threads spin at every barrier, and on a
-# small machine whose other cores are busy a decode step measured 30-60x slower. Passive waiting costs a wake-up
-# per parallel region when the machine is idle. A user's own setting wins.
+# small machine whose other cores are busy a decode step runs many times slower (docs/design/measurements.md).
+# Passive waiting costs a wake-up per parallel region when the machine is idle. A user's own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import dataclasses  # noqa: E402
@@ -367,10 +367,13 @@ def bench() -> None:
 @click.option("--redis-url", default=None, help="Also measure the redis tier against raw redis-py on this server.")
 @click.option("--mooncake", is_flag=True, help="Also measure the mooncake tier against raw Mooncake and a loopback "
               "socket (starts a private mooncake_master and a storage process on loopback).")
-def bench_tiers(as_json: bool, repeats: int, quick: bool, redis_url: str | None, mooncake: bool) -> None:
+@click.option("--seal", is_flag=True, help="With --redis-url: also the sealed redis tier (AES-256-GCM) vs the plain.")
+def bench_tiers(as_json: bool, repeats: int, quick: bool, redis_url: str | None, mooncake: bool, seal: bool) -> None:
     """Tier store/retrieve throughput vs raw copy / file I/O of the same bytes."""
     from kvfabric.bench.tiers import run
-    run(as_json=as_json, repeats=repeats, quick=quick, redis_url=redis_url, mooncake=mooncake)
+    if seal and not redis_url:
+        raise click.UsageError("--seal measures the sealed redis tier: give --redis-url too")
+    run(as_json=as_json, repeats=repeats, quick=quick, redis_url=redis_url, mooncake=mooncake, seal=seal)
 
 
 @bench.command("trace")
@@ -429,10 +432,11 @@ def bench_soak(duration: float, num_threads: int, as_json: bool, plot: str | Non
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--repeats", default=5, show_default=True)
 @click.option("--quick", is_flag=True, help="Fewer chunks (a smoke run).")
-def bench_p2p(as_json: bool, repeats: int, quick: bool) -> None:
+@click.option("--tls", is_flag=True, help="Also fetch over TLS (a throw-away certificate), vs plain P2P.")
+def bench_p2p(as_json: bool, repeats: int, quick: bool, tls: bool) -> None:
     """Peer-to-peer fetch vs a raw loopback socket of the same bytes; a `move` of a 4k-token prompt."""
     from kvfabric.bench.cluster import run
-    run(as_json=as_json, repeats=repeats, quick=quick)
+    run(as_json=as_json, repeats=repeats, quick=quick, tls=tls)
 
 
 @bench.command("vllm", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,

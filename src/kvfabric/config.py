@@ -181,6 +181,22 @@ class MooncakeTierConfig(_TierSection):
             raise ConfigError(f"mooncake.timeout_s: must be positive, got {self.timeout_s}")
 
 
+SEALABLE_TIERS = ("redis", "mooncake", "disk", "shm")
+
+
+@dataclass(frozen=True, slots=True)
+class SealConfig:
+    """Chunks sealed (AES-256-GCM, the chunk key as associated data: kvfabric.seal) before they reach the tiers
+    named here; off while no key is set. Needs the `security` extra."""
+    keys: str = ""  # base64 32-byte keys, comma-separated: the first seals, all open (set it: KVFABRIC_SEAL__KEYS)
+    tiers: tuple[str, ...] = ("redis", "mooncake")  # the tiers that store sealed chunks (of redis, mooncake, disk, shm)
+
+    def __post_init__(self) -> None:
+        for name in self.tiers:
+            if name not in SEALABLE_TIERS:
+                raise ConfigError(f"seal.tiers: {name!r} cannot be sealed; allowed: {', '.join(SEALABLE_TIERS)}")
+
+
 @dataclass(frozen=True, slots=True)
 class TLSConfig:
     """TLS of the P2P server and its clients and of the calls to the controller (kvfabric.tls); no cert: plain."""
@@ -294,6 +310,7 @@ class Config:
     chunk_size: int = 256  # tokens per chunk: the unit that is hashed, stored and loaded
     hash: Literal["sha256", "blake3"] = "sha256"  # the chunk-key hash (keys differ between the two)
     salt: str = ""  # tenant salt: separates key namespaces
+    tenant_mode: bool = False  # every request names its tenant (vLLM cache_salt; the engine's salt), else no cache
     save_partial_chunk: bool = False  # also store a prompt's trailing partial chunk (hit only by the same prompt)
     codec: str = "raw"  # raw | int8 | cachegen, optionally with a level ("cachegen:6"); tiers may override
     tiers: tuple[str, ...] = ("cpu", "disk")  # fastest first, from cpu, shm, disk, redis, mooncake, peer
@@ -309,6 +326,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     strict_permissions: bool = False  # a cache folder or pool readable by others: an error (default: a warning)
+    seal: SealConfig = field(default_factory=SealConfig)
     mode: Literal["inproc", "server"] = "inproc"  # server: engines use `kvfabric server` (section `server`)
     server: ServerConfig = field(default_factory=ServerConfig)
 

@@ -1,6 +1,8 @@
 """Benchmarks of the shared tiers (shm pool, Redis), each beside a raw baseline of the same bytes in the same run.
 
 - redis: the tier's put / get vs raw redis-py SET / GET of the same bytes on the same server (its own client);
+  with `seal`, also the sealed tier (tiers/sealed.py: AES-256-GCM) vs the plain tier, rows with `sealed: true`
+  and `ratio_vs_unsealed` (target >= 0.8);
 - shm: store = tier.put vs a memcpy of the same bytes into a preallocated buffer, in this process; retrieve = a
   read *from another process* (the point of the pool) vs a memcpy of the same bytes in that process, both through
   `get_into` (the stack's fast path: a reused buffer) and through `get` (a fresh private copy each time).
@@ -66,7 +68,7 @@ def _payload(size: int, seed: int) -> bytes:
 
 # ---- redis -------------------------------------------------------------------------------------------------
 def bench_redis(url: str, sizes: Mapping[str, int] | tuple | list | None = None, repeats: int = 3,
-                is_cluster: bool = False, timeout_s: float = 2.0) -> list[dict]:
+                is_cluster: bool = False, timeout_s: float = 2.0, seal: bool = False) -> list[dict]:
     import redis
 
     from kvfabric.tiers.redis import RedisTier
@@ -101,12 +103,48 @@ def bench_redis(url: str, sizes: Mapping[str, int] | tuple | list | None = None,
                 raise RuntimeError("redis returned different bytes")
             rows += [_row("redis", "store", name, size, store_s, set_s, "raw redis-py SET, same bytes, same server"),
                      _row("redis", "retrieve", name, size, retrieve_s, get_s, "raw redis-py GET, same bytes/server")]
+            if seal:
+                rows += _sealed_rows(url, is_cluster, timeout_s, tier, key, blob, name, repeats)
             tier.delete(key)
             raw.delete(raw_key)
     finally:
         tier.close()
         raw.close()
     return rows
+
+
+def _sealed_rows(url: str, is_cluster: bool, timeout_s: float, plain, key: bytes, blob: bytes, name: str,
+                 repeats: int) -> list[dict]:
+    """The sealed redis tier vs the plain one, same bytes, same server, alternated."""
+    from kvfabric.seal import Sealer
+    from kvfabric.tiers.redis import RedisTier
+    from kvfabric.tiers.sealed import SealedTier
+
+    sealed = SealedTier(RedisTier(url, is_cluster=is_cluster, timeout_s=timeout_s), Sealer([os.urandom(32)]))
+    sealed_key = hashlib.sha256(b"sealed" + key).digest()
+    got: list[object] = [None]
+    try:
+        def put() -> None:
+            if not sealed.put(sealed_key, blob):
+                raise RuntimeError("sealed redis put failed")
+
+        def get() -> None:
+            got[0] = sealed.get(sealed_key)
+
+        put(), get()
+        store_s, plain_store_s = paired(put, lambda: plain.put(key, blob), repeats)
+        retrieve_s, plain_retrieve_s = paired(get, lambda: plain.get(key), repeats)
+        if bytes(got[0]) != blob:
+            raise RuntimeError("the sealed tier returned different bytes")
+        rows = [_row("redis", "store", name, len(blob), store_s, plain_store_s, "the plain redis tier, same bytes"),
+                _row("redis", "retrieve", name, len(blob), retrieve_s, plain_retrieve_s,
+                     "the plain redis tier, same bytes")]
+        for row in rows:
+            row.update(sealed=True, ratio_vs_unsealed=row["ratio"], cipher="AES-256-GCM")
+        return rows
+    finally:
+        sealed.delete(sealed_key)
+        sealed.close()
 
 
 # ---- shm ---------------------------------------------------------------------------------------------------

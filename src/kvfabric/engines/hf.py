@@ -27,6 +27,7 @@ An ``HFEngine`` is not thread-safe (it owns one reusable buffer).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from kvfabric.builder import build_engine
 from kvfabric.remote import RemoteCache
 
 PREFILL_PIECE = 512  # tokens per forward when the caller wants prefill progress
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,11 @@ class HFEngine:
         if cache is None:
             cache = build_engine(config or Config(), self.layout, self.model_id)  # mode: server too
         self.cache = cache
+        # tenant mode: an engine that names no tenant (no salt) is served without the cache, never in a shared
+        # namespace whose hits (and their timing) other tenants could see
+        self.is_tenantless = bool((config or Config()).tenant_mode and not (config or Config()).salt)
+        if self.is_tenantless:
+            log.warning("kvfabric: tenant_mode is on and this engine names no tenant (salt): no cache is used")
         ours = layout_for(model.config, self.cache.layout.dtype)
         if self.cache.layout != ours:
             raise ValueError(f"cache layout {self.cache.layout} does not match the model's {ours}")
@@ -194,6 +202,7 @@ class HFEngine:
         max_new = min(max_new_tokens, self.max_positions - n)
         buf = self._workspace(n + max(max_new, 1))  # [L, 2, H, n + new, D] fp32
 
+        use_cache = use_cache and not self.is_tenantless
         hit = self.cache.lookup(ids) if use_cache else 0
         got = self.cache.retrieve(ids[:hit], out=buf).shape[3] if hit else 0  # tokens now in buf[..., :got, :]
         past = min(got, n - 1)  # always recompute at least the last prompt token

@@ -4,6 +4,8 @@ Contract:
 - `build_tiers(config, names=None)`: the tiers `names` (default: `config.tiers`), in that order, each built from
   its own config section. Only local tiers are built here: "peer" (a cluster membership, not a store) is
   composed by the engine with a cluster node; asking for it, or an unknown name, raises ConfigError.
+- With `seal.keys` set, the tiers named in `seal.tiers` are built wrapped in a SealedTier (tiers/sealed.py): their
+  chunks are stored sealed. A key that is not usable is a ConfigError, one line.
 - `codec_spec(config, name)`: the codec spec of tier `name`'s section ("" = the engine's codec; also for tiers
   without a section, such as the peer tier). The engine encodes each chunk once per distinct codec.
 Heavy dependencies (redis-py, the shm pool, the Mooncake client) are imported only when such a tier is built.
@@ -57,13 +59,35 @@ BUILDERS: dict[str, tuple[Callable[[Config], Any], Callable[[Config], Tier]]] = 
 }
 
 
+def _sealer(config: Config) -> Any:
+    if not config.seal.keys:
+        return None
+    try:
+        from kvfabric.seal import SealKeyError, Sealer, parse_keys
+    except ModuleNotFoundError as exc:
+        from kvfabric.extras import missing_extra
+        found = missing_extra(exc)
+        if found is None:
+            raise
+        raise ConfigError(f"seal.keys: {found}") from None
+    try:
+        return Sealer(parse_keys(config.seal.keys))
+    except SealKeyError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def build_tiers(config: Config, names: Sequence[str] | None = None) -> list[Tier]:
     tiers: list[Tier] = []
+    sealer = _sealer(config)
     try:
         for name in config.tiers if names is None else names:
             if name not in BUILDERS:
                 raise ConfigError(f"tiers: {name!r} is not a local tier; local tiers: {', '.join(BUILDERS)}")
-            tiers.append(BUILDERS[name][1](config))
+            tier = BUILDERS[name][1](config)
+            if sealer is not None and name in config.seal.tiers:
+                from kvfabric.tiers.sealed import SealedTier
+                tier = SealedTier(tier, sealer)
+            tiers.append(tier)
     except BaseException:
         for tier in tiers:  # a later tier failed (e.g. no room in /dev/shm): release what was built
             tier.close()

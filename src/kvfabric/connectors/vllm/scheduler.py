@@ -8,7 +8,8 @@ Contract:
   chunk data is read here; a worker that does not answer is a miss. The answer is chunk-aligned, minus what vLLM
   already has; a hit covering the whole prompt leaves its last token to compute.
 - Key mode "tokens": a request's ``cache_salt`` S moves its keys into the namespace of tenant salt S (see
-  ``config``); LoRA and multimodal requests are not cached.
+  ``config``); LoRA and multimodal requests are not cached. With ``tenant_mode`` a request without a cache_salt
+  (in either key mode) is served without the cache: nothing looked up, loaded or stored for it.
 - Load mode "async": the connector answers ``is_async=True``; vLLM allocates the blocks, parks the request in
   WAITING_FOR_REMOTE_KVS and calls `after_alloc` (a second call with 0 external tokens follows once the KV is in
   place; it changes nothing). The load is emitted in the next `build_meta` although the request is not
@@ -143,6 +144,7 @@ class SchedulerSide:
             raise ConfigError(f"key_mode vllm needs chunk_size ({config.chunk_size}) to be a multiple of vLLM's "
                               f"block size ({block_size})")
         self.lookup = ChunkLookup(config, layout, model_id, client)
+        self.tenant_mode = config.tenant_mode
         self._warned: set[str] = set()
         self.states: dict[str, _ReqState] = {}
         self.keys: dict[str, list[ChunkKey]] = {}  # per request: keys of its prompt's whole chunks
@@ -157,7 +159,13 @@ class SchedulerSide:
                                  // self.chunk_size):
             return keys
         tokens = request.prompt_token_ids
-        if not tokens:
+        if self.tenant_mode and not getattr(request, "cache_salt", None):
+            if "tenant" not in self._warned:
+                self._warned.add("tenant")
+                logger.warning("kvfabric: tenant_mode is on: requests without a cache_salt are served without the "
+                               "cache")
+            keys = []
+        elif not tokens:
             keys = []
         elif self.key_mode == "vllm":
             keys = self.lookup.keys_from_block_hashes(request.block_hashes, len(tokens), self.block_size)
