@@ -117,8 +117,8 @@ class LookupService:
                         raise ProtocolError("keys: a list of byte strings")
                     num_tokens = _count(message, "num_tokens", 1 << 40)
                     found = self.cache.lookup_keys(keys, num_tokens or None)
+                    self.counters.add("lookups")  # before the answer: a client that has it sees it counted
                     _send(conn, {"num_chunks": found.num_chunks, "num_in_memory": found.num_in_memory})
-                    self.counters.add("lookups")
                 except ProtocolError as exc:
                     if not isinstance(exc, ConnectionError):  # a closed connection is how a client says goodbye
                         self.counters.add("bad_requests")
