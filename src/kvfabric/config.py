@@ -88,8 +88,8 @@ class _TierSection:
 class CpuTierConfig(_TierSection):
     capacity: ByteSize = 4 * 2**30  # bytes of chunks this process keeps in memory; least useful ones leave first
     codec: str = ""  # "" = the top-level codec; e.g. "cachegen:6" keeps this tier's copy compressed
-    eviction: EvictionName = "lru"  # which chunk leaves when the tier is full (heat: best on the Mooncake
-    # traces, +1.6 to +5 points of prefix hits, but its bookkeeping costs ~2x LRU's: over 2 us/access here)
+    eviction: EvictionName = "lru"  # which chunk leaves when the tier is full (heat: the most prefix hits on the
+    # Mooncake traces, but its bookkeeping costs more per access than LRU's: docs/design/measurements.md)
     admission: AdmissionName = "always"  # whether a new chunk is stored at all ("second": on its second miss)
     premap: ByteSizeOrZero = 512 * 2**20  # free chunk buffers a background thread keeps mapped ahead of the saves of
     # the vLLM worker, between steps (0: none): a save into fresh memory faults every page in on the engine thread
@@ -139,7 +139,7 @@ class RedisTierConfig(_TierSection):
     capacity: ByteSize = 2**40  # informational: the server's maxmemory is the real bound
     breaker_failures: int = 3  # consecutive failures that open the circuit
     backoff_max_s: float = 30.0  # the open circuit's longest wait before it tries the server again
-    codec: str = ""  # "" = the top-level codec; "cachegen" sends ~4x fewer bytes over the network
+    codec: str = ""  # "" = the top-level codec; "cachegen" sends several times fewer bytes over the network
 
 
 @dataclass(frozen=True, slots=True)

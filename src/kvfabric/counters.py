@@ -3,7 +3,7 @@
 Contract: `add(name, n)` is atomic (one lock; `counter[name] += n` on a plain dict or Counter is a read then a
 write, and two threads can lose an update or, while a third copies the dict, raise "dictionary changed size
 during iteration"). `snapshot()` is a consistent copy. `get(name)` is 0 for a name never bumped. Cheap enough for
-per-chunk use (a lock and a dict update, ~100 ns); not meant for per-token loops.
+per-chunk use (a lock and a dict update); not meant for per-token loops.
 """
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ def token_bytes(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> memoryview
         data = np.ascontiguousarray(tokens, dtype="<u4").tobytes()
         return memoryview(data)
     try:
-        # array('I') converts a Python list ~2x faster than numpy and rejects negatives/overflow itself.
+        # array('I') converts a Python list faster than numpy does, and rejects negatives/overflow itself.
         arr = array.array("I", tokens)
     except (OverflowError, TypeError) as exc:
         raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from None

@@ -6,9 +6,9 @@ Contract:
   counters end in `_total`; latencies are histograms over `LATENCY_BUCKETS_S`. `METRICS` is the one table of
   every name, type, help text and label set, shared by the collector below and the vLLM connector's metrics
   (which go through vLLM's own registry). Nothing else in the package invents a metric name.
-- `Histograms` is what the hot paths touch: `observe(name, seconds, label)` is a bisect and a locked add
-  (~1 us); with `keep_observations` the raw values since the last `take_observations()` are kept too (bounded:
-  beyond `MAX_KEPT` a name's values are dropped and counted), for processes whose metrics are exported elsewhere.
+- `Histograms` is what the hot paths touch: `observe(name, seconds, label)` is a bisect and a locked add; with
+  `keep_observations` the raw values since the last `take_observations()` are kept too (bounded: beyond
+  `MAX_KEPT` a name's values are dropped and counted), for processes whose metrics are exported elsewhere.
 - `EngineCollector(stats, histograms)` reads `stats()` (an `EngineStats`: counters, tier usage, tier counters,
   breakers, write queue) only when scraped: the engine's paths keep bumping their `Counters`, nothing more.
 - `serve_metrics(registry, host, port)` serves `/metrics` on 127.0.0.1 unless told otherwise, in a daemon thread;

@@ -1,10 +1,11 @@
 """Memory mapped for writing before a hot path writes it.
 
-Why: on the machines we measure on (a VM) a page fault taken on first touch costs ~20 us: copying 48 MB into
-fresh `np.empty` buffers took 0.13-0.30 s, against 6 ms into buffers touched before. The same pages mapped in one
-`madvise(MADV_POPULATE_WRITE)` call took 6.5 ms. So the buffers a load or save writes (the engine's KV cache,
-a fresh process-memory blob) are populated when they are made, not faulted in during the copy. (Staging
-`Scratch` buffers stay zeroed bytearrays: a Gemma-3 layer-wise read took bytes of one that nothing wrote.)
+Why: on the machines we measure on (a VM) a page fault taken on first touch is costly: a copy into fresh
+`np.empty` buffers runs many times slower than into buffers touched before, while mapping the same pages in one
+`madvise(MADV_POPULATE_WRITE)` call costs about as much as the copy (docs/design/measurements.md). So the buffers a
+load or save writes (the engine's KV cache, a fresh process-memory blob) are populated when they are made, not
+faulted in during the copy. (Staging `Scratch` buffers stay zeroed bytearrays: a Gemma-3 layer-wise read took bytes
+of one that nothing wrote.)
 
 - `Scratch`: a reused read buffer that grows on demand (a tier's `get_into` reads into it; connectors copy out).
 - `populate(address, size)` maps the pages of [address, address + size) for writing, contents unchanged;
@@ -12,12 +13,13 @@ a fresh process-memory blob) are populated when they are made, not faulted in du
 - `populated_empty(size)` is `np.empty(size, uint8)` with its pages populated.
 - `map_file(fd, offset, size)` maps [offset, offset + size) of a file read-only with its page-table entries made
   at once (MAP_POPULATE): a reader copies straight out of the page cache, one copy fewer than `pread` into a
-  buffer (an 8k load's 377 MB from cached chunk files, hashed and copied: 33 ms, 55 ms through pread pieces, a
-  memcpy 30 ms). None where the file is shorter. A file truncated while mapped raises SIGBUS on access:
+  buffer (an 8k load from cached chunk files, hashed and copied, then runs close to a memcpy of the same bytes:
+  docs/design/measurements.md). None where the file is shorter. A file truncated while mapped raises SIGBUS on access:
   kvfabric never truncates a chunk file (it writes a new one and renames it), and the caller closes the mapping
   right after its copy.
 
-Huge pages are not asked for: MADV_HUGEPAGE on malloc'd buffers measured slower here (0.43 s per 48 MB).
+Huge pages are not asked for: MADV_HUGEPAGE on malloc'd buffers was slower on the same VM (see
+docs/design/measurements.md).
 """
 from __future__ import annotations
 
@@ -86,8 +88,8 @@ class Scratch:
     """A reusable byte buffer that grows on demand (never shrinks).
 
     A numpy buffer, not a bytearray: numpy asks for transparent huge pages from 4 MiB on, and a copy into a
-    reused huge-page buffer runs at memcpy speed where one into a 4 KiB-page bytearray was 10-15 % slower
-    (33.6 MB out of a /dev/shm pool: 2.54 vs 2.95 ms here) - the TLB misses of the destination."""
+    reused huge-page buffer runs at memcpy speed where one into a 4 KiB-page bytearray was slower - the TLB
+    misses of the destination (docs/design/measurements.md)."""
 
     def __init__(self) -> None:
         self._buf = np.empty(0, dtype=np.uint8)

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # also returns the log-sum-exp of each row
-CALL_COST = 50_000  # query-key pairs one kernel call is worth (~1.5 ms of one core; a parallel region under load)
+CALL_COST = 50_000  # query-key pairs one kernel call's fixed cost is worth (a parallel region under load; see
+# docs/design/measurements.md)
 UNIT = 8  # queries: block boundaries fall on multiples of this (the DP is quadratic in the number of units)
 
 

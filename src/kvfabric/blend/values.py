@@ -21,7 +21,8 @@ class BlendConfig:
     # token it scores (the compute a setting is named by); the default is the first pass's "15 %" schedule
     recompute_frac: float = 0.255
     # layers where tokens are scored and the active set narrowed; spread out and ending deeper than CacheBlend's
-    # (1..4): on SmolLM2 + MuSiQue this closed 0.74 of the KL gap at 15 % instead of 0.70 (bench blend)
+    # (1..4): on SmolLM2 + MuSiQue this closed more of the KL gap at the same compute (bench blend; see
+    # docs/design/measurements.md)
     check_layers: tuple[int, ...] = (2, 4, 6, 8)
     gradual: float = 2.0  # fraction kept at the first check layer = gradual * ratio, narrowing linearly to ratio
     # "attn_v": V deviation weighted by the attention the computed (query) tokens pay to the token; the KV

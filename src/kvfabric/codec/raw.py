@@ -40,7 +40,8 @@ def payload_view(blob: bytearray | memoryview | bytes, dtype: torch.dtype, shape
 
 
 # torch runs a copy on its intra-op thread pool once it exceeds this many elements; on a small machine whose
-# other core is busy that fork/join costs 20-40x (measured here: 0.3 GB/s vs 8-13 GB/s single-threaded).
+# other core is busy that fork/join makes the copy many times slower than a single-threaded one (see
+# docs/design/measurements.md).
 _SERIAL_ELEMENTS = 32768 - 1
 _NUMPY_SAME = {torch.float16: torch.float16, torch.float32: torch.float32, torch.bfloat16: torch.int16}
 
@@ -118,7 +119,8 @@ def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor, payload: memoryview)
     """copy_into(dst, src) for a contiguous dst [L, 2, H, T, D] over `payload`, and the xxh3-64 of the payload.
     Same dtype: layer by layer, and each layer's rows are hashed from the source right after their copy, while
     they are still in cache (the payload itself was written with streaming stores, around the cache; a separate
-    pass over it would read it from memory again: +50-60 % of the copy's time)."""
+    pass over it would read it from memory again, adding a large part of the copy's own time: see
+    docs/design/measurements.md)."""
     same = _NUMPY_SAME.get(dst.dtype) if dst.dtype == src.dtype else None
     d_rows = s_rows = None
     if same is not None:

@@ -2,10 +2,11 @@
 
 Why: a chunk is `[L, 2, H, T, D]` tokens [s, e) of a longer KV tensor, so each copy is L*2*H runs of T*D values
 (32-64 KiB), and a copy through the cache reads every destination line before writing it (read for
-ownership): numpy's copy of these runs ran at 0.6-0.75 of a memcpy of the same bytes. `stream_rows` writes
-with non-temporal stores (whole cache lines, no read for ownership, then SFENCE so that other threads see the bytes
-once they synchronize), which is what glibc's memcpy does for large contiguous copies; numba compiles it once
-and caches it on disk. Without numba, or for rows that are not contiguous, `copy_rows` falls back to numpy.
+ownership): numpy's copy of these runs is clearly slower than a memcpy of the same bytes (see
+docs/design/measurements.md). `stream_rows` writes with non-temporal stores (whole cache lines, no read for
+ownership, then SFENCE so that other threads see the bytes once they synchronize), which is what glibc's memcpy does
+for large contiguous copies; numba compiles it once and caches it on disk. Without numba, or for rows that are not
+contiguous, `copy_rows` falls back to numpy.
 
 Contract: `rows(x)` is a uint8 view `[A, B, C, n]` (last axis contiguous) of a `[L, 2, H, T, D]` array whose
 (T, D) axes are contiguous together, or None when they are not; `copy_rows(dst, src)` copies such views of

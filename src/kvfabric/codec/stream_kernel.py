@@ -1,7 +1,7 @@
 """The compiled half of stream_copy.py: `stream_rows(dst, src)` copies uint8 rows [A, B, C, n] with non-temporal
-stores, a whole 64-byte line per store (one AVX-512 VMOVNTDQ or two AVX2 ones; 8-byte MOVNTI stores ran at 0.6 of a
-memcpy, lines at 0.8: 201 MB of 64 KiB rows in 23 ms, 30 before, a contiguous memcpy 19), then SFENCE, compiled by
-numba once and cached on disk.
+stores, a whole 64-byte line per store (one AVX-512 VMOVNTDQ or two AVX2 ones; whole lines come closer to a
+contiguous memcpy than 8-byte MOVNTI stores did: docs/design/measurements.md), then SFENCE, compiled by numba once
+and cached on disk.
 
 Imported only on the first streamed copy (stream_copy._kernel), never when kvfabric is imported: numba/llvmlite
 loaded at start-up break hosts that walk every loaded module's attributes (vLLM's CPU worker does, to rebind

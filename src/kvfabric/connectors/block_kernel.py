@@ -6,8 +6,8 @@ while it is in cache, and the payload's checksum comes out of the same pass.
 
 Why one call per chunk: the loader's threads share a process with vLLM's engine thread, which holds the GIL most of
 the time; each time a loader thread gives the GIL up (a read, a hash, a copy) it waits up to a switch interval
-(5 ms) to get it back. Copying a chunk from Python layer by layer took ~90 such waits: a 4k-token load beside a
-busy Python thread took 2.5 s, against 0.05 s alone (the token-major scatter before it: 1.5 s).
+(5 ms) to get it back. Copying a chunk from Python layer by layer took dozens of such waits, and a load beside a
+busy Python thread then ran many times longer than alone (docs/design/measurements.md).
 
 Imported by the loader's threads once the layers are bound, never when kvfabric is imported (numba loaded at
 start-up breaks hosts that walk every module's attributes: see codec/stream_kernel.py). `AVAILABLE` is False
@@ -37,7 +37,7 @@ def _function(lib: ctypes.CDLL, name: str, restype: type, *argtypes: type):  # n
 _XXH = ctypes.CDLL(xxhash._xxhash.__file__)
 _LIBC = ctypes.CDLL(None)
 # the build's runtime-dispatched update (AVX2 / AVX-512 where the CPU has them) where it exports one: the plain
-# symbol is its SSE2 code, 1.5x slower here (the same digest either way)
+# symbol is its SSE2 code, slower (the same digest either way; docs/design/measurements.md)
 _UPDATE = _function(_XXH, "XXH3_64bits_update_dispatch" if hasattr(_XXH, "XXH3_64bits_update_dispatch")
                     else "XXH3_64bits_update", ctypes.c_int, _SIZE, _SIZE, _SIZE)
 _CREATE = _function(_XXH, "XXH3_createState", _SIZE)
@@ -61,7 +61,8 @@ def _copy(dst, src, size):  # noqa: ANN001, ANN202
     """size bytes from address src to address dst, the whole lines of dst with non-temporal stores. Why: a piece
     is below the size at which memcpy streams, so its stores would first read each destination line into the
     cache (read for ownership) and then evict it: a third more memory traffic, for KV the forward reads much
-    later (measured: the copies of a 4k load at 1.09 of one large memcpy with memcpy per piece)."""
+    later (with memcpy per piece, the copies of a load were slower than one large memcpy of the same bytes: see
+    docs/design/measurements.md)."""
     head = min(size, (64 - dst % 64) % 64)
     if head:
         _MEMCPY(dst, src, head)
@@ -151,9 +152,10 @@ class ChunkPlacer:
     @property
     def hash_ns(self) -> int:
         """The hashing's wall time in the last call (timed per piece) x that call's CPU / wall time. Why not a CPU
-        clock per piece: one costs ~0.5 us here (a system call; the wall clock is read in user space), a tenth of
+        clock per piece: each read is a system call (the wall clock is read in user space), a noticeable share of
         a piece's work. Why not wall time: two loader threads share a core beside vLLM's engine thread, and a
-        piece's wall time then also counts the other threads' time slices (the sum came out ~2x the CPU time)."""
+        piece's wall time then also counts the other threads' time slices (the sum came out well above the CPU
+        time). Figures: docs/design/measurements.md."""
         return int(self._clock[2] * min(1.0, self._cpu_ns / self._wall_ns)) if self._wall_ns else 0
 
     def close(self) -> None:

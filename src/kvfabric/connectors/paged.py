@@ -92,8 +92,9 @@ def gather(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int,
 
     By numpy, for the reason `scatter` gives: the save path gathers on the engine's own thread right after each
     layer's attention, and torch's copy_ of a segment this large forks its intra-op OpenMP team, whose join
-    waits for a core another process or thread holds (the save gathers of `bench serve` ran at 110-410 MB/s on
-    the loaded 2-core machine; numpy in one thread moves the same bytes at 3 GB/s, 1.5x torch's 1-thread copy).
+    waits for a core another process or thread holds (on the loaded 2-core machine the save gathers of `bench
+    serve` ran many times slower than numpy in one thread, which also beats torch's one-thread copy: see
+    docs/design/measurements.md).
     An `out` of another float dtype gets the values converted (through a buffer of the cache's dtype)."""
     if out.dtype != layer.dtype:
         same = torch.empty(out.shape, dtype=layer.dtype)
@@ -114,9 +115,9 @@ def scatter(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int
 
     By numpy, not torch: loads scatter on background threads, where torch's copy_ of a segment over 32k values
     starts an OpenMP team of its own that competes with the engine's forward for the same cores (and took
-    10x longer on a busy machine); numpy copies in the calling thread, releases the GIL, moved the
-    transposed K regions ~1.4x faster here, and its views cost a fraction of torch's (less time holding the
-    GIL, which the forward of the other requests needs)."""
+    an order of magnitude longer on a busy machine); numpy copies in the calling thread, releases the GIL, moved
+    the transposed K regions faster, and its views cost a fraction of torch's (less time holding the GIL, which
+    the forward of the other requests needs). Figures: docs/design/measurements.md."""
     kv = as_words(src)
     num_heads, head_dim = kv.shape[1], kv.shape[3]
     for block, n, lo, hi, at in segments(block_ids, layer.block_size, start, end):

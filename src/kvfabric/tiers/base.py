@@ -14,8 +14,8 @@ Contract for every tier (tests/tier_contract.py runs one suite on each implement
                      bytes within `capacity_bytes` (a Redis server evicts by its own maxmemory instead), and
                      refuses a blob larger than that;
   `honors_pins`      a key this process pinned is never evicted by this process (a retrieve pins what it reads).
-- `get_into(key, scratch)` reads the blob into a reusable buffer instead of a fresh one (fresh large allocations
-  cost ~1 GB/s of page faults on small machines); the view is valid until the scratch buffer is reused.
+- `get_into(key, scratch)` reads the blob into a reusable buffer instead of a fresh one (the page faults of fresh
+  large allocations are slow on small machines); the view is valid until the scratch buffer is reused.
   `prefetch(keys)` is a hint to start reading keys that `get` will ask for; `file_of(key)` names the file holding
   a chunk when the tier keeps each chunk as an immutable file (the peer server sends it with sendfile).
   `new_blob(size)` is a buffer for a blob that will be put here (the cpu tier recycles the buffers of chunks it

@@ -16,8 +16,8 @@ Contract:
   one is set.
 - `new_blob` hands out buffers of chunks already written (tiers/pool.py: never one a reader or a queued write
   still holds), at most WRITE_BUFFERS_BYTES of them (a quarter of the capacity when that is less) kept free: a
-  fresh buffer costs a page fault per 4 KiB, and a store of 33.6 MB chunks into fresh memory ran at 0.58 of a
-  plain file write of the same bytes here, most of it faults on the engine's thread.
+  fresh buffer costs a page fault per 4 KiB, and a store of chunks into fresh memory ran well below a plain file
+  write of the same bytes, the difference mostly faults on the engine's thread (docs/design/measurements.md).
 - A directory deleted while running is made again by the next put (the index starts over); a full file system
   makes puts fail (False, counted by the stack) until there is room again.
 - Modes (kvfabric.permissions): the directories it makes get `mode` (default 0700: only this user), chunk files
@@ -195,7 +195,8 @@ class DiskTier(PolicyTier):
     def _read(self, key: bytes, scratch: Scratch | None, meta: AccessMeta) -> Blob | None:
         try:
             # plain calls on an fd (no file object: fewer system calls per read, each one a GIL release). The read
-            # asks for exactly the file's size: one read to EOF into the whole scratch buffer measured 2x slower.
+            # asks for exactly the file's size: one read to EOF into the whole scratch buffer was slower (see
+            # docs/design/measurements.md).
             fd = os.open(self.path(key), os.O_RDONLY)
             try:
                 size = os.fstat(fd).st_size

@@ -10,7 +10,7 @@ Contract:
   client. `put_many` / `get_many_into` move many chunks in one batch call (`batch_upsert_from` / `batch_get_into`).
   `get` (no scratch) reads into a fresh buffer. Transient buffers (blobs being put, `get`'s fresh buffer) are
   registered for the call only with RDMA: the TCP transport reads and writes any memory of this process, and
-  registering costs ~1.6 ms per 32 MB.
+  registering a buffer costs about as much as copying it (docs/design/measurements.md).
 - Where objects live: in the memory segments that clients mount (this one lends `segment_bytes`). The master
   places each object, keeps its metadata in memory only, and drops the objects of a segment whose client leaves.
   So the tier is shared (every client of the master sees every object) and not persistent.
@@ -64,7 +64,7 @@ BUFFER_TOO_SMALL = -600  # INVALID_PARAMS: what get_into answers when the object
 FAULTS = frozenset({-1, -800, -900})  # internal error, transfer failed, RPC failed: the master or a peer is gone
 MAX_REGISTERED = 8
 NUM_THREADS = 4
-CLOSE_TIMEOUT_S = 10.0  # the client's close takes ~2 s (it stops its heartbeat); unmounting must finish
+CLOSE_TIMEOUT_S = 10.0  # the client's close takes seconds (it stops its heartbeat); unmounting must finish
 T = TypeVar("T")
 
 
@@ -152,7 +152,7 @@ class MooncakeTier(TierBase):
         return future
 
     def _connect(self) -> Any:
-        """Runs on a worker: make and set up the client (talks to the master; ~4 s to fail when it is down)."""
+        """Runs on a worker: make and set up the client (talks to the master; seconds to fail when it is down)."""
         store = self._make_store()
         hostname = f"{self.local_host}:{_free_port(self.local_host)}"
         try:

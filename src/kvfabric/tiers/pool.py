@@ -1,7 +1,8 @@
 """BlobPool: recycled blob buffers for the process-memory tier, so a store does not fault fresh pages in.
 
-A fresh multi-megabyte buffer costs a page fault per 4 KiB on first write (the cpu tier's store ran at 0.1-0.2
-of a memcpy of the same bytes, most of it faults). The pool hands out buffers of chunks the tier dropped.
+A fresh multi-megabyte buffer costs a page fault per 4 KiB on first write (the cpu tier's store ran many times
+slower than a memcpy of the same bytes, most of it faults: docs/design/measurements.md). The pool hands out
+buffers of chunks the tier dropped.
 
 Contract:
 - `take(size)` returns a writable `memoryview` of exactly `size` bytes (format "B"): a recycled buffer of that
@@ -21,12 +22,12 @@ Contract:
   a tier that stores a buffer it did not take never adopts it. Thread-safe.
 - With `premap_bytes` > 0, a background thread keeps up to that many free buffers of the size named by `expect`
   (a full chunk's blob; nothing before that call) mapped ahead of `take`, within the budget: a tier that is still filling up hands out
-  buffers mapped off the caller's thread. Why: growing a process by fresh memory costs far more than a copy on
-  some hosts (2.3 ms per MB in the gVisor-like sandbox we measure on, 15 memcpys of the same bytes; ~0.15 ms per MB
-  on bare Linux), and a vLLM save writes its blobs on the engine's thread. The thread inherits its creator's CPU
-  affinity; `expect(size)` names the size before the first take; `pause(True)` holds it (within one 1 MiB piece)
-  while the owner's hot work runs, since on a machine whose cores that work fills (vLLM's CPU forward) mapping
-  beside it costs the forward as much as faulting in it would; `close()` stops it (and `clear()`s).
+  buffers mapped off the caller's thread. Why: growing a process by fresh memory costs far more than a copy on some
+  hosts (the gVisor-like sandbox we measure on most of all, far less on bare Linux: see
+  docs/design/measurements.md), and a vLLM save writes its blobs on the engine's thread. The thread inherits its
+  creator's CPU affinity; `expect(size)` names the size before the first take; `pause(True)` holds it (within one
+  1 MiB piece) while the owner's hot work runs, since on a machine whose cores that work fills (vLLM's CPU forward)
+  mapping beside it costs the forward as much as faulting in it would; `close()` stops it (and `clear()`s).
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def _refs(arrays: deque) -> int:
 ALIGN = 64
 MIN_KEPT = 2  # buffers kept whatever the budget: a full tier's next store reuses the victim of the last one
 PREMAP_NICE = 19  # the premap thread's niceness
-PREMAP_PIECE = 1 << 20  # bytes the premap thread maps between looks at `pause` (~2.3 ms on the sandbox)
+PREMAP_PIECE = 1 << 20  # bytes the premap thread maps between looks at `pause` (a few ms on the sandbox)
 NUM_TRIED = 4  # free buffers of the asked size looked at per take (still-referenced ones rotate to the back)
 
 

@@ -2,10 +2,10 @@
 disk, `inline` helpers, the explicit signatures (`SIG`), and two fp16 conversions numba lacks (`store`, `widen`).
 Without numba the same functions run as plain Python (slow; for portability and for tests of the fallback).
 
-Why the fp16 intrinsics: numba has no float16 type, and numpy's float32 <-> float16 casts run about 0.8 GB/s
-here, a third of the whole decode. LLVM's fptrunc / fpext to `half` compile to the CPU's conversion
-instructions (F16C), round to nearest even exactly as numpy does, and let the kernels read and write fp16 KV
-directly (as uint16 bit patterns)."""
+Why the fp16 intrinsics: numba has no float16 type, and numpy's float32 <-> float16 casts are slow enough to
+take a large share of the whole decode (docs/design/measurements.md). LLVM's fptrunc / fpext to `half` compile
+to the CPU's conversion instructions (F16C), round to nearest even exactly as numpy does, and let the kernels
+read and write fp16 KV directly (as uint16 bit patterns)."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,11 +1,11 @@
 """Hot loops of the cachegen codec: the 4-lane interleaved rANS coder of quantized residuals, compiled with numba.
 This module holds the stream format, its parameters and the encoder; rans_decode.py holds the decoder.
 
-Why our own coder: constriction (the reference coder, kvfabric.research.cachegen_reference) decodes 26-49 M
-symbols/s on one thread; a 1 Gbit/s link needs about 60 M fp16 values/s and our target is 250 M/s. Here each table
-lookup is a single load from a small shared table (family.py), four independent rANS states hide its latency, and
-dequantization is fused into the decode loop, which writes straight into the caller's (strided) output view, as
-float32 or as fp16 (jit.store).
+Why our own coder: constriction (the reference coder, kvfabric.research.cachegen_reference) decodes fewer symbols
+a second on one thread than a 1 Gbit/s link delivers fp16 values (about 60 M/s; our target is 250 M/s; see
+docs/design/measurements.md). Here each table lookup is a single load from a small shared table (family.py), four
+independent rANS states hide its latency, and dequantization is fused into the decode loop, which writes straight
+into the caller's (strided) output view, as float32 or as fp16 (jit.store).
 
 rANS parameters: 32-bit states in [2^16, 2^32), 16-bit renormalization words, PROB_BITS = 12. A symbol whose
 model has a raw shift k also carries k bypass bits; an escape symbol carries 16 raw bits (the residual + 32768).
@@ -21,9 +21,9 @@ validated by the caller before a kernel runs, and all state arithmetic stays bel
 hostile stream can produce only garbage values, never a crash or a hang (work is bounded by the output size).
 
 Why the decoder's four lanes are written out by hand (the one repetition in this package): the same decoder with
-an inlined per-lane helper returning (state, position, symbol) measured 3x slower under numba 0.68 (82 vs 260 MB/s
-a core), and still ~30% slower in a later check (fused decode, 270 vs 390 MB/s). The encoder's inlined per-lane
-helper (`encode_symbol`) measured as fast as its lanes written out (175 M symbols/s either way), so it uses one.
+an inlined per-lane helper returning (state, position, symbol) ran several times slower under numba 0.68, and
+still clearly slower in a later check with the fused decode. The encoder's inlined per-lane helper
+(`encode_symbol`) ran as fast as its lanes written out, so it uses one (docs/design/measurements.md).
 
 Without numba the same functions run as plain Python (slow, for portability and tests of the fallback).
 """

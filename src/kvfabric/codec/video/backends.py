@@ -6,8 +6,9 @@ Backends (the stream names one by id; every one codes its frames losslessly, so 
   its three planes (bands of channels, e.g. one KV head each), and each plane gets its own code table. The
   lossless mode uses no spatial prediction (the high byte of a float has no useful neighbour), the near-lossless
   mode predicts each pixel from its left neighbour, which is the same channel one token earlier.
-- `x264` (id 1): H.264 with qp 0 (lossless, High 4:4:4 Predictive, CABAC), gray or gray10le: about 5-10 % smaller
-  than utvideo in the near-lossless mode but 5-10x slower to decode on a CPU; NVDEC and VAAPI can decode it.
+- `x264` (id 1): H.264 with qp 0 (lossless, High 4:4:4 Predictive, CABAC), gray or gray10le: a little smaller
+  than utvideo in the near-lossless mode but several times slower to decode on a CPU (see
+  docs/design/measurements.md); NVDEC and VAAPI can decode it.
 
 PyAV is imported on first use, never at `import kvfabric`: without it (or with an FFmpeg build that lacks a
 backend's encoder or decoder) `require` raises VideoUnavailable, naming the package to install.

@@ -94,7 +94,8 @@ class Target:
         self.out = out
         self.layout_dtype = layout_dtype
         on_cpu = out.device.type == "cpu" and not out.requires_grad
-        # float32: numpy writes straight in; fp16 / bf16: torch's (F16C) cast, 2x numpy's (copy_into keeps it serial)
+        # float32: numpy writes straight in; fp16 / bf16: torch's (F16C) cast, faster than numpy's (copy_into keeps
+        # it serial)
         self.values = out.detach().numpy() if on_cpu and out.dtype == torch.float32 else None
         self.bits = out.detach().view(self._BITS[out.dtype]).numpy() if on_cpu and out.dtype == layout_dtype else None
 

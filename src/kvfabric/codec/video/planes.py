@@ -10,10 +10,10 @@ beside the frames. A segment with a non-finite value, or whose range needs e > 1
 dtype (its frames are flat).
 
 Lossless (level 0): each value's layout-dtype bits as two byte planes. The high byte (sign, exponent, top mantissa
-bits) is the frame; the low bytes are stored as they are (measured: 7.998 bits of entropy a byte, nothing for a
-codec to find). Before coding, each channel's high byte is aligned: sign | ((magnitude - shift + 64) mod 128),
-shift = the channel's mean magnitude byte, so that channels of different scales share one code table (a bijection
-per channel: exact).
+bits) is the frame; the low bytes are stored as they are (they are as good as random: nothing for a codec to find;
+docs/design/measurements.md). Before coding, each channel's high byte is aligned: sign | ((magnitude - shift + 64)
+mod 128), shift = the channel's mean magnitude byte, so that channels of different scales share one code table (a
+bijection per channel: exact).
 """
 from __future__ import annotations
 

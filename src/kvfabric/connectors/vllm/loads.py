@@ -2,11 +2,11 @@
 
 Contract:
 - `Loader(engine, counters, block_size, num_threads)` owns `num_threads` threads and one staging buffer per
-  thread, allocated and touched at start-up: a load never pays page faults for fresh buffers (they cost ~1 GB/s
-  on small machines, as much as the read itself). `bind(layers, groups, window_layers)` gives it the paged layers,
-  ordered by layer index, each one's KV cache group (whose block table it uses: ``LoadSpec.table``) and, under
-  vLLM's hybrid manager, the window layers, which get only rows from ``LoadSpec.window_from`` (a chunk wholly
-  before it is read without its window part: ``CacheEngine.read_chunk(window=False)``).
+  thread, allocated and touched at start-up: a load never pays page faults for fresh buffers (on small machines they
+  cost as much as the read itself: docs/design/measurements.md). `bind(layers, groups, window_layers)` gives it the
+  paged layers, ordered by layer index, each one's KV cache group (whose block table it uses: ``LoadSpec.table``)
+  and, under vLLM's hybrid manager, the window layers, which get only rows from ``LoadSpec.window_from`` (a chunk
+  wholly before it is read without its window part: ``CacheEngine.read_chunk(window=False)``).
 - The threads run on every CPU the engine was given (``threads.release``: not on the core vLLM bound the
   worker's main thread to), niced (`nice`: the connector's ``load_nice``, default 15) for their whole life:
   where the forward keeps the cores busy, an asynchronous load gets the share of CPU time its weight gives it (at nice 15
@@ -19,8 +19,9 @@ Contract:
   buffer) loads chunks of the started async loads itself, at vLLM's priority: the worker calls it on a step with
   nothing scheduled, where it would otherwise only wait, and niced threads would share the core with vLLM's
   busy-polling message-queue readers. Each load's chunks are claimed one at a time by whichever thread is free.
-  (Holding the niced threads back while a forward runs was tried: an 8k load cost a decoding request 1.10x ITL
-  instead of 1.26x, but under `bench serve` chat a load then waited out whole prefills: TTFT mean +11 %.)
+  (Holding the niced threads back while a forward runs was tried: an 8k load slowed a decoding request less,
+  but under `bench serve` chat a load then waited out whole prefills and mean TTFT rose; see
+  docs/design/measurements.md.)
 - `start_async(spec)` (vLLM's WAITING_FOR_REMOTE_KVS path): the load's chunks are spread over the threads; a
   thread reads a chunk into its staging buffer (``CacheEngine.read_chunk(promote=False)``: checksums and layout
   verified, no copy into process memory: vLLM's own prefix cache will hold the KV) and scatters it into every

@@ -2,9 +2,9 @@
 
 Why: vLLM's CPU backend binds each OpenMP thread to one core (OMP_PLACES / OMP_PROC_BIND), the worker's main
 thread included, and a new thread inherits its creator's binding. Left alone, every kvfabric thread of the worker
-runs on core 0 beside the forward's main thread, whatever else is idle: measured inside vLLM at 4k tokens, both
-load threads bound to core 0 while core 1 held only an OpenMP thread between steps; the load took 0.27-0.35 s
-for 0.047 s of page-cache read + copy.
+runs on core 0 beside the forward's main thread, whatever else is idle: seen inside vLLM at 4k tokens, both
+load threads bound to core 0 while core 1 held only an OpenMP thread between steps, and the load took several
+times as long as its page-cache read + copy (docs/design/measurements.md).
 
 `engine_cpus()` is the set of CPUs the engine process was given: its parent's (vLLM's EngineCore, which binds
 nothing, so it carries whatever `taskset` / cpuset the operator set), never wider. `release` moves the calling

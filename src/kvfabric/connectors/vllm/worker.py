@@ -63,10 +63,10 @@ from kvfabric.permissions import PRIVATE_FILE, create_file
 
 # The worker process's GIL switch interval once the connector is attached (CPython's default: 5 ms). A load
 # thread's Python steps (a chunk's lookup, open and header checks before the native copy) each wait up to one
-# interval for the GIL while vLLM's engine thread runs Python. Measured: 4 chunks (47 MB) loaded by two threads
-# took 7.3 ms alone, 55 ms beside a spinning Python thread, 20.5 ms with 0.5 ms; in `bench vllm` the 1k load went
-# from 1.76-2.0x to 1.5x of the floor, ITL during an 8k load unchanged (1.22x). It only matters while another
-# thread wants the GIL, i.e. while loads or saves run.
+# interval for the GIL while vLLM's engine thread runs Python. The shorter interval takes back most of what a
+# load loses beside a spinning Python thread, brings `bench vllm`'s 1k load closer to its floor and leaves ITL
+# during a long load unchanged (docs/design/measurements.md). It only matters while another thread wants the
+# GIL, i.e. while loads or saves run.
 LOAD_SWITCH_INTERVAL_S = 0.0005
 
 if TYPE_CHECKING:

@@ -8,10 +8,10 @@ scores every page of several heads. For a query ``q [D]``:
 - `page_scores(q, summary, "mid")`, what paged heads rank by: per query head the midpoint of the bound and the
   centroid logit ``q . kmean``, then logsumexp over the G heads. Why: the bound alone over-ranks a page with one
   key far out in q's direction, while its attention mass comes from all of its keys; the centroid logit tracks that
-  mass and the bound keeps one sharp key from being missed (SmolLM2, musique:101, 30 % resident, every head
-  re-ranked every step: mean KL to dense KV 0.0074 by the bound, 0.0013 by the midpoint, `bench flexicache`'s quest
-  and quest@mid rows; 0.0030 by the centroid alone in a one-off harness; logsumexp because a page's mass is summed
-  over the group, not maxed). ``"bound"`` ranks by the bound alone (Quest as published).
+  mass and the bound keeps one sharp key from being missed (on SmolLM2 the midpoint came closer to dense KV than the
+  bound or the centroid alone: `bench flexicache`'s quest and quest@mid rows, docs/design/measurements.md; logsumexp
+  because a page's mass is summed over the group, not maxed). ``"bound"`` ranks by the bound alone (Quest as
+  published).
 `summarize` builds summaries from keys; `update_summary` folds one new key into its page's summary.
 """
 from __future__ import annotations

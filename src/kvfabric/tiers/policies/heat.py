@@ -1,11 +1,11 @@
 """PrefixHeat: a prefix- and cost-aware S3-FIFO for KV chunks (config name "heat"; not the default: its
-bookkeeping costs about 2x LRU's, over issue 16's 2 us per access on this machine, for a few points of hit ratio).
+bookkeeping costs a multiple of LRU's, for a few points of hit ratio; docs/design/measurements.md).
 
 What it knows that a generic cache policy does not:
 - Position. A chunk is only useful when every chunk before it in the prompt hits (lookups stop at the first
   miss). A prompt's chunks are queued tail first, so among chunks that entered together the tail is evicted
   before the head and a resident chunk's ancestors outlive it. A prompt's last chunk (usually partial, and
-  on the Mooncake traces reused 1 % (conversation) / 5 % (synthetic) of the time against 25-40 % for the others)
+  on the Mooncake traces reused far less often than the others)
   enters at the eviction end of its queue.
 - Cost. A hit earns reinsertion credit in proportion to the chunk's miss cost relative to the running mean
   (`AccessMeta.miss_cost_s`: prefill time of its tokens, or the load time from the next tier when that tier
@@ -18,7 +18,8 @@ What it knows that a generic cache policy does not:
   longer than a small cache holds anything, and ids are cheap.
 - Adaptation. The probation share decides between catching first reuses (large share) and protecting chunks
   that were already reused (small share); the best share differs with the workload and the capacity (on the
-  Mooncake conversation trace 1 % of the cache is best at 3 % capacity, no probation at all at 10 %). Share 1
+  Mooncake conversation trace a small share is best at a small capacity, no probation at all at a larger one;
+  docs/design/measurements.md). Share 1
   means no probation: new chunks go straight to main, a CLOCK with 2-bit credit, close to LRU; it is the
   start. Once the cache holds 1024 keys, `ShareTuner` (tuner.py) replays a hashed 1/`sample` of the keys
   through shadow caches, one per candidate share, and moves the live share to the one with the most recent
