@@ -7,7 +7,8 @@ Contract:
   OVERHEAD bytes more each; `usage` reports chunk bytes); `is_trusted` is False (the stack checks
   the opened blob's own checksums as for any shared tier), `is_zero_copy` / `is_ranged` False.
 - Puts seal into this thread's reused buffer (the wrapped tier copies or sends it before `put` returns). `get_into`
-  / `get_many_into` open into the caller's scratch buffers; `get` into a fresh buffer.
+  / `get_many_into` open into the caller's scratch buffers; `get` into a recycled buffer (tiers/pool.py: one the
+  caller still holds is never reused), since a fresh one per read faults in its pages.
 - A blob that does not open (damaged, truncated, moved under another chunk key, sealed by a key this ring lacks)
   is a miss, counted (`seal_failed`); a damaged one is deleted from the tier, one sealed with an unknown key is
   left (another deployment's, or a key not rolled out here yet).
@@ -25,6 +26,9 @@ from kvfabric.counters import Counters
 from kvfabric.pages import Scratch
 from kvfabric.seal import OVERHEAD, SealError, Sealer, opened_size, sealed_size
 from kvfabric.tiers.base import Blob, Tier, TierBase, TierUsage
+from kvfabric.tiers.pool import BlobPool
+
+OPENED_POOL_BYTES = 256 << 20  # free opened-blob buffers kept for reuse
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,7 @@ class SealedTier(TierBase):
             setattr(self, flag, getattr(inner, flag))
         self._events = Counters()
         self._local = threading.local()
+        self._opened = BlobPool(lambda: OPENED_POOL_BYTES)
 
     @property
     def capacity_bytes(self) -> int:
@@ -80,7 +85,13 @@ class SealedTier(TierBase):
         if sealed is None:
             return None
         size = opened_size(len(sealed))
-        target = out.view(size) if out is not None else memoryview(np.empty(max(size, 0), dtype=np.uint8))
+        if size < 0:
+            target = memoryview(bytearray(0))
+        elif out is not None:
+            target = out.view(size)
+        else:
+            target = self._opened.take(size)
+            self._opened.give(target)  # reused only once the caller lets go of it (BlobPool's contract)
         try:
             return self.sealer.open_into(key, sealed, target)
         except SealError as exc:
@@ -137,4 +148,5 @@ class SealedTier(TierBase):
         self.inner.clear()
 
     def close(self) -> None:
+        self._opened.close()
         self.inner.close()
