@@ -39,6 +39,7 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -314,7 +315,8 @@ class WorkerSide:
 
     def write_stats(self) -> None:
         path = Path(self.stats_path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        # one temp file per writing thread: the saver thread and the engine thread both write (an exclusive create)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             tmp.unlink(missing_ok=True)  # left by a process of the same pid that died mid-write
             with open(create_file(tmp, PRIVATE_FILE), "w") as f:  # 0600, as everything kvfabric keeps
