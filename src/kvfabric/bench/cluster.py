@@ -111,13 +111,20 @@ def _row(op: str, num_bytes: int, seconds: float, base_seconds: float, baseline:
             "ratio": round(gbps / base, 3), "target": 0.7 if op == "fetch" else None, "baseline": baseline, **extra}
 
 
-def bench_fetch(num_chunks: int, repeats: int, root: Path) -> list[dict]:
+def _served(num_chunks: int, folder: Path) -> tuple[list[bytes], list[bytes], CpuTier, DiskTier]:
+    """num_chunks chunks (keys, blobs), each stored in a cpu tier and in a disk tier under folder."""
     keys, blobs = make_chunks(num_chunks)
     num_bytes = sum(map(len, blobs))
-    cpu, disk = CpuTier(num_bytes * 2), DiskTier(root / "served", num_bytes * 2)
+    cpu, disk = CpuTier(num_bytes * 2), DiskTier(folder, num_bytes * 2)
     for key, blob in zip(keys, blobs):
         cpu.put(key, blob)
         disk.put(key, blob)
+    return keys, blobs, cpu, disk
+
+
+def bench_fetch(num_chunks: int, repeats: int, root: Path) -> list[dict]:
+    keys, blobs, cpu, disk = _served(num_chunks, root / "served")
+    num_bytes = sum(map(len, blobs))
     server = PeerServer([cpu], token=TOKEN).start()
     disk_server = PeerServer([disk], token=TOKEN).start()
     client = PeerClient(server.host, server.port, TOKEN)
@@ -151,12 +158,8 @@ def bench_fetch_tls(num_chunks: int, repeats: int, root: Path) -> list[dict]:
     from kvfabric.tls import client_context, self_signed, server_context
 
     files = self_signed(root)
-    keys, blobs = make_chunks(num_chunks)
+    keys, blobs, cpu, disk = _served(num_chunks, root / "served-tls")
     num_bytes = sum(map(len, blobs))
-    cpu, disk = CpuTier(num_bytes * 2), DiskTier(root / "served-tls", num_bytes * 2)
-    for key, blob in zip(keys, blobs):
-        cpu.put(key, blob)
-        disk.put(key, blob)
     rows = []
     for name, tier in (("fetch", cpu), ("fetch (disk tier)", disk)):
         plain_server = PeerServer([tier], token=TOKEN).start()

@@ -96,7 +96,8 @@ class HFEngine:
         self.model = model.float().eval()
         # note: switches a caller-provided model too; paged decode needs it (its attention hook lives there)
         self._hooked = fast_attention and use_fast_attention(self.model)
-        self.decode_config = (config or Config()).flexicache
+        config = config or Config()
+        self.decode_config = config.flexicache
         self.layout = layout_for(model.config, kv_dtype)
         self._check_budget(self.decode_config.kv_budget)  # a configured budget this model cannot serve: at start-up
         self.tokenizer = tokenizer
@@ -104,11 +105,11 @@ class HFEngine:
         self.model_id = model_id or _default_model_id(model_name_or_path)
         self._owns_cache = cache is None  # close() closes only a cache we built
         if cache is None:
-            cache = build_engine(config or Config(), self.layout, self.model_id)  # mode: server too
+            cache = build_engine(config, self.layout, self.model_id)  # mode: server too
         self.cache = cache
         # tenant mode: an engine that names no tenant (no salt) is served without the cache, never in a shared
         # namespace whose hits (and their timing) other tenants could see
-        self.is_tenantless = bool((config or Config()).tenant_mode and not (config or Config()).salt)
+        self.is_tenantless = config.tenant_mode and not config.salt
         if self.is_tenantless:
             log.warning("kvfabric: tenant_mode is on and this engine names no tenant (salt): no cache is used")
         ours = layout_for(model.config, self.cache.layout.dtype)
