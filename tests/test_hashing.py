@@ -104,7 +104,7 @@ def test_key_space_is_the_only_caller_of_the_key_functions():
 
 def test_key_space_tenants_and_wire_form():
     from kvfabric.cluster.index import Namespace
-    from kvfabric.hashing import KeySpace, chunk_keys, root_key
+    from kvfabric.hashing import KeySpace, chunk_keys, root_key, tenant_root
     from kvfabric.layout import KVLayout
 
     layout = KVLayout(2, 2, 8, "float16")
@@ -112,9 +112,25 @@ def test_key_space_tenants_and_wire_form():
     tokens = list(range(10))
     assert space.keys(tokens) == chunk_keys(tokens, root_key("m", layout, 4, "org"), 4, True)
     tenant = space.tenant("alice")
-    assert tenant.root == root_key("m", layout, 4, "org/alice") and tenant.keys(tokens)[0] != space.keys(tokens)[0]
+    assert tenant.root == tenant_root(root_key("m", layout, 4, "org"), "alice") and tenant.salt == "org/alice"
+    assert tenant.keys(tokens)[0] != space.keys(tokens)[0]
+    assert tenant.root not in {root_key("m", layout, 4, s) for s in ("", "org", "alice", "org/alice")}
+    # a vLLM request's cache_salt S and an engine configured with salt S share one namespace
     assert KeySpace.of("m", layout, 4).tenant("alice").root == root_key("m", layout, 4, "alice")
     wire = Namespace.of(space)
     assert wire.key_space().keys(tokens) == space.keys(tokens)  # the controller's keys are the instance's
-    with pytest.raises(ValueError, match="no tenants"):
-        wire.key_space().tenant("bob")
+    # ... and so are a tenant's: the controller derives them from the wire form, without the layout
+    assert wire.key_space().tenant("bob").keys(tokens) == space.tenant("bob").keys(tokens)
+    assert space.tenant("bob").keys(tokens) != space.tenant("alice").keys(tokens)
+    with pytest.raises(ValueError, match="non-empty"):
+        space.tenant("")
+
+
+def test_unsalted_roots_are_unchanged_by_tenant_roots():
+    """The unsalted root is what it was before tenant roots (a cache written then stays valid): the vector below is
+    root_key("smollm2", KVLayout(30, 3, 64), 256) computed with the earlier code."""
+    from kvfabric.hashing import root_key
+    from kvfabric.layout import KVLayout
+
+    assert root_key("smollm2", KVLayout(30, 3, 64), 256).hex() == (
+        "712745b416f78ad2c4ba532993ad2d9b809480e3ed3ebb501d1a3db1dc417988")

@@ -5,8 +5,11 @@ Contract:
 - key_0 = H(root || tokens of chunk 0), key_i = H(key_{i-1} || tokens of chunk i), where H is sha256 or blake3
   (32-byte digests) and tokens are little-endian uint32. So a chunk's key names its whole prefix: keys of a prefix
   are a prefix of the keys, and any token change changes that chunk's key and every later one.
-- root = H(b"kvfabric/keys/v1" || model id || layout fingerprint || chunk size || tenant salt): caches of other
-  models, layouts, chunk sizes or tenants never share a key.
+- base = H(b"kvfabric/keys/v1" || model id || layout fingerprint || chunk size || hash name); a tenant's root is
+  H(b"kvfabric/tenant/v1" || parent root || tenant salt), its parent the base (or a configured salt's root, for
+  "<salt>/<tenant>"): caches of other models, layouts, chunk sizes or tenants never share a key. A tenant root is
+  derived from the parent's root alone, so whoever holds a namespace's wire form (the controller) can key a
+  tenant's prompts in it without the layout; the salt is not secret, the bearer token scopes who may ask.
 - Model families (DroidSpeak): `family_namespace(family, tokenizer, owner, kind)` is the model id of a namespace
   shared by every model that declares the same family and tokenizer (the layout still goes into the root): the
   chunks of kind `kind` that model `owner` stored there. It starts with a NUL byte, which no model name contains,
@@ -73,16 +76,29 @@ def token_bytes(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> memoryview
     return memoryview(arr.tobytes())
 
 
-def root_key(model_id: str, layout: KVLayout, chunk_size: int, salt: str = "", hash_name: str = "sha256") -> bytes:
-    """The namespace seed every chain starts from."""
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+def _digest(hash_name: str, *parts: bytes) -> bytes:
     h = _hasher(hash_name)()
-    for part in (b"kvfabric/keys/v1", model_id.encode(), layout.fingerprint,
-                 str(chunk_size).encode(), salt.encode(), hash_name.encode()):
+    for part in parts:
         h.update(len(part).to_bytes(4, "little"))  # length-prefixed: no ambiguity between fields
         h.update(part)
     return h.digest()
+
+
+def root_key(model_id: str, layout: KVLayout, chunk_size: int, salt: str = "", hash_name: str = "sha256") -> bytes:
+    """The namespace seed every chain starts from: the base, or the tenant `salt`'s root under it."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    # b"" where the salt was once hashed in: the unsalted keys of caches written before tenant roots stay valid
+    base = _digest(hash_name, b"kvfabric/keys/v1", model_id.encode(), layout.fingerprint, str(chunk_size).encode(),
+                   b"", hash_name.encode())
+    return tenant_root(base, salt, hash_name) if salt else base
+
+
+def tenant_root(parent: bytes, tenant: str, hash_name: str = "sha256") -> bytes:
+    """The root of tenant `tenant` inside the namespace rooted at `parent` (see the module contract)."""
+    if not tenant:
+        raise ValueError("a tenant needs a non-empty name")
+    return _digest(hash_name, b"kvfabric/tenant/v1", parent, tenant.encode())
 
 
 def family_namespace(family: str, tokenizer: str, owner: str, kind: str) -> str:
@@ -117,8 +133,8 @@ def chunk_keys(tokens: Sequence[int] | np.ndarray | torch.Tensor, root: bytes, c
 
 @dataclass(frozen=True, slots=True)
 class KeySpace:
-    """One key namespace (see the module contract). `model_id`, `layout` and `salt` are kept for `tenant`; a space
-    rebuilt from its wire form (a root alone) has no layout and no tenants."""
+    """One key namespace (see the module contract). `model_id`, `layout` and `salt` describe it; a space rebuilt
+    from its wire form (a root alone) has no layout, and its tenants are the same as the original's."""
     root: bytes
     chunk_size: int
     hash_name: str = "sha256"
@@ -138,7 +154,6 @@ class KeySpace:
 
     def tenant(self, tenant: str) -> KeySpace:
         """The namespace of a tenant (a vLLM request's cache_salt): never shares a key with this one."""
-        if self.layout is None:
-            raise ValueError("a key space rebuilt from its root has no tenants")
         salt = f"{self.salt}/{tenant}" if self.salt else tenant
-        return KeySpace.of(self.model_id, self.layout, self.chunk_size, salt, self.hash_name, self.include_partial)
+        return KeySpace(tenant_root(self.root, tenant, self.hash_name), self.chunk_size, self.hash_name,
+                        self.include_partial, self.model_id, self.layout, salt)
