@@ -17,6 +17,9 @@ API (all under /v1 and all requiring `Authorization: Bearer <token>` when a toke
   GET  /v1/health      liveness and the index backend's state
   POST /v1/workers/register, /v1/workers/{id}/heartbeat, /v1/workers/{id}/events; DELETE /v1/workers/{id}
 
+Tenants (`--tenant-tokens FILE`, a YAML mapping tenant -> token): a tenant's token may look up, pin, unpin and
+move by tokens, keyed only in its own tenants' namespaces (a vLLM request's cache_salt); every other route is 403.
+
 Security: binds 127.0.0.1 unless told otherwise, and refuses to bind elsewhere without a token, nor without TLS
 (`--tls-cert` / `--tls-key`; `--tls-ca` with `--tls-require-client-cert` for mTLS, and to check the workers' P2P
 servers) unless `--insecure` (then a logged warning); the token is
@@ -39,6 +42,7 @@ from collections.abc import Sequence
 
 from kvfabric.cluster.controller_app import create_app
 from kvfabric.cluster.controller_models import MAX_BODY_BYTES
+from kvfabric.cluster.controller_tenants import TenantTokens
 from kvfabric.cluster.index import open_index
 from kvfabric.tls import TLSFiles, check_exposure, client_context, is_loopback, server_context
 
@@ -54,23 +58,25 @@ def run_controller(host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str
                    index_url: str | None = "memory", *, index_is_cluster: bool = False, index_prefix: str = "kvfc:",
                    instance_ttl_s: float = 10.0, max_body_bytes: int = MAX_BODY_BYTES,
                    control_timeout_s: float = 30.0, log_level: str = "warning", metrics_port: int = 0,
-                   metrics_host: str = "127.0.0.1", tls: TLSFiles = TLSFiles(), insecure: bool = False) -> None:
+                   metrics_host: str = "127.0.0.1", tls: TLSFiles = TLSFiles(), insecure: bool = False,
+                   tenant_tokens: str | None = None) -> None:
     """Serve the controller until interrupted (blocks). Raises ValueError for an unsafe bind (TLSConfigError, a
     ValueError, for plain text beyond loopback or unreadable TLS files). With `metrics_port`, /metrics is also
     served there without a token (for a Prometheus on this host). `tls`: the API over HTTPS (uvicorn's TLS), and
-    the CA the workers' P2P servers are checked against."""
+    the CA the workers' P2P servers are checked against. `tenant_tokens`: the tenants' tokens file."""
     import uvicorn
 
     from kvfabric.metrics import MetricsEndpoint
     check_bind(host, token)
     check_exposure(host, tls.is_enabled, insecure, "the controller")
     server_context(tls)  # a missing or unreadable file: one line now, not a uvicorn traceback
+    tenants = TenantTokens.load(tenant_tokens, token) if tenant_tokens else TenantTokens()
     if metrics_port and not is_loopback(metrics_host):
         raise ValueError(f"the metrics endpoint binds {metrics_host!r}: metrics are served without a token, on "
                          "loopback only")
     index = open_index(index_url, is_cluster=index_is_cluster, prefix=index_prefix)
     app = create_app(index, token=token, instance_ttl_s=instance_ttl_s, max_body_bytes=max_body_bytes,
-                     control_timeout_s=control_timeout_s, peer_tls=client_context(tls))
+                     control_timeout_s=control_timeout_s, peer_tls=client_context(tls), tenants=tenants)
     ssl_options: dict = {}
     if tls.is_enabled:
         import ssl
@@ -101,24 +107,33 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="PEM CA bundle: checks client certificates (mTLS) and the workers' P2P servers")
     parser.add_argument("--tls-require-client-cert", action="store_true",
                         help="accept only clients with a certificate the CA signed (mTLS)")
+    parser.add_argument("--tenant-tokens", default=None, metavar="FILE",
+                        help="YAML mapping tenant -> token: tokens that see only their tenants' chunks")
     parser.add_argument("--insecure", action="store_true",
                         help="allow plain HTTP beyond loopback (the token crosses the network in clear)")
     args = parser.parse_args(argv)
     token = os.environ.get("KVFABRIC_CLUSTER__TOKEN") or None
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip() or None
     logging.basicConfig(level=args.log_level.upper())
     try:
+        if args.token_file:
+            token = read_token(args.token_file)
         run_controller(args.host, args.port, token, args.index, index_prefix=args.index_prefix,
                        instance_ttl_s=args.instance_ttl, max_body_bytes=args.max_body_bytes,
                        log_level=args.log_level, metrics_port=args.metrics_port,
                        tls=TLSFiles(args.tls_cert, args.tls_key, args.tls_ca, args.tls_require_client_cert),
-                       insecure=args.insecure)
+                       insecure=args.insecure, tenant_tokens=args.tenant_tokens)
     except ValueError as exc:
         print(f"kvfabric controller: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def read_token(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError as exc:
+        raise ValueError(f"token file {path!r}: {exc.strerror or exc}") from None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,7 +1,8 @@
 """The controller's ASGI app: `create_app` builds the FastAPI routes over a `Controller`, wrapped in a `Guard`.
 
 - Every route except /v1/health requires `Authorization: Bearer <token>` when a token is configured (compared in
-  constant time, 401 otherwise). HTTP Basic with the token as password is the same credential, for browsers:
+  constant time, 401 otherwise). A tenant's token (`TenantTokens`) opens lookup, pin, unpin and move only, scoped
+  to its tenants (see `Controller`); every other route answers it 403. HTTP Basic with the token as password is the same credential, for browsers:
   the status page `/ui` (static HTML and a small script over /v1/instances and /v1/history) answers 401 with a
   Basic challenge, and the browser then sends the credential with the page's own API calls.
 - Validation errors are answered 422 without echoing the input; an unreachable index backend (`backend_errors`)
@@ -15,7 +16,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import hmac
 import logging
 import ssl
 from importlib import resources
@@ -50,6 +50,7 @@ from kvfabric.cluster.controller_models import (
     RegisterResponse,
 )
 from kvfabric.cluster.controller_service import Controller
+from kvfabric.cluster.controller_tenants import Caller, TenantTokens
 from kvfabric.cluster.index import ChunkIndex, open_index
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 def create_app(index: ChunkIndex | None = None, *, token: str | None = None, instance_ttl_s: float = 10.0,
                max_body_bytes: int = MAX_BODY_BYTES, sweep_interval_s: float | None = None,
                control_timeout_s: float = 30.0, connect_timeout_s: float = 1.0,
-               peer_tls: ssl.SSLContext | None = None) -> Any:
+               peer_tls: ssl.SSLContext | None = None, tenants: TenantTokens = TenantTokens()) -> Any:
     """The ASGI app (FastAPI wrapped in the body-size guard). `app.state.controller` is the Controller
     (on the inner FastAPI app; the returned object exposes it as `.controller` too)."""
     ctl = Controller(index if index is not None else open_index("memory"), token=token,
@@ -87,9 +88,7 @@ def create_app(index: ChunkIndex | None = None, *, token: str | None = None, ins
 
     bearer = HTTPBearer(auto_error=False, description="the cluster token (required when one is configured)")
 
-    def is_authorized(request: Request) -> bool:
-        if ctl.token is None:
-            return True
+    def caller_of(request: Request) -> Caller | None:
         scheme, _, value = request.headers.get("authorization", "").partition(" ")
         given = b""
         if scheme.lower() == "bearer":
@@ -99,16 +98,23 @@ def create_app(index: ChunkIndex | None = None, *, token: str | None = None, ins
                 given = base64.b64decode(value.strip(), validate=True).partition(b":")[2]
             except (binascii.Error, ValueError):
                 given = b""
-        return hmac.compare_digest(given, ctl.token.encode())
+        return tenants.identify(given, ctl.token)
 
-    def authorize(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if not is_authorized(request):
+    def authorize(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Caller:
+        caller = caller_of(request)
+        if caller is None:
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+        return caller
 
-    errors = {code: {"model": ErrorResponse} for code in (400, 401, 413, 422)}
+    def operator(caller: Caller = Depends(authorize)) -> Caller:
+        if not caller.is_admin:
+            raise HTTPException(403, "a tenant's token may only look up, pin, unpin and move its own chunks")
+        return caller
+
+    errors = {code: {"model": ErrorResponse} for code in (400, 401, 403, 413, 422)}
     app = FastAPI(title="kvfabric controller", version="1", lifespan=lifespan, responses=errors)
     app.state.controller = ctl
-    auth = [Depends(authorize)]
+    auth = [Depends(operator)]
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -145,37 +151,37 @@ def create_app(index: ChunkIndex | None = None, *, token: str | None = None, ins
 
     @app.get("/ui", response_class=HTMLResponse, include_in_schema=False)
     def status_page(request: Request) -> HTMLResponse:
-        if not is_authorized(request):
+        caller = caller_of(request)
+        if caller is None or not caller.is_admin:
             return HTMLResponse("<p>kvfabric controller: the cluster token is the password</p>", status_code=401,
                                 headers={"WWW-Authenticate": 'Basic realm="kvfabric", charset="UTF-8"'})
         return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
-    @app.post("/v1/lookup", dependencies=auth, response_model=LookupResponse)
-    def lookup(req: LookupRequest) -> LookupResponse:
-        return ctl.lookup(req)
+    @app.post("/v1/lookup", response_model=LookupResponse)
+    def lookup(req: LookupRequest, caller: Caller = Depends(authorize)) -> LookupResponse:
+        return ctl.lookup(req, caller)
 
     @app.get("/v1/instances", dependencies=auth, response_model=InstancesResponse)
     def instances() -> InstancesResponse:
         return ctl.instances()
 
-    @app.post("/v1/pin", dependencies=auth, response_model=CommandResponse, responses={404: {"model": ErrorResponse}})
-    def pin(req: PinRequest) -> CommandResponse:
-        return ctl.pin(req, "pin")
+    @app.post("/v1/pin", response_model=CommandResponse, responses={404: {"model": ErrorResponse}})
+    def pin(req: PinRequest, caller: Caller = Depends(authorize)) -> CommandResponse:
+        return ctl.pin(req, "pin", caller)
 
-    @app.post("/v1/unpin", dependencies=auth, response_model=CommandResponse,
-              responses={404: {"model": ErrorResponse}})
-    def unpin(req: PinRequest) -> CommandResponse:
-        return ctl.pin(req, "unpin")
+    @app.post("/v1/unpin", response_model=CommandResponse, responses={404: {"model": ErrorResponse}})
+    def unpin(req: PinRequest, caller: Caller = Depends(authorize)) -> CommandResponse:
+        return ctl.pin(req, "unpin", caller)
 
     @app.post("/v1/clear", dependencies=auth, response_model=CommandResponse,
               responses={404: {"model": ErrorResponse}})
     def clear(req: ClearRequest) -> CommandResponse:
         return ctl.clear(req)
 
-    @app.post("/v1/move", dependencies=auth, response_model=MoveResponse,
+    @app.post("/v1/move", response_model=MoveResponse,
               responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 502: {"model": ErrorResponse}})
-    def move(req: MoveRequest) -> MoveResponse:
-        return ctl.move(req)
+    def move(req: MoveRequest, caller: Caller = Depends(authorize)) -> MoveResponse:
+        return ctl.move(req, caller)
 
     @app.post("/v1/workers/register", dependencies=auth, response_model=RegisterResponse)
     def register(req: RegisterRequest) -> RegisterResponse:

@@ -3,7 +3,8 @@
 Every request model forbids unknown fields and bounds every list, string and number, so a malformed or hostile
 request is refused with 422 before any handler runs: integers are JSON integers (never strings or booleans),
 worker hosts are IP literals (the controller never resolves names for a client), chunk keys are 64 hex digits.
-A `Selection` names chunks either by token ids (keyed with each instance's namespace) or by explicit keys.
+A `Selection` names chunks either by token ids (keyed with each instance's namespace, or a tenant's namespace in it)
+or by explicit keys.
 `MAX_BODY_BYTES` bounds a request body (enforced by `controller_app.Guard`, 413).
 """
 from __future__ import annotations
@@ -119,6 +120,9 @@ class Selection(Strict):
     tokens: Annotated[list[TokenId], Field(max_length=MAX_TOKENS)] = None  # type: ignore[assignment]
     keys: Annotated[list[KeyHex], Field(max_length=MAX_KEYS)] = None  # type: ignore[assignment]
     model_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # a tenant's namespace (a vLLM cache_salt) instead of the instance's own; a tenant token: one of its tenants
+    # (default: all of them)
+    tenant: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @model_validator(mode="after")
     def _one_of(self) -> Selection:

@@ -8,6 +8,10 @@
 - Commands that need a worker (pin, unpin, delete, clear, fetch for move) go over the P2P control channel in
   batches of `CONTROL_BATCH` keys; an unreachable worker is an error result (502), never a hang past
   `control_timeout_s`. Client errors raise `HTTPException` (404 unknown instance, 400 / 502 for move).
+- Tenants: a selection by tokens is keyed in each instance's namespace, or in tenant T's namespace inside it
+  (`KeySpace.tenant`) when it names T. A tenant caller's lookup, pin, unpin and move are keyed only in its own
+  tenants' namespaces (a tenant it does not hold, or chunk keys given directly, are 403): it can neither find
+  nor touch another tenant's chunks, nor the shared namespace's.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from typing import Any
 from fastapi import HTTPException
 
 from kvfabric.cluster.controller_guard import Metrics
+from kvfabric.cluster.controller_tenants import Caller
 from kvfabric.cluster.controller_models import (
     ClearRequest,
     CommandResponse,
@@ -102,20 +107,38 @@ class Controller:
         return reply
 
     @staticmethod
-    def keys_for(ns: Namespace, tokens: Sequence[int]) -> list[bytes]:
-        return ns.key_space().keys(tokens)
+    def keys_for(ns: Namespace, tokens: Sequence[int], tenant: str | None = None) -> list[bytes]:
+        space = ns.key_space()
+        return (space if tenant is None else space.tenant(tenant)).keys(tokens)
 
-    def selection(self, sel: Selection, info: InstanceInfo) -> tuple[list[bytes], Namespace | None]:
-        """The chunk keys `sel` names on this instance (tokens: with its namespace; [] if it has none)."""
+    @staticmethod
+    def scope(sel: Selection, caller: Caller) -> tuple[str | None, ...]:
+        """The tenants whose namespaces `sel`'s tokens are keyed in (None: the instance's own namespace)."""
+        if caller.is_admin:
+            return (sel.tenant,)
         if sel.keys is not None:
-            return [bytes.fromhex(k) for k in sel.keys], None
+            raise HTTPException(403, "a tenant's token names chunks by tokens, not by keys")
+        if sel.tenant is not None:
+            if sel.tenant not in caller.tenants:
+                raise HTTPException(403, "this token does not act for that tenant")
+            return (sel.tenant,)
+        return tuple(sorted(caller.tenants))
+
+    def selection(self, sel: Selection, info: InstanceInfo, caller: Caller) -> list[bytes]:
+        """The chunk keys `sel` names on this instance (tokens: with its namespace, in each tenant of the caller's
+        scope; [] if it has none)."""
+        tenants = self.scope(sel, caller)
+        if sel.keys is not None:
+            return [bytes.fromhex(k) for k in sel.keys]
         for ns in info.namespaces:
             if sel.model_id is None or ns.model_id == sel.model_id:
-                return self.keys_for(ns, sel.tokens or []), ns
-        return [], None
+                keyed = (self.keys_for(ns, sel.tokens or [], tenant) for tenant in tenants)
+                return list(dict.fromkeys(key for keys in keyed for key in keys))
+        return []
 
     # ---- operations ------------------------------------------------------------------------------------------
-    def lookup(self, req: LookupRequest) -> LookupResponse:
+    def lookup(self, req: LookupRequest, caller: Caller = Caller.ADMIN) -> LookupResponse:
+        tenants = self.scope(req, caller)
         instances = self.alive(req.exclude)
         per_instance: list[tuple[InstanceInfo, list[bytes], Namespace | None]] = []
         wanted: dict[bytes, None] = {}
@@ -129,12 +152,13 @@ class Controller:
             for ns in info.namespaces:  # an instance may serve several models: each namespace is a candidate
                 if req.model_id is not None and ns.model_id != req.model_id:
                     continue
-                sig = (ns.root, ns.chunk_size, ns.hash, ns.partial)
-                if sig not in keyed:
-                    keyed[sig] = (self.keys_for(ns, req.tokens or []), ns)
-                keys = keyed[sig][0]
-                per_instance.append((info, keys, ns))
-                wanted.update(dict.fromkeys(keys))
+                for tenant in tenants:  # ... and so is each tenant's namespace in it that the caller may see
+                    sig = (ns.root, ns.chunk_size, ns.hash, ns.partial, tenant)
+                    if sig not in keyed:
+                        keyed[sig] = (self.keys_for(ns, req.tokens or [], tenant), ns)
+                    keys = keyed[sig][0]
+                    per_instance.append((info, keys, ns))
+                    wanted.update(dict.fromkeys(keys))
         order = list(wanted)
         located = dict(zip(order, self.index.locate(order))) if order else {}
         self.metrics.lookups.inc()
@@ -217,10 +241,10 @@ class Controller:
     def targets(self, instance_id: str | None) -> list[InstanceInfo]:
         return [self.instance(instance_id)] if instance_id is not None else self.alive()
 
-    def pin(self, req: PinRequest, op: str) -> CommandResponse:
+    def pin(self, req: PinRequest, op: str, caller: Caller = Caller.ADMIN) -> CommandResponse:
         results: dict[str, InstanceResult] = {}
         for info in self.targets(req.instance):
-            keys, _ = self.selection(req, info)
+            keys = self.selection(req, info, caller)
             located = self.index.locate(keys) if keys else []
             mine = [k for k, loc in zip(keys, located)
                     if info.instance_id in loc and (req.tier is None or req.tier in loc[info.instance_id])]
@@ -249,14 +273,15 @@ class Controller:
                                                        error=reply.get("error"))
         return CommandResponse(instances=results)
 
-    def move(self, req: MoveRequest) -> MoveResponse:
+    def move(self, req: MoveRequest, caller: Caller = Caller.ADMIN) -> MoveResponse:
         started = time.perf_counter()
+        self.scope(req, caller)  # a tenant's 403 before any instance is named
         src, dst = self.instance(req.src), self.instance(req.dst)
         if req.dst_tier not in {t.name for t in dst.tiers}:
             raise HTTPException(400, f"instance {dst.instance_id!r} has no tier {req.dst_tier!r}")
         if req.src == req.dst and req.src_tier in (None, req.dst_tier):
             raise HTTPException(400, "source and destination are the same instance and tier")
-        keys, _ = self.selection(req, src)
+        keys = self.selection(req, src, caller)
         located = self.index.locate(keys) if keys else []
         held = [k for k, loc in zip(keys, located)
                 if src.instance_id in loc and (req.src_tier is None or req.src_tier in loc[src.instance_id])]
