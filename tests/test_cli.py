@@ -162,3 +162,15 @@ def test_a_hub_model_that_cannot_be_fetched_is_one_line(tmp_path, monkeypatch):
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert lines[0].startswith("kvfabric: 'kvfabric-test/no-such-model': cannot fetch it from the Hugging Face hub")
+
+
+def test_a_missing_tls_certificate_is_one_line(tmp_path, monkeypatch):
+    """`kvfabric node` starting a cluster node whose cluster.tls names a certificate that is not there."""
+    monkeypatch.setenv("KVFABRIC_HOME", str(tmp_path))
+    config = tmp_path / "node.yaml"
+    config.write_text("tiers: [cpu, peer]\ncluster:\n  controller_url: http://127.0.0.1:9\n"
+                      f"  tls: {{cert: {tmp_path / 'no-cert.pem'}, key: {tmp_path / 'no-key.pem'}}}\n")
+    result = CliRunner().invoke(main, ["node", "--config", str(config), "--duration", "0.1"])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith("kvfabric: TLS: ") and "no-cert.pem" in lines[0], lines[0]

@@ -44,6 +44,12 @@ def user_error(exc: BaseException) -> str | None:
     model = sys.modules.get("kvfabric.engines.model")  # not imported: the error cannot be one of its
     if model is not None and isinstance(exc, model.ModelError):
         return str(exc)
+    tls = sys.modules.get("kvfabric.tls")  # a missing or unreadable certificate, plain text beyond loopback
+    if tls is not None and isinstance(exc, tls.TLSConfigError):
+        return f"TLS: {exc}"
+    permissions = sys.modules.get("kvfabric.permissions")  # strict_permissions met a folder others may read
+    if permissions is not None and isinstance(exc, permissions.PermissionsError):
+        return str(exc)
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.ENOTDIR) \
             and exc.filename:
         return (f"{exc.strerror}: {exc.filename} (point KVFABRIC_HOME, or the tier's path in the config, at a "
