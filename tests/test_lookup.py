@@ -191,3 +191,27 @@ def test_the_meeting_point_is_named_by_vllms_engine_id():
     a, b = lookup_path("8a1f-uuid", 0), lookup_path("8a1f-uuid", 1)
     assert a != b and a.endswith(".sock") and len(a) < 108
     assert lookup_path("../../etc/x", 0) == lookup_path("etcx", 0)  # no path tricks in the name
+
+
+def test_a_starting_service_removes_dead_workers_sockets_and_keeps_live_ones(engine, folder):
+    """vLLM ends its workers without their clean-up: each `vllm serve` left its socket in the temp folder."""
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(folder / "kvfabric-lookup-dead-0.sock"))  # bound, never listening, closed: what a killed worker
+    dead.close()                                            # leaves
+    (folder / "kvfabric-lookup-file-0.sock").write_text("")  # not a socket: not ours to judge
+    (folder / "other.sock").touch()
+    live = LookupService(engine, str(folder / "kvfabric-lookup-live-0.sock"))
+    service = LookupService(engine, str(folder / "kvfabric-lookup-new-0.sock"))
+    try:
+        names = sorted(p.name for p in folder.iterdir())
+        assert names == ["kvfabric-lookup-file-0.sock", "kvfabric-lookup-live-0.sock", "kvfabric-lookup-new-0.sock",
+                         "other.sock"]
+        client = LookupClient(str(folder / "kvfabric-lookup-live-0.sock"))
+        try:  # the live one still answers
+            assert client.lookup(engine.keys(list(range(CHUNK)))) == KeyLookup()
+            assert live.counters.get("lookups") == 1
+        finally:
+            client.close()
+    finally:
+        service.close()
+        live.close()

@@ -6,7 +6,9 @@ parts included), instead of keeping tiers and a mirror of its own.
 
 Contract:
 - `LookupService(cache, path)`: in the worker (rank 0 of its engine); a thread accepts connections on the Unix
-  socket `path` (mode 0600; a socket left by a dead worker is replaced) and answers each request with
+  socket `path` (mode 0600; a socket left by a dead worker is replaced, and so is any other engine's socket of
+  this user in that folder that refuses connections: vLLM ends its workers without their clean-up, so each
+  `vllm serve` would otherwise leave one behind) and answers each request with
   `cache.lookup_keys(keys, num_tokens)`. A malformed request closes that connection (counted in `counters`); the
   service keeps serving. `close()` stops it and removes the socket. `start_lookup_service(cache, path)` is the
   worker's entry: a socket it cannot create (a temp folder it cannot write, a path too long for AF_UNIX) is one
@@ -52,6 +54,25 @@ def lookup_path(engine_id: str, dp_rank: int = 0) -> str:
     return str(Path(tempfile.gettempdir()) / f"kvfabric-lookup-{safe}-{int(dp_rank)}.sock")
 
 
+def sweep_dead_sockets(folder: str | os.PathLike) -> int:
+    """Remove this user's lookup sockets in `folder` that nobody listens on any more (the connection is refused);
+    a live worker's socket answers the connect and stays. Returns how many went."""
+    removed = 0
+    for path in Path(folder).glob("kvfabric-lookup-*.sock"):
+        with contextlib.suppress(OSError):
+            if path.lstat().st_uid != os.getuid() or not path.is_socket():
+                continue
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(path))
+            except ConnectionRefusedError:
+                path.unlink()
+                removed += 1
+            finally:
+                probe.close()
+    return removed
+
+
 def _send(sock: socket.socket, message: dict) -> None:
     body = msgpack.packb(message, use_bin_type=True)
     send_all(sock, [LENGTH.pack(len(body)), body])
@@ -84,6 +105,7 @@ class LookupService:
         self.counters = Counters()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a dead worker's socket (the engine id is this engine's: nobody else serves it)
+        sweep_dead_sockets(Path(path).parent)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)  # created 0600: only this user asks this worker's cache
         try:
