@@ -19,7 +19,7 @@ from kvfabric.blocks import BlockLayout, BlockLayoutError, as_words, from_tokens
 from kvfabric.codec.format import HEADER_BYTES, parse
 from kvfabric.config import DiskTierConfig, ShmTierConfig
 from kvfabric.connectors.paged import CpuPagedLayer, gather, load_blocks, save_blocks, scatter
-from kvfabric.engine import ChunkHit, ChunkMiss
+from kvfabric.kvcache import ChunkHit, ChunkMiss
 from kvfabric.pages import Scratch
 from kvfabric.tiers.shm import ShmTier
 

@@ -12,7 +12,7 @@ from kvfabric.codec.cachegen import CacheGenCodec
 from kvfabric.codec.cachegen import profile as P
 from kvfabric.codec.format import parse
 from kvfabric.config import DiskTierConfig
-from kvfabric.engine import ChunkHit, ChunkMiss
+from kvfabric.kvcache import ChunkHit, ChunkMiss
 
 # layers 0-4 and 6: window of 20 tokens; layer 5: full attention (a Gemma-3-like map)
 TYPES = ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]

@@ -14,7 +14,7 @@ from kvfabric import CacheEngine, Config, KVLayout
 from kvfabric.codec.format import HEADER_BYTES, ChunkHeader, write_blob
 from kvfabric.codec.raw import RawCodec
 from kvfabric.config import CpuTierConfig, DiskTierConfig
-from kvfabric.engine import ChunkHit, ChunkMiss
+from kvfabric.kvcache import ChunkHit, ChunkMiss
 from kvfabric.pages import Scratch
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
@@ -413,7 +413,7 @@ def test_retrieve_hints_the_disk_a_bounded_distance_ahead(config, monkeypatch):
 def test_both_caches_offer_the_kvcache_seam(config):
     """CacheEngine and RemoteCache (mode: server) answer the same public calls: the KVCache protocol the connectors
     and engines are written against (a member missing from either fails here)."""
-    from kvfabric.engine import KVCache
+    from kvfabric.kvcache import KVCache
     from kvfabric.remote import RemoteCache
 
     with CacheEngine(config, LAYOUT, "m") as engine:

@@ -1,5 +1,6 @@
 """The README's layer diagram, enforced: import-linter's contracts in pyproject.toml must hold for src/ (the
-layers, the vLLM connector through the cache, the runtime apart from research and benchmarks).
+layers, the vLLM connector through the cache, the runtime apart from research and benchmarks, RemoteCache beside
+the in-process engine).
 
 The other tests prove the checks can fail: a copy of the package with one upward import (a tier importing the
 engine), or with a runtime module importing research code, must break its contract, and the report must name that
@@ -26,7 +27,7 @@ def _lint(src: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_imports_point_down_only():
     result = _lint(ROOT / "src", ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "3 kept, 0 broken" in result.stdout
+    assert "4 kept, 0 broken" in result.stdout
 
 
 def _copy_with(tmp_path: Path, module: str, line: str) -> Path:
@@ -51,3 +52,10 @@ def test_a_runtime_module_importing_research_breaks_the_split(tmp_path):
     assert result.returncode != 0
     assert "the runtime imports no research or benchmark code BROKEN" in result.stdout
     assert "kvfabric.data.genres -> kvfabric.research.belady" in result.stdout
+
+
+def test_remote_cache_built_on_the_engine_breaks_the_contract(tmp_path):
+    src = _copy_with(tmp_path, "remote/client.py", "from kvfabric.engine import CacheEngine")
+    result = _lint(src, tmp_path)
+    assert result.returncode != 0
+    assert "RemoteCache meets the KVCache protocol without the in-process engine BROKEN" in result.stdout

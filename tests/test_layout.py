@@ -6,8 +6,8 @@ import torch
 
 from kvfabric import CacheEngine, Config
 from kvfabric.codec.raw import RawCodec
-from kvfabric.engine import ChunkMiss
 from kvfabric.hashing import root_key
+from kvfabric.kvcache import ChunkMiss
 from kvfabric.layout import KVLayout, LayerGroup
 
 GEMMA_TYPES = ["sliding_attention"] * 5 + ["full_attention"]  # Gemma 3's pattern, 6 layers here

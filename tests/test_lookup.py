@@ -22,7 +22,7 @@ from kvfabric import CacheEngine, Config, KVLayout
 from kvfabric.chunk_parts import ChunkParts
 from kvfabric.config import DiskTierConfig
 from kvfabric.connectors.lookup import LookupClient, LookupService, lookup_path, start_lookup_service
-from kvfabric.engine import KeyLookup
+from kvfabric.kvcache import KeyLookup
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
 

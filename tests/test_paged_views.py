@@ -18,7 +18,7 @@ from kvfabric.connectors.paged_views import (
     LAYOUTS, PagedSpec, block_layout, gather, is_cross_layer, layer_views, layout_order, load_blocks,
     physical_blocks, save_blocks, scatter, strides, zero_tail,
 )
-from kvfabric.engine import ChunkHit
+from kvfabric.kvcache import ChunkHit
 from kvfabric.pages import Scratch
 
 BLOCK = 16

@@ -358,7 +358,7 @@ def test_a_chunk_that_failed_a_load_is_not_offered_again(tmp_path):
 
     pytest.importorskip("vllm")
     from kvfabric.config import Config
-    from kvfabric.engine import ChunkMiss
+    from kvfabric.kvcache import ChunkMiss
     from kvfabric.layout import KVLayout
     from tests.scheduler_fixtures import scheduler_asking
 
@@ -467,8 +467,6 @@ def test_scheduler_counts_chunks_a_peer_holds(tmp_path):
 def test_hybrid_manager_specs_carry_every_groups_table_and_skip_chunks_whose_window_blocks_are_gone(tmp_path):
     """Several KV cache groups (window W=512, block 128): a load's window_from is vLLM's first window block of the
     hit; a save covers only chunks whose window blocks vLLM still holds (a local prefix hit nulls older ones)."""
-    from types import SimpleNamespace
-
     pytest.importorskip("vllm")
     from kvfabric.config import Config
     from kvfabric.connectors.vllm.config import KVGroups

@@ -10,7 +10,7 @@ import tempfile
 import pytest
 import torch
 
-from kvfabric.engine import ChunkHit
+from kvfabric.kvcache import ChunkHit
 from kvfabric.remote import RemoteCache
 from tests.server_fixtures import CHUNK, LAYOUT, client_config, random_kv, server_config, server_in_thread, tokens_of
 

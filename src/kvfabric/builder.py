@@ -3,7 +3,7 @@
 Contract:
 - `build_engine(config, layout, model_id)` returns what an engine process uses as its KV cache (`KVCache`): with
   `mode: server`, a RemoteCache to the host's `kvfabric server`; else a CacheEngine over the configured tiers,
-  composed here with what the config asks for around it (both satisfy `kvfabric.engine.KVCache`):
+  composed here with what the config asks for around it (both satisfy `kvfabric.kvcache.KVCache`):
   - tier "peer": a cluster node (kvfabric.cluster) that serves the local tiers to peers and reports them to the
     controller under this engine's key namespace; the peer tier is last in the stack;
   - `kv_events.enabled`: the engine's event queue (or the caller's `events`), with `kv_events.endpoint` published
@@ -18,9 +18,10 @@ import logging
 from collections.abc import Sequence
 
 from kvfabric.config import Config
-from kvfabric.engine import CacheEngine, KVCache
+from kvfabric.engine import CacheEngine
 from kvfabric.events import ChunkEvents, EventPublisher
 from kvfabric.hashing import KeySpace
+from kvfabric.kvcache import KVCache
 from kvfabric.layout import KVLayout
 from kvfabric.metrics import EngineCollector, MetricsEndpoint, engine_registry
 from kvfabric.remote.client import RemoteCache

@@ -37,8 +37,8 @@ from pathlib import Path
 import msgpack
 
 from kvfabric.counters import Counters
-from kvfabric.engine import KeyLookup, KVCache
 from kvfabric.framing import ProtocolError, recv_exact, send_all
+from kvfabric.kvcache import KeyLookup, KVCache
 
 log = logging.getLogger(__name__)
 LENGTH = struct.Struct("<I")

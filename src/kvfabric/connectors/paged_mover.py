@@ -34,7 +34,7 @@ import torch
 from kvfabric.connectors.copy_stream import CopyDone, CopyStream
 from kvfabric.connectors.paged_views import (block_layout, gather, load_blocks, physical_blocks, save_blocks, scatter,
                                              zero_tail)
-from kvfabric.engine import ChunkHit, ChunkPayload, KVCache
+from kvfabric.kvcache import ChunkHit, ChunkPayload, KVCache
 from kvfabric.pages import Scratch
 
 

@@ -44,7 +44,8 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from kvfabric.builder import build_engine
 from kvfabric.config import Config, ConfigError
 from kvfabric.counters import Counters
-from kvfabric.engine import CacheEngine, ChunkHit, ChunkPayload
+from kvfabric.engine import CacheEngine
+from kvfabric.kvcache import ChunkHit, ChunkPayload
 from kvfabric.layout import DTYPES, KVLayout
 from kvfabric.pages import Scratch
 

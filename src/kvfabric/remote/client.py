@@ -35,10 +35,10 @@ from kvfabric.blocks import BlockLayout
 from kvfabric.codec.format import HEADER_BYTES
 from kvfabric.config import Config
 from kvfabric.counters import Counters, merged
-from kvfabric.engine import (ChunkHit, ChunkMiss, ChunkPayload, EngineStats, KeyLookup, Tokens, chunks_to_store,
-                             retrieve_buffer)
 from kvfabric.framing import ProtocolError
 from kvfabric.hashing import ChunkKey, KeySpace
+from kvfabric.kvcache import (ChunkHit, ChunkMiss, ChunkPayload, EngineStats, KeyLookup, Tokens, chunks_to_store,
+                              retrieve_buffer)
 from kvfabric.layout import KVLayout
 from kvfabric.metrics import Histograms
 from kvfabric.pages import Scratch

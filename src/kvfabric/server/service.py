@@ -31,7 +31,7 @@ from kvfabric.codec.base import WrongLayoutError
 from kvfabric.codec.format import ChunkFormatError
 from kvfabric.config import Config
 from kvfabric.counters import Counters, merged
-from kvfabric.engine import ChunkPayload
+from kvfabric.kvcache import ChunkPayload
 from kvfabric.remote import protocol as P
 from kvfabric.remote.pool import SlotPool
 from kvfabric.server.metrics import ServerMetrics

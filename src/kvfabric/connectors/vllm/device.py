@@ -45,7 +45,7 @@ from kvfabric.connectors.vllm.metadata import LoadSpec, RequestStats
 from kvfabric.connectors.vllm.threads import release
 from kvfabric.connectors.vllm.worker import WorkerSide
 from kvfabric.counters import Counters
-from kvfabric.engine import KVCache
+from kvfabric.kvcache import KVCache
 
 logger = init_logger(__name__)
 

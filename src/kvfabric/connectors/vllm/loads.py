@@ -75,7 +75,7 @@ from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE
 from kvfabric.connectors.vllm.metadata import LoadSpec, RequestStats
 from kvfabric.connectors.vllm.threads import release
 from kvfabric.counters import Counters
-from kvfabric.engine import ChunkHit, ChunkMiss, KVCache
+from kvfabric.kvcache import ChunkHit, ChunkMiss, KVCache
 from kvfabric.pages import Scratch
 
 if TYPE_CHECKING:

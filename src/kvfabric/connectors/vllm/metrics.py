@@ -21,8 +21,8 @@ from typing import Any
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvfabric.engine import KVCache
 from kvfabric.events import ChunkEvents
+from kvfabric.kvcache import KVCache
 from kvfabric.metrics import METRICS, engine_families
 
 SEP = "\x1f"  # between a metric name and its label values in a stats key

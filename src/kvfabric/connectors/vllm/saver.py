@@ -27,7 +27,7 @@ from vllm.logger import init_logger
 from kvfabric.connectors.vllm.metadata import SaveSpec
 from kvfabric.connectors.vllm.threads import release
 from kvfabric.counters import Counters
-from kvfabric.engine import ChunkPayload, KVCache
+from kvfabric.kvcache import ChunkPayload, KVCache
 
 logger = init_logger(__name__)
 

@@ -42,8 +42,8 @@ from kvfabric.config import Config, ConfigError
 from kvfabric.connectors.lookup import LookupClient
 from kvfabric.connectors.vllm.config import PARAMS_KEY, KVGroups, Role, role_of
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, RequestStats, SaveSpec
-from kvfabric.engine import KeyLookup
 from kvfabric.hashing import ChunkKey, KeySpace
+from kvfabric.kvcache import KeyLookup
 from kvfabric.layout import KVLayout
 
 if TYPE_CHECKING:
