@@ -1,0 +1,338 @@
+"""`kvfabric bench ...`: the benchmark commands (registered by kvfabric.cli).
+
+Each prints a table by default and one JSON object per line with `--json`; every speed is reported beside a
+baseline measured in the same run. Heavy imports (models, vLLM, Redis) happen inside each command.
+"""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvfabric.config import Config
+from kvfabric.data.genres import TEXTS
+
+# `kvfabric --config` as the other commands take it (kvfabric.cli): the same file, the same environment
+config_option = click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+                             help="YAML config file (default: $KVFABRIC_CONFIG, then built-in defaults).")
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks: each speed is printed beside a baseline measured in the same run."""
+
+
+@bench.command("tiers")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--repeats", default=5, show_default=True, help="Samples per figure (their median).")
+@click.option("--quick", is_flag=True, help="Fewer chunks (a smoke run).")
+@click.option("--redis-url", default=None, help="Also measure the redis tier against raw redis-py on this server.")
+@click.option("--mooncake", is_flag=True, help="Also measure the mooncake tier against raw Mooncake and a loopback "
+              "socket (starts a private mooncake_master and a storage process on loopback).")
+@click.option("--seal", is_flag=True, help="With --redis-url: also the sealed redis tier (AES-256-GCM) vs the plain.")
+def bench_tiers(as_json: bool, repeats: int, quick: bool, redis_url: str | None, mooncake: bool, seal: bool) -> None:
+    """Tier store/retrieve throughput vs raw copy / file I/O of the same bytes."""
+    from kvfabric.bench.tiers import run
+    if seal and not redis_url:
+        raise click.UsageError("--seal measures the sealed redis tier: give --redis-url too")
+    run(as_json=as_json, repeats=repeats, quick=quick, redis_url=redis_url, mooncake=mooncake, seal=seal)
+
+
+@bench.command("trace")
+@click.option("--trace", "traces", multiple=True, metavar="NAME|FILE",
+              help="conversation, synthetic (../shared/data) or a JSONL path; repeatable (default: both).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per (trace, tiers, capacity, policy).")
+@click.option("--plot", default=None, metavar="PNG", help="Hit ratio and TTFT vs capacity per policy.")
+@click.option("--capacities", default="0.01,0.03,0.1,0.3", show_default=True,
+              help="Fast-tier capacities as shares of the distinct blocks.")
+@click.option("--policies", default=None, help="One-tier policies, EVICTION[+ADMISSION] or shm, comma-separated.")
+@click.option("--tiers", default="1,2", show_default=True, help="Set-ups to run: 1, 2 or both.")
+@click.option("--limit", default=None, type=int, help="Only the first N requests of each trace.")
+@click.option("--bounds", is_flag=True, help="Also oracle-informed policies (simulated: what the future is worth).")
+@click.option("--sim", "is_sim", is_flag=True, help="Simulator only (bookkeeping, no real tiers): the fast path.")
+@click.option("--replay-dir", default=None, help="Where the replay's disk tier and files go (default /dev/shm).")
+@click.option("--quick", is_flag=True, help="First 1000 requests, capacities 3 and 10 %, short measurements.")
+@click.option("--model-defaults", is_flag=True, help="Skip measuring: the TTFT model's placeholder figures.")
+def bench_trace(traces: tuple[str, ...], as_json: bool, plot: str | None, capacities: str, policies: str | None,
+                tiers: str, limit: int | None, bounds: bool, is_sim: bool, replay_dir: str | None, quick: bool,
+                model_defaults: bool) -> None:
+    """Cache policies and placement over the Mooncake traces, replayed through the real tiers: prefix hit ratio
+    and modelled TTFT (tier throughputs and prefill rate measured in the same run) vs LRU and Belady."""
+    from kvfabric.bench import trace
+    from kvfabric.bench.trace_sim import TTFTModel
+    try:
+        fracs = tuple(float(x) for x in capacities.split(","))
+        tier_set = tuple(int(x) for x in tiers.split(","))
+    except ValueError:
+        raise click.BadParameter("comma-separated numbers expected") from None
+    if not all(0 < f <= 1 for f in fracs) or not set(tier_set) <= {1, 2}:
+        raise click.BadParameter("capacities must be in (0, 1] and tiers 1 and/or 2")
+    try:
+        trace.run(traces=traces or tuple(trace.TRACE_FILES), capacities=(0.03, 0.1) if quick else fracs,
+                  policies=tuple(policies.split(",")) if policies else trace.ONE_TIER, tiers=tier_set,
+                  as_json=as_json, plot=plot, limit=1000 if quick else limit, bounds=bounds,
+                  model=TTFTModel() if model_defaults else None, is_sim=is_sim, replay_dir=replay_dir, quick=quick)
+    except (FileNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@bench.command("soak")
+@click.option("--duration", default=600.0, show_default=True, help="Seconds of load.")
+@click.option("--threads", "num_threads", default=3, show_default=True, help="Load threads in each of the two processes.")
+@click.option("--json", "as_json", is_flag=True, help="One final JSON object.")
+@click.option("--plot", default=None, metavar="PNG", help="RSS, fds, threads, shm, Redis memory, hit ratio over time.")
+@click.option("--redis-url", default=None, help="Use this Redis (default: a private redis-server with maxmemory).")
+def bench_soak(duration: float, num_threads: int, as_json: bool, plot: str | None, redis_url: str | None) -> None:
+    """Sustained mixed load over cpu + shm + disk + redis from two processes: bounded resources, no wrong bytes,
+    no hangs, a stable hit ratio (exit status 1 if any of that fails)."""
+    from kvfabric.bench.soak import run
+    if not run(duration_s=duration, num_threads=num_threads, as_json=as_json, plot=plot, redis_url=redis_url).ok:
+        sys.exit(1)
+
+
+@bench.command("p2p")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--repeats", default=5, show_default=True)
+@click.option("--quick", is_flag=True, help="Fewer chunks (a smoke run).")
+@click.option("--tls", is_flag=True, help="Also fetch over TLS (a throw-away certificate), vs plain P2P.")
+def bench_p2p(as_json: bool, repeats: int, quick: bool, tls: bool) -> None:
+    """Peer-to-peer fetch vs a raw loopback socket of the same bytes; a `move` of a 4k-token prompt."""
+    from kvfabric.bench.cluster import run
+    run(as_json=as_json, repeats=repeats, quick=quick, tls=tls)
+
+
+@bench.command("vllm", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                         "help_option_names": []})
+@click.pass_context
+def bench_vllm(ctx: click.Context) -> None:
+    """TTFT through a real vLLM: no connector, kvfabric cold, vLLM's own hit, kvfabric hit in a fresh engine."""
+    from kvfabric.bench.vllm import main as vllm_main
+    sys.exit(vllm_main(ctx.args))
+
+
+@bench.command("pd")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--sizes", default="1024,4096", show_default=True, help="Prompt sizes in tokens, comma-separated.")
+@click.option("--concurrency", default="1,4", show_default=True, help="Concurrent requests, comma-separated.")
+@click.option("--python", default=None, help="A Python with vllm (default: this one, else .venv-vllm).")
+@click.option("--redis-url", default=None, help="Also the P/D pair over this Redis server (chunks are stored there).")
+def bench_pd(as_json: bool, sizes: str, concurrency: str, python: str | None, redis_url: str | None) -> None:
+    """P/D disaggregation: TTFT of a prefill+decode vLLM pair over the shm pool (and Redis) vs one colocated
+    instance."""
+    from kvfabric.bench.pd import run
+    run([int(s) for s in sizes.split(",")], [int(c) for c in concurrency.split(",")], as_json=as_json, python=python,
+        redis_url=redis_url)
+
+
+@bench.command("interference")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per (setup, link), then the sharing and copy rows.")
+@click.option("--steps", default=256, show_default=True, help="Decode steps of request A.")
+@click.option("--tokens", "b_tokens", default=4096, show_default=True, help="Prompt tokens of the fetched request B.")
+@click.option("--links", default="100,1000", show_default=True, help="Link rates in Mbit/s.")
+@click.option("--engine-cpu", default=0, show_default=True, help="The engine's core.")
+@click.option("--server-cpu", default=1, show_default=True, help="The server's core (set-up c).")
+@click.option("--vllm", "with_vllm", is_flag=True, help="Also the vLLM connector's miss-path overhead with mode: "
+              "server (paired runs; needs .venv-vllm or --vllm-python).")
+@click.option("--vllm-python", default=None, help="Python with vLLM installed (default: .venv-vllm).")
+def bench_interference(as_json: bool, steps: int, b_tokens: int, links: str, engine_cpu: int, server_cpu: int,
+                       with_vllm: bool, vllm_python: str | None) -> None:
+    """TPOT of a decoding request while another's prompt KV is fetched and decoded: none / in-process / in
+    `kvfabric server` on its own core; B's TTFT; two engines sharing a server; retrieve vs memcpy."""
+    from kvfabric.bench.interference import run
+    try:
+        rates = tuple(int(x) for x in links.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{links!r}: comma-separated Mbit/s", param_hint="--links") from None
+    run(as_json=as_json, steps=steps, b_tokens=b_tokens, links=rates, engine_cpu=engine_cpu, server_cpu=server_cpu)
+    if with_vllm:
+        from kvfabric.bench.common import emit
+        from kvfabric.bench.interference_vllm import run as run_vllm
+        row = run_vllm(vllm_python, num_tokens=b_tokens, engine_cpu=engine_cpu, server_cpu=server_cpu)
+        emit([row], as_json, "vLLM connector, mode: server: miss-path overhead (paired cold runs)",
+             ["tokens", "num_pairs", "off_s", "ttft_s", "miss_overhead_paired", "target_met"])
+
+
+@bench.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                         "help_option_names": []})
+@click.pass_context
+def bench_serve(ctx: click.Context) -> None:
+    """Serving workloads (long-document QA, multi-round chat) against vllm serve: vLLM alone, + kvfabric, + LMCache."""
+    from kvfabric.bench.serve import main as serve_main
+    sys.exit(serve_main(ctx.args))
+
+
+@bench.command("long-doc-qa")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per request, then a summary object.")
+@click.option("--docs", "num_docs", default=3, show_default=True)
+@click.option("--length", "doc_tokens", default=4096, show_default=True, help="Tokens per document.")
+@click.option("--question", "question_tokens", default=64, show_default=True, help="Tokens per question.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--model", default="smollm2-135m-instruct", show_default=True,
+              help="Builtin model (gemma3-270m, qwen2.5-coder-0.5b, ...) or a local HF folder.")
+@click.option("--kv-dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16",
+              show_default=True, help="Stored KV dtype; float32 for the exactness figure.")
+def bench_long_doc_qa(as_json: bool, num_docs: int, doc_tokens: int, question_tokens: int, seed: int, model: str,
+                      kv_dtype: str) -> None:
+    """TTFT of cache misses and hits on the real model, with the physical-limit decomposition and hit exactness."""
+    from kvfabric.bench.long_doc_qa import run
+    run(num_docs, doc_tokens, question_tokens, seed, as_json, model, kv_dtype)
+
+
+
+@bench.command("codec")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--plot", default=None, metavar="PNG", help="Write the level table as a plot.")
+@click.option("--docs", "num_docs", default=8, show_default=True, help="Held-out documents.")
+@click.option("--length", "ctx_tokens", default=2048, show_default=True, help="Context tokens per document.")
+@click.option("--repeats", default=3, show_default=True)
+@click.option("--quick", is_flag=True, help="Fewer documents and codecs (a smoke run).")
+@click.option("--model", "model_name", default="smollm2-135m-instruct", show_default=True,
+              help="Builtin model (gemma3-270m, qwen2.5-coder-0.5b, ...) or a local HF folder.")
+@click.option("--text", default="musique", show_default=True, type=click.Choice(TEXTS),
+              help="Held-out text (kvfabric.data.genres): MuSiQue passages, Python-docs prose, stdlib code, or a mix.")
+@click.option("--only", default=None, metavar="CODEC[:LO-HI]", help="One codec's levels only, e.g. cachegen:4-8.")
+def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int, repeats: int, quick: bool,
+                model_name: str, text: str, only: str | None) -> None:
+    """Codec levels on the real model: size ratio vs fp16, top-1 and KL of the next 64 tokens, encode/decode MB/s."""
+    from kvfabric.bench.codec import run
+    run(as_json=as_json, plot=plot, num_docs=num_docs, ctx_tokens=ctx_tokens, repeats=repeats, quick=quick,
+        model_name=model_name, text=text, only=only)
+
+
+@bench.command("stream")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--plot", default=None, metavar="PNG", help="Write the TTFT table as a plot.")
+@click.option("--tokens", "prompt_tokens", default=2048, show_default=True, help="Prompt tokens to send.")
+@click.option("--target", "ttft_target_s", default=1.0, show_default=True, help="TTFT target of the adaptive sender.")
+@click.option("--quick", is_flag=True, help="A shorter prompt (a smoke run).")
+@click.option("--trace/--no-trace", default=True, show_default=True,
+              help="Also run the fluctuating link (1 Gbit/s and 100 Mbit/s, a second each): adaptive resolution vs "
+                   "every fixed setting.")
+@click.option("--trace-only", is_flag=True, help="Only the fluctuating link.")
+@click.option("--trace-seconds", "trace_s", default=10.0, show_default=True, help="Duration of each trace run.")
+@click.option("--ladder", default="0,5,6", show_default=True, metavar="L1,L2,..",
+              help="Video levels on the trace (each within the quality floor), beside raw.")
+def bench_stream(as_json: bool, plot: str | None, prompt_tokens: int, ttft_target_s: float, quick: bool,
+                 trace: bool, trace_only: bool, trace_s: float, ladder: str) -> None:
+    """KV streaming over a throttled loopback link: raw vs adaptive cachegen vs recompute, at 100 Mbit/s, 1 Gbit/s
+    and unthrottled; then adaptive resolution (video levels) vs fixed settings on a fluctuating link."""
+    from kvfabric.bench.stream import run
+    try:
+        levels = tuple(int(x) for x in ladder.split(","))
+        if not all(0 <= lvl <= 9 for lvl in levels):
+            raise ValueError("levels are 0..9")
+    except ValueError as e:
+        raise click.BadParameter(f"{ladder!r}: {e}", param_hint="--ladder") from None
+    run(as_json=as_json, plot=plot, prompt_tokens=prompt_tokens, ttft_target_s=ttft_target_s, quick=quick,
+        trace=trace or trace_only, trace_only=trace_only, ladder=levels, trace_s=trace_s)
+
+
+@bench.command("video")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--docs", "num_docs", default=8, show_default=True, help="Held-out documents.")
+@click.option("--length", "ctx_tokens", default=2048, show_default=True, help="Context tokens per document.")
+@click.option("--context", "context_tokens", default=8192, show_default=True,
+              help="Tokens of the context whose peak decode memory is measured.")
+@click.option("--repeats", default=3, show_default=True)
+@click.option("--quick", is_flag=True, help="Fewer documents, settings and tokens (a smoke run).")
+def bench_video(as_json: bool, num_docs: int, ctx_tokens: int, context_tokens: int, repeats: int,
+                quick: bool) -> None:
+    """The video codec's modes beside cachegen levels and int8: size, top-1 / KL of the next 64 tokens, encode /
+    decode MB/s (and on one thread), peak decode memory of an 8k-token context."""
+    from kvfabric.bench.video import run
+    run(as_json=as_json, num_docs=num_docs, ctx_tokens=ctx_tokens, context_tokens=context_tokens, repeats=repeats,
+        quick=quick)
+
+
+@bench.command("blend")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per question and setting, then summaries.")
+@click.option("--questions", "limit", default=150, show_default=True, help="MuSiQue questions to run.")
+@click.option("--start", default=0, show_default=True, help="First question.")
+@click.option("--stride", default=1, show_default=True, help="Take every STRIDE-th question (a spread sample).")
+@click.option("--check-layers", "check_layers", default=None, metavar="L1,L2,..",
+              help="BlendConfig.check_layers (default: the config's).")
+@click.option("--passages", default=10, show_default=True, help="Passages per question.")
+@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
+@click.option("--auto", is_flag=True, help="Also run the load controller's own choice of ratio.")
+@click.option("--oracle", is_flag=True,
+              help="Also run the 25.5 % compute with tokens ranked from a full prefill (a study: one more prefill "
+                   "per question).")
+@click.option("--report", "report_path", default=None, metavar="JSONL",
+              help="Only summarise the JSON lines of an earlier (possibly unfinished) --json run.")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True,
+              help="Builtin Llama-family model (qwen2.5-coder-0.5b / -1.5b, ...) or a local folder; "
+                   "sliding-window models (Gemma 3) are refused at start-up.")
+def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers: str | None, passages: int,
+                data: str | None, auto: bool, oracle: bool, report_path: str | None, model: str) -> None:
+    """CacheBlend on the real model: full prefill vs full reuse vs blend recomputing 15/25.5/41% vs random."""
+    from kvfabric.bench import blend
+    if report_path:
+        blend.report(report_path, as_json)
+        return
+    if stride < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--stride")
+    layers = None
+    if check_layers:
+        from kvfabric.blend import BlendConfig
+        try:
+            layers = tuple(int(x) for x in check_layers.split(","))
+            BlendConfig(check_layers=layers)
+        except ValueError as e:
+            raise click.BadParameter(f"{check_layers!r}: {e}", param_hint="--check-layers") from None
+    from kvfabric.blend.runner import UnsupportedModel
+    try:
+        blend.run(as_json=as_json, limit=limit, start=start, stride=stride, check_layers=layers, passages=passages,
+                  data=data, auto=auto, oracle=oracle, model=model)
+    except UnsupportedModel as exc:  # e.g. Gemma 3's sliding windows: say so, never compute wrong KV
+        raise click.ClickException(f"bench blend on {model}: {exc}") from None
+
+
+@bench.command("droidspeak")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per question and method, then summaries.")
+@click.option("--pair", default="finetuned", type=click.Choice(["finetuned", "qwen-0.5b-1.5b", "qwen-1.5b-0.5b"]),
+              show_default=True, help="finetuned: a block recomputed (DroidSpeak); qwen-*: linear KV maps across sizes.")
+@click.option("--questions", "limit", default=3, show_default=True, help="MuSiQue questions to run.")
+@click.option("--start", default=110, show_default=True, help="First question (held out from training/profiling).")
+@click.option("--passages", default=None, type=int, help="Passages per question [default: 10; 2 for qwen-*].")
+@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
+def bench_droidspeak(as_json: bool, pair: str, limit: int, start: int, passages: int | None, data: str | None) -> None:
+    """A receiver reusing a sibling's KV: full prefill vs naive reuse vs DroidSpeak at three budgets (finetuned), or
+    linear KV maps across model sizes with the first layers recomputed (qwen-*)."""
+    if pair.startswith("qwen-"):
+        from kvfabric.bench.droidspeak_size import run as run_size
+        run_size(pair, as_json=as_json, limit=limit, start=start, passages=passages or 2, data=data)
+        return
+    from kvfabric.bench.droidspeak import run
+    run(pair=pair, as_json=as_json, limit=limit, start=start, passages=passages or 10, data=data)
+
+
+@bench.command("flexicache")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per (method, budget), then a summary.")
+@click.option("--plot", default=None, metavar="PNG", help="Write agreement and KL vs resident fraction.")
+@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
+@click.option("--steps", default=256, show_default=True, help="Teacher-forced decode steps per prompt.")
+@click.option("--budgets", default="10,20,30,50", show_default=True, help="Resident KV budgets, in percent.")
+@click.option("--methods", default="flexicache,quest,streaming,h2o,shuffled", show_default=True)
+@click.option("--musique", "num_musique", default=2, show_default=True, help="MuSiQue prompts (besides the document).")
+@click.option("--prompt", "only", multiple=True, help="Run only these prompts (doc:q2, musique:100, ...); repeatable.")
+@click.option("--study", "run_study", is_flag=True, help="Run the head-stability study instead.")
+@config_option
+def bench_flexicache(as_json: bool, plot: str | None, data: str | None, steps: int, budgets: str, methods: str,
+                     num_musique: int, only: tuple[str, ...], run_study: bool, config_path: str | None) -> None:
+    """FlexiCache decode KV memory vs dense KV, quest, streaming, h2o and a shuffled-split control (the config's
+    flexicache section sets page size, re-rank interval, slow pool ...; its kv_budget is ignored)."""
+    from kvfabric.bench import flexicache
+    if run_study:
+        flexicache.study(as_json=as_json, data=data, steps=steps)
+        return
+    try:
+        fractions = tuple(float(b) / 100 for b in budgets.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{budgets!r}: expected percentages like 10,20,30", param_hint="--budgets") from None
+    chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
+    unknown = set(chosen) - set(flexicache.METHODS)
+    if unknown or any(not 0 < f <= 1 for f in fractions):
+        raise click.BadParameter(f"methods from {', '.join(flexicache.METHODS)}, budgets in (0, 100]",
+                                 param_hint="--methods/--budgets")
+    flexicache.run(as_json=as_json, plot=plot, data=data, steps=steps, budgets=fractions, methods=chosen,
+                   num_musique=num_musique, only=only, config=Config.load(config_path).flexicache)
