@@ -87,7 +87,8 @@ def test_a_tenant_pins_only_its_own_chunks(client):
 def test_tenant_tokens_file_errors_are_one_line(tmp_path, caplog, capsys):
     path = tmp_path / "t.yaml"
     for text, match in [("- a\n", "mapping of tenant name"), ("acme: ''\n", "non-empty token"),
-                        (f"acme: {TOKEN}\n", "has the cluster token"), ("acme: [\n", "not valid YAML")]:
+                        (f"acme: {TOKEN}\n", "has the cluster token"), ("acme: [\n", "not valid YAML"),
+                        ("123: x\n", "quote 123")]:
         path.write_text(text)
         with pytest.raises(ValueError, match=match) as info:
             TenantTokens.load(path, TOKEN)

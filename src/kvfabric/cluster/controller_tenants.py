@@ -61,7 +61,9 @@ class TenantTokens:
                              "without it every caller may do everything")
         tenants: dict[str, set[str]] = {}
         for tenant, token in data.items():
-            if not isinstance(tenant, str) or not tenant or not isinstance(token, str) or not token.strip():
+            if not isinstance(tenant, str) or not tenant:
+                raise ValueError(f"tenant tokens file {str(path)!r}: tenant names are strings (quote {tenant!r})")
+            if not isinstance(token, str) or not token.strip():
                 raise ValueError(f"tenant tokens file {str(path)!r}: tenant {tenant!r} needs a non-empty token")
             if hmac.compare_digest(token.strip().encode(), cluster_token.encode()):
                 raise ValueError(f"tenant tokens file {str(path)!r}: tenant {tenant!r} has the cluster token")
