@@ -2,9 +2,10 @@
 
 - Every route except /v1/health requires `Authorization: Bearer <token>` when a token is configured (compared in
   constant time, 401 otherwise). A tenant's token (`TenantTokens`) opens lookup, pin, unpin and move only, scoped
-  to its tenants (see `Controller`); every other route answers it 403. HTTP Basic with the token as password is the same credential, for browsers:
-  the status page `/ui` (static HTML and a small script over /v1/instances and /v1/history) answers 401 with a
-  Basic challenge, and the browser then sends the credential with the page's own API calls.
+  to its tenants (see `Controller`); every other route answers it 403. HTTP Basic with the token as password is
+  the same credential, for browsers: the status page `/ui` (static HTML and a small script over /v1/instances and
+  /v1/history) answers 401 with a Basic challenge, and the browser then sends the credential with the page's own
+  API calls.
 - Validation errors are answered 422 without echoing the input; an unreachable index backend (`backend_errors`)
   is answered 503.
 - A background task sweeps instances that missed their heartbeats every `sweep_interval_s` (default: half the
@@ -86,7 +87,8 @@ def create_app(index: ChunkIndex | None = None, *, token: str | None = None, ins
                 await task
             await run_in_threadpool(ctl.close)
 
-    bearer = HTTPBearer(auto_error=False, description="the cluster token (required when one is configured)")
+    bearer = HTTPBearer(auto_error=False,
+                        description="the cluster token, or a tenant's token (required when a token is configured)")
 
     def caller_of(request: Request) -> Caller | None:
         scheme, _, value = request.headers.get("authorization", "").partition(" ")

@@ -47,6 +47,7 @@ MAX_KEY_BYTES = 64
 MAX_FRAME = MAX_KEYS * (MAX_KEY_BYTES + 2) + 64
 TIMEOUT_S = 2.0  # a lookup runs in the scheduler's step: a worker that slow is treated as gone
 RETRY_S = 5.0
+PROBE_TIMEOUT_S = 0.5
 
 
 def lookup_path(engine_id: str, dp_rank: int = 0) -> str:
@@ -63,6 +64,7 @@ def sweep_dead_sockets(folder: str | os.PathLike) -> int:
             if path.lstat().st_uid != os.getuid() or not path.is_socket():
                 continue
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(PROBE_TIMEOUT_S)  # a live worker whose backlog is full must not stall this start
             try:
                 probe.connect(str(path))
             except ConnectionRefusedError:
