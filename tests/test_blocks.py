@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from kvfabric import CacheEngine, Config, KVLayout
 from kvfabric.blocks import BlockLayout, BlockLayoutError, as_words, from_tokens, pack, to_tokens, unpack
-from kvfabric.codec.format import HEADER_BYTES, parse
+from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, parse, write_blob
+from kvfabric.codec.raw import RawCodec
 from kvfabric.config import DiskTierConfig, ShmTierConfig
 from kvfabric.connectors.paged import CpuPagedLayer, gather, load_blocks, save_blocks, scatter
 from kvfabric.kvcache import ChunkHit, ChunkMiss
@@ -25,6 +26,7 @@ from kvfabric.tiers.shm import ShmTier
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32")
 CHUNK = 32
+KEY = bytes(range(32))
 ORDERS = list(itertools.product(("td", "dt"), repeat=2))  # (K, V) region orders of vLLM's CPU cache
 
 
@@ -68,6 +70,39 @@ def test_conversion_round_trips_exactly(block_size, num_tokens, dtype):
             else:  # [L, H, B, 2D] or [L, B, H, 2D]: every slot from num_tokens % B on
                 by_token = tail if blocks.token_major else tail.swapaxes(1, 2)
                 assert (by_token[:, num_tokens % block_size:] == 0).all()
+
+
+@pytest.mark.parametrize("num_tokens", [32, 20])
+@pytest.mark.parametrize("token_major", [False, True])
+def test_latent_blocks_round_trip_exactly(num_tokens, token_major):
+    """An MLA latent in vLLM's block family: [1, B, D] / [B, 1, D] per block, one state (no K|V halves)."""
+    layout = KVLayout(2, 1, 24, "bfloat16", is_latent=True)
+    kv = torch.randn(layout.shape(num_tokens), generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    blocks = BlockLayout(16, family="vllm", token_major=token_major)
+    shape = blocks.payload_shape(2, 1, num_tokens, 24, num_states=1)
+    assert shape == (2, 2, *((16, 1) if token_major else (1, 16)), 24)
+    payload = np.full(shape, 7, dtype=np.int16)
+    from_tokens(as_words(kv), blocks, payload)
+    back = torch.empty_like(kv)
+    to_tokens(payload, blocks, as_words(back))
+    assert torch.equal(back, kv)
+    by_token = payload[:, -1].reshape(2, 16, 24)
+    assert (by_token[:, num_tokens % 16 or 16:] == 0).all()
+    with pytest.raises(BlockLayoutError, match="no latent"):
+        BlockLayout(16).block_shape(1, 24, num_states=1)
+
+
+def test_a_latent_chunk_in_cpu_blocks_is_refused_at_parse():
+    """vLLM's CPU blocks hold K and V regions: a header pairing them with a latent shape is damage, a miss."""
+    layout = KVLayout(2, 1, 8, "float32", is_latent=True)
+    blob = bytearray(RawCodec().encode(torch.zeros(layout.shape(16)), KEY, layout))
+    assert parse(blob, KEY).shape[1] == 1
+    header = parse(blob, KEY)
+    forged = ChunkHeader(header.codec_id, header.dtype_code, 0, header.fingerprint, header.shape, KEY,
+                         header.payload_len, BlockLayout(16))
+    write_blob(forged, blob)
+    with pytest.raises(ChunkFormatError, match="holds K and V"):
+        parse(blob, KEY)
 
 
 def test_descriptor_packs_and_rejects_unknown_bytes():

@@ -35,11 +35,11 @@ IDS = [name for name, _ in CODECS]
 def kv_like(layout: KVLayout, num_tokens: int, seed: int = 0) -> torch.Tensor:
     """KV with the features that matter: per-channel offsets and scales, an outlier channel, a sink token."""
     g = torch.Generator().manual_seed(seed)
-    L, _, H, T, D = layout.shape(num_tokens)
-    scale = torch.rand(L, 2, H, 1, D, generator=g) * 2 + 0.05
-    offset = torch.randn(L, 2, H, 1, D, generator=g) * 2
-    kv = torch.randn(L, 2, H, T, D, generator=g) * scale + offset
-    kv[:, 0, :, :, 0] *= 20  # outlier channel in K
+    L, S, H, T, D = layout.shape(num_tokens)
+    scale = torch.rand(L, S, H, 1, D, generator=g) * 2 + 0.05
+    offset = torch.randn(L, S, H, 1, D, generator=g) * 2
+    kv = torch.randn(L, S, H, T, D, generator=g) * scale + offset
+    kv[:, 0, :, :, 0] *= 20  # outlier channel in K (or the latent)
     kv[:, :, :, 0, :] *= 5  # sink-like first token
     kv += 0.3 * torch.sin(torch.arange(T, dtype=torch.float32) / 3)[None, None, None, :, None]  # token locality
     return kv.to(layout.torch_dtype)
@@ -73,6 +73,43 @@ def test_round_trip_within_stated_bound(name, codec, dtype):
         else:
             assert bool((err <= bound(codec, kv, blob, layout)).all()), f"{name}: error {err.max()} above its bound"
         assert torch.isfinite(out).all()
+
+
+LATENT_CODECS = [(name, codec) for name, codec in CODECS if registry.handles_latent(codec.codec_id)]
+
+
+@pytest.mark.parametrize("name,codec", LATENT_CODECS, ids=[name for name, _ in LATENT_CODECS])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_latent_round_trip_within_stated_bound(name, codec, dtype):
+    """An MLA layout's chunk [L, 1, 1, T, D] (one latent per token) through the codecs that code latents."""
+    layout = KVLayout(3, 1, 40, dtype, is_latent=True)
+    for num_tokens in (1, 17, 64):
+        kv = kv_like(layout, num_tokens, seed=num_tokens)
+        out = torch.full(layout.shape(num_tokens), float("nan"))
+        blob = round_trip(codec, kv, layout, out)
+        assert parse(blob, KEY).shape == (3, 1, 1, num_tokens, 40)
+        if codec.is_lossless:
+            assert torch.equal(out, kv.float())
+        else:
+            assert bool(((out - kv.float()).abs() <= bound(codec, kv, blob, layout)).all())
+
+
+def test_codecs_of_k_and_v_only_never_decode_a_latent_chunk():
+    """cachegen and video model K and V: the registry says so, and a latent chunk under their id (a forged header)
+    is a ChunkFormatError for the reader, before their decoder runs."""
+    from kvfabric.codec.base import Decoders
+
+    assert {e.name for e in registry.CODECS if e.handles_latent} == {"raw", "int8"}
+    layout = KVLayout(2, 1, 16, "float16", is_latent=True)
+    blob = registry.entry("raw").make().encode(kv_like(layout, 8), KEY, layout)
+    header = parse(blob, KEY)
+    for entry in registry.CODECS:
+        forged = ChunkHeader(entry.codec_id, header.dtype_code, 0, header.fingerprint, header.shape, KEY,
+                             header.payload_len)
+        if entry.handles_latent:
+            continue
+        with pytest.raises(ChunkFormatError, match="codes K and V only"):
+            Decoders().decode(forged, blob, layout, torch.empty(layout.shape(8)))
 
 
 @pytest.mark.parametrize("name,codec", CODECS, ids=IDS)

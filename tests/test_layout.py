@@ -113,3 +113,60 @@ def test_layout_for_reads_transformers_configs():
                                       hidden_size=256, use_sliding_window=True, sliding_window=128,
                                       max_window_layers=2))
     assert windowed.fingerprint != plain.fingerprint and windowed.window_groups[0].window == 128
+
+
+def test_layout_for_refuses_an_mla_config():
+    """transformers caches DeepSeek-V2's K (192 wide) and V (128) decompressed: no KVLayout of it; the vLLM
+    connector stores its latents (connectors/vllm/config.layout_from_vllm)."""
+    from transformers import DeepseekV2Config
+
+    from kvfabric.engines.runtime import layout_for
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        layout_for(DeepseekV2Config(num_hidden_layers=2, kv_lora_rank=512, qk_rope_head_dim=64))
+
+
+def test_a_latent_layout_holds_one_vector_per_token():
+    """MLA (DeepSeek-V2/V3 in vLLM's MLA backends): [L, 1, 1, T, D], a fingerprint of its own (test vector: what
+    stored latent chunks are named by), one head slot, no window groups."""
+    latent = KVLayout(2, 1, 576, "bfloat16", is_latent=True)
+    assert latent.shape(10) == (2, 1, 1, 10, 576) and latent.num_states == 1
+    assert latent.num_bytes(10) == 2 * 10 * 576 * 2
+    assert latent.fingerprint.hex() == "96688dcacbea9cf0"
+    assert KVLayout(2, 1, 576, "bfloat16").fingerprint.hex() == "55ef7917e1d74569"  # K|V: unchanged by the field
+    assert latent.part((1,)).is_latent and latent.part((1,)).shape(3) == (1, 1, 1, 3, 576)
+    latent.check(torch.zeros(2, 1, 1, 4, 576))
+    with pytest.raises(ValueError, match=r"\[layers, 1 \(latent\), kv_heads"):
+        latent.check(torch.zeros(2, 2, 1, 4, 576))
+    with pytest.raises(ValueError, match="one head slot"):
+        KVLayout(2, 2, 576, "bfloat16", is_latent=True)
+    with pytest.raises(ValueError, match="no window groups"):
+        KVLayout(2, 1, 576, "bfloat16", groups=(LayerGroup((0,), 1, 576, 64), LayerGroup((1,), 1, 576)), is_latent=True)
+
+
+def test_latent_and_kv_chunks_never_read_as_each_other():
+    """Same bytes per token (a K|V layout of D/2 per state): the fingerprint keeps them apart, a miss either way."""
+    latent, kv = KVLayout(2, 1, 16, "float16", is_latent=True), KVLayout(2, 1, 8, "float16")
+    assert latent.num_bytes(32) == kv.num_bytes(32)
+    tokens = list(range(32))
+    config = Config(chunk_size=32, tiers=("cpu",))
+    with CacheEngine(config, latent, "m") as mla, CacheEngine(config, kv, "m") as plain:
+        assert mla.store(tokens, torch.ones(latent.shape(32), dtype=torch.float16)) == 1
+        assert mla.retrieve(tokens).shape == (2, 1, 1, 32, 16)
+        (key,) = plain.keys(tokens)
+        assert key != mla.keys(tokens)[0]
+        plain.stack.tiers[0].put(key, RawCodec().encode(torch.ones(latent.shape(32)), key, latent))  # planted
+        assert plain.read_chunk(key) == ChunkMiss("wrong_layout")
+
+
+@pytest.mark.parametrize("settings", [{"codec": "cachegen"}, {"codec": "video:0"},
+                                      {"tiers": ["cpu", "disk"], "disk": {"codec": "cachegen:3"}}])
+def test_a_codec_of_k_and_v_is_refused_for_a_latent_layout_before_any_tier_is_made(tmp_path, settings):
+    from kvfabric.config import ConfigError
+
+    settings = {**settings, **({"disk": {**settings["disk"], "path": str(tmp_path / "d")}} if "disk" in settings
+                                else {})}
+    with pytest.raises(ConfigError, match=r"^codec: (cachegen|video) codes K and V; .* raw or int8$"):
+        CacheEngine(Config.from_dict(settings), KVLayout(2, 1, 576, "bfloat16", is_latent=True), "m")
+    assert not (tmp_path / "d").exists()
+    with CacheEngine(Config.from_dict({"codec": "int8"}), KVLayout(2, 1, 576, "bfloat16", is_latent=True), "m"):
+        pass

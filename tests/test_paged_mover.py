@@ -17,10 +17,13 @@ from kvfabric.connectors.paged_views import LAYOUTS, PagedSpec, gather, layer_vi
 
 BLOCK, CHUNK = 16, 48
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+# an MLA model's cache (DeepSeek-V3: one 576-wide latent per token and layer), narrowed to keep the test small
+LATENT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=24, dtype="bfloat16", is_latent=True)
 
 
-def make_views(layout: str, seed: int) -> list[torch.Tensor]:
-    spec = PagedSpec(layout, "kv", LAYOUT.num_layers, 16, LAYOUT.num_kv_heads, BLOCK, LAYOUT.head_dim, torch.bfloat16)
+def make_views(layout: str, seed: int, kv: KVLayout = LAYOUT) -> list[torch.Tensor]:
+    spec = PagedSpec(layout, "latent" if kv.is_latent else "kv", kv.num_layers, 16, kv.num_kv_heads, BLOCK,
+                     kv.head_dim, torch.bfloat16)
     views = layer_views(torch.empty(spec.num_bytes, dtype=torch.uint8), spec)
     generator = torch.Generator().manual_seed(seed)
     for view in views:
@@ -28,10 +31,11 @@ def make_views(layout: str, seed: int) -> list[torch.Tensor]:
     return views
 
 
-def tokens_of(views: list[torch.Tensor], block_ids: list[int], start: int, end: int) -> torch.Tensor:
-    out = torch.empty(LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, end - start, LAYOUT.head_dim, dtype=torch.bfloat16)
+def tokens_of(views: list[torch.Tensor], block_ids: list[int], start: int, end: int,
+              kv: KVLayout = LAYOUT) -> torch.Tensor:
+    out = torch.empty(kv.shape(end - start), dtype=torch.bfloat16)
     for index, view in enumerate(views):
-        gather(view, "kv", block_ids, start, end, out[index])
+        gather(view, "latent" if kv.is_latent else "kv", block_ids, start, end, out[index])
     return out
 
 
@@ -67,6 +71,33 @@ def test_saved_chunks_load_exactly_into_other_blocks_and_layouts(config, source,
                 _load_all(PagedMover(fresh, dst_views, target, loads), keys, dst_ids, len(tokens))
         assert stream.num_over_budget == loads.num_over_budget == 0
     assert torch.equal(tokens_of(dst_views, dst_ids, 0, len(tokens)), tokens_of(src_views, src_ids, 0, len(tokens)))
+
+
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("source", list(LAYOUTS))
+def test_mla_latents_load_exactly_into_every_layout(config, source, staged):
+    """The MLA backends' one-latent caches ([B, 1, N, D]): a chunk saved in one layout loads into every other, and a
+    token-major latent chunk (another engine's, [L, 1, 1, T, D]) loads too."""
+    tokens = list(range(CHUNK + 20))
+    src_ids, dst_ids = [3, 4, 5, 9, 10], [12, 13, 0, 1, 2]
+    src_views = make_views(source, seed=21, kv=LATENT)
+    expected = tokens_of(src_views, src_ids, 0, len(tokens), kv=LATENT)
+    with CacheEngine(config, LATENT, "m") as engine:
+        mover = PagedMover(engine, src_views, source, CpuCopyStream(staged=staged))
+        assert mover.block_layout.block_shape(1, LATENT.head_dim, 1)[-1] == LATENT.head_dim
+        keys = engine.keys(tokens)
+        jobs = [mover.save(key, src_ids, i * CHUNK, min(len(tokens), (i + 1) * CHUNK)) for i, key in enumerate(keys)]
+        assert [job.finish() for job in jobs] == [True, True]
+        engine.flush()
+    fresh = config if config.tiers == ("disk",) else Config(chunk_size=CHUNK, tiers=("cpu",), save_partial_chunk=True)
+    with CacheEngine(fresh, LATENT, "m") as engine:
+        if config.tiers == ("cpu",):  # another engine's token-major chunks in a fresh process memory
+            assert engine.store(tokens, expected) == 2
+            engine.flush()
+        for target in LAYOUTS:
+            dst_views = make_views(target, seed=22, kv=LATENT)
+            _load_all(PagedMover(engine, dst_views, target, CpuCopyStream(staged=staged)), keys, dst_ids, len(tokens))
+            assert torch.equal(tokens_of(dst_views, dst_ids, 0, len(tokens), kv=LATENT), expected), target
 
 
 def _load_all(mover: PagedMover, keys: list[bytes], block_ids: list[int], num_tokens: int) -> None:

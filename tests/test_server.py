@@ -194,3 +194,26 @@ def test_chunks_decode_from_the_tiers_into_slots(tmp_path, with_prefetch: bool) 
             assert c.prefetch(tokens) == 3
         assert torch.equal(c.retrieve(tokens), kv)
         assert service.counters.get("hit.disk") == 3 and service.counters.get("hit.pool") == 3 * with_prefetch
+
+
+def test_an_mla_latent_namespace_is_its_own(tmp_path) -> None:
+    """A client with a latent layout (MLA) names it in its hello: the server keeps its chunks apart from a K|V
+    namespace of the same size, round trips them exactly, and refuses a latent layout with several heads."""
+    from kvfabric.layout import KVLayout
+
+    data = server_config(tmp_path)
+    latent = KVLayout(2, 1, 64, "float16", is_latent=True)  # a token's bytes equal LAYOUT's (2 x 2 x 16 halves)
+    assert latent.num_bytes(1) == LAYOUT.num_bytes(1)
+    tokens = tokens_of(512, 7)
+    kv = torch.randn(latent.shape(512), generator=torch.Generator().manual_seed(7)).half()
+    with server_in_thread(tmp_path, data), RemoteCache(client_config(data), latent, "model-a", name="m") as mla, \
+            _client(data) as plain:
+        assert mla.store(tokens, kv) == 2
+        assert plain.lookup(tokens) == 0 and mla.lookup(tokens) == 2 * CHUNK
+        assert torch.equal(mla.retrieve(tokens), kv)
+        bad = socket.socket(socket.AF_UNIX)
+        bad.connect(data["server"]["socket"])
+        P.send(bad, P.HELLO, 1, {"model_id": "m", "chunk_size": CHUNK, "layout": [2, 2, 16, "float16", "latent"]})
+        reply = P.read_frame(bad, P.ANSWERS, timeout_s=5)
+        bad.close()
+        assert reply.op == P.ERROR and "one head slot" in reply.body["error"]

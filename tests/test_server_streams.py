@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 from kvfabric.remote import RemoteCache
@@ -74,3 +75,23 @@ def test_a_broken_stream_is_a_refusal_and_the_connection_stays(tmp_path) -> None
             assert a.fetch_stream("127.0.0.1", port, timeout_s=30).num_chunks == 2
         assert torch.equal(a.retrieve(tokens), kv)
         assert service.counters.snapshot().get("stream_failed") == 2
+
+
+def test_an_mla_latent_stream_lands_in_its_own_namespace(tmp_path) -> None:
+    """The stream's HELLO names a latent layout (MLA): the server receives it into the latent client's namespace,
+    exactly; a K|V client of the same model and size finds nothing."""
+    from kvfabric.layout import KVLayout
+
+    data = server_config(tmp_path)
+    latent = KVLayout(LAYOUT.num_layers, 1, 2 * LAYOUT.head_dim * LAYOUT.num_kv_heads, LAYOUT.dtype, is_latent=True)
+    tokens = tokens_of(2 * CHUNK, 9)
+    kv = torch.randn(latent.shape(2 * CHUNK), generator=torch.Generator().manual_seed(9)).to(latent.torch_dtype)
+    with pytest.raises(ValueError, match="streams raw"):
+        prepare(tokens, kv, latent, MODEL, CHUNK)  # cachegen levels by default
+    prompt = prepare(tokens, kv, latent, MODEL, CHUNK, levels=())
+    with server_in_thread(tmp_path, data), RemoteCache(client_config(data), latent, MODEL, name="m") as mla, \
+            RemoteCache(client_config(data), LAYOUT, MODEL, name="plain") as plain:
+        with _sender(lambda conn: send_prompt(conn, prompt, FixedPolicy("raw"))) as port:
+            got = mla.fetch_stream("127.0.0.1", port, timeout_s=30)
+        assert got is not None and got.num_chunks == 2
+        assert torch.equal(mla.retrieve(tokens), kv) and plain.lookup(tokens) == 0

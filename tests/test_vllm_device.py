@@ -219,3 +219,10 @@ def test_a_cache_that_is_not_the_models_is_refused_in_one_line(config):
             worker.register(kv, "LBNHC")
     finally:
         worker.close()
+    latent = KVLayout(3, 1, 16, "float16", is_latent=True)  # an MLA model's worker handed K|V caches
+    worker = DeviceWorkerSide(config, latent, "m", BLOCK, {})
+    try:
+        with pytest.raises(ValueError, match=r"are not \[blocks, 1 heads, tokens, 16\] views of an MLA latent"):
+            worker.register(caches("LBNHC", seed=7), "LBNHC")
+    finally:
+        worker.close()

@@ -119,10 +119,10 @@ def test_hybrid_manager_groups_the_connector_cannot_serve_are_refused(change, wo
     assert all(word in str(info.value) for word in words), str(info.value)
 
 
-def _vllm_config(text_config, layers: int, heads: int, head_size: int) -> SimpleNamespace:
+def _vllm_config(text_config, layers: int, heads: int, head_size: int, use_mla: bool = False) -> SimpleNamespace:
     """The parts of vLLM's VllmConfig that `layout_from_vllm` reads."""
     model = SimpleNamespace(hf_text_config=text_config, dtype=torch.float32, get_num_layers=lambda parallel: layers,
-                            get_num_kv_heads=lambda parallel: heads, get_head_size=lambda: head_size)
+                            get_num_kv_heads=lambda parallel: heads, get_head_size=lambda: head_size, use_mla=use_mla)
     return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(cache_dtype="auto"),
                            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU check of the connector's data path for vLLM's GPU layouts (issue #35). NOT RUN YET: no GPU machine was lent
 # when it was written (see README). Runs on a machine with CUDA torch and no vLLM (nothing is downloaded there):
-# for every vLLM 0.32 KVCacheLayout with K|V content, a CUDA KV cache in that layout holding a 4k and an 8k-token
-# prompt, saved through kvfabric's PagedMover (side stream, pinned staging) into the cpu and disk tiers and loaded
-# back into other blocks (from memory, and by a fresh engine from disk); the values must match exactly.
+# for every vLLM 0.32 KVCacheLayout, with K|V content and with MLA latents, a CUDA KV cache in that layout holding
+# a 4k and an 8k-token prompt, saved through kvfabric's PagedMover (side stream, pinned staging) into the cpu and
+# disk tiers and loaded back into other blocks (from memory, and by a fresh engine from disk); the values must
+# match exactly.
 # Prints and writes $OUT/gpu_paged.jsonl (kvfabric.bench.gpu_paged: gbps against a pinned D2H / H2D copy_ of the
 # same bytes, ratio_vs_pinned_copy, exact, default_stream_blocked_ms). Exit 0 only when every row is exact;
 # 3 when a prerequisite is missing.

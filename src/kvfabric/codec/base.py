@@ -2,7 +2,8 @@
 
 Contract for every codec (tests/test_codec_contract.py runs the same suite on each):
 - `encode(kv, key, layout)` takes kv [num_layers, 2, num_kv_heads, num_tokens, head_dim] (any float dtype, any
-  strides) and returns one blob: header + payload, checksummed, ready to store or send.
+  strides) and returns one blob: header + payload, checksummed, ready to store or send. A codec the registry
+  marks `handles_latent` takes a latent layout's [L, 1, 1, T, D] (MLA) as well; `check_codec` refuses the others.
 - `decode(header, blob, layout, out)` writes the chunk into `out` (a [L, 2, H, T, D] view of any float dtype) and
   never reads outside the blob; a payload that does not decode raises ChunkFormatError (a miss for the caller).
 - Lossless codecs return exactly the stored values (in the layout dtype); lossy ones say so in `is_lossless`.
@@ -16,7 +17,7 @@ import torch
 
 from kvfabric.codec.format import ChunkFormatError, ChunkHeader
 from kvfabric.codec.raw import RawCodec, payload_bytes
-from kvfabric.codec.registry import codec_for_id
+from kvfabric.codec.registry import CodecChoice, codec_for_id, entry, handles_latent
 from kvfabric.layout import KVLayout
 
 
@@ -28,6 +29,17 @@ class Codec(Protocol):
     def encode(self, kv: torch.Tensor, key: bytes, layout: KVLayout) -> bytearray: ...
 
     def decode(self, header: ChunkHeader, blob: memoryview, layout: KVLayout, out: torch.Tensor) -> None: ...
+
+
+class LatentCodecError(ValueError):
+    """A codec that codes K and V only, chosen for a latent (MLA) layout."""
+
+
+def check_codec(choice: CodecChoice, layout: KVLayout) -> None:
+    """LatentCodecError unless the codec chosen can store chunks of `layout` (checked where an engine is made)."""
+    if layout.is_latent and not entry(choice.name).handles_latent:
+        raise LatentCodecError(f"{choice.name} codes K and V; an MLA latent layout stores with a codec that "
+                               "codes latents too: raw or int8")
 
 
 class WrongLayoutError(ChunkFormatError):
@@ -90,3 +102,5 @@ def _check_layout(header: ChunkHeader, layout: KVLayout, num_tokens: int) -> Non
     if header.fingerprint != layout.fingerprint or header.shape != layout.shape(num_tokens):
         raise WrongLayoutError(f"chunk made for another layout or length {header.shape}, expected "
                                f"{layout.shape(num_tokens)}")
+    if layout.is_latent and not handles_latent(header.codec_id):  # a forged header: never decoded
+        raise ChunkFormatError(f"a latent chunk under codec id {header.codec_id}, which codes K and V only")

@@ -9,7 +9,7 @@ Layout of a chunk blob (all integers little-endian):
     6      1     dtype code of the decoded KV (layout.DTYPES)
     7      1     codec level (0 for raw)
     8      8     layout fingerprint
-    16     20    decoded shape: 5 x uint32 [num_layers, 2, num_kv_heads, num_tokens, head_dim]
+    16     20    decoded shape: 5 x uint32 [num_layers, 2, num_kv_heads, num_tokens, head_dim] (1 not 2: MLA latents)
     36     32    chunk key (so an entry stored or served under the wrong key is caught)
     68     16    block layout of a raw payload (kvfabric.blocks.pack: all zero = token-major [L, 2, H, T, D])
     84     20    reserved (zero)
@@ -63,7 +63,7 @@ class ChunkHeader:
     dtype_code: int
     level: int
     fingerprint: bytes
-    shape: tuple[int, int, int, int, int]  # [num_layers, 2, num_kv_heads, num_tokens, head_dim]
+    shape: tuple[int, int, int, int, int]  # [num_layers, 2 (K, V) or 1 (a latent), num_kv_heads, num_tokens, head_dim]
     key: bytes
     payload_len: int
     blocks: BlockLayout | None = None  # a raw payload in a paged engine's block layout (None: token-major)
@@ -137,8 +137,10 @@ def parse(blob: bytes | bytearray | memoryview, key: bytes | None = None, verify
         blocks = unpack(packed_blocks)
     except BlockLayoutError as exc:
         raise ChunkFormatError(str(exc)) from None
-    if any(d <= 0 or d > MAX_DIM for d in shape) or shape[1] != 2:
+    if any(d <= 0 or d > MAX_DIM for d in shape) or shape[1] not in (1, 2):
         raise ChunkFormatError(f"implausible shape {shape}")
+    if blocks is not None and blocks.family != "vllm" and shape[1] != 2:
+        raise ChunkFormatError(f"a {blocks.describe()} block holds K and V, not the latent of shape {shape}")
     if key is not None and chunk_key != key:
         raise ChunkFormatError("chunk key mismatch: entry stored under another key")
     size = len(view) if blob_size is None else blob_size

@@ -4,7 +4,8 @@ Level 0 (default): one scale per (layer, K/V, head, channel), over the chunk's t
 so a per-channel scale keeps them from flattening the rest. Level 1: one scale per (layer, K/V, head, token),
 over the head dimension (the LMCache-style per-token layout). scale = max|x| / 127, q = round(x / scale).
 
-Payload: scales float32 (level 0: [L, 2, H, D]; level 1: [L, 2, H, T]) then q int8 [L, 2, H, T, D].
+Payload: scales float32 (level 0: [L, S, H, D]; level 1: [L, S, H, T]) then q int8 [L, S, H, T, D] (S = 2: K, V;
+S = 1: an MLA latent, quantized per latent channel the same way).
 Error bound: |x - x_hat| <= scale / 2 (+ rounding to the output dtype). Non-finite inputs are coded as the
 nearest finite fp16 value (NaN as 0): a lossy codec never stores a NaN.
 Decode checks the exact payload size and that every scale is finite and >= 0 before touching `out`.
@@ -27,9 +28,9 @@ FP16_MAX = 65504.0
 
 
 def _payload_len(shape: tuple[int, ...], level: int) -> int:
-    L, _, H, T, D = shape
-    scales = L * 2 * H * (D if level == 0 else T)
-    return 4 * scales + L * 2 * H * T * D
+    L, S, H, T, D = shape
+    scales = L * S * H * (D if level == 0 else T)
+    return 4 * scales + L * S * H * T * D
 
 
 class Int8Codec:
@@ -78,13 +79,13 @@ class Int8Codec:
         if header.payload_len != _payload_len(header.shape, header.level) or \
                 len(blob) < HEADER_BYTES + header.payload_len:
             raise ChunkFormatError("int8 payload has the wrong size")
-        L, _, H, T, D = header.shape
-        sshape = (L, 2, H, 1, D) if header.level == 0 else (L, 2, H, T, 1)
-        n_scales = L * 2 * H * (D if header.level == 0 else T)
+        L, S, H, T, D = header.shape
+        sshape = (L, S, H, 1, D) if header.level == 0 else (L, S, H, T, 1)
+        n_scales = L * S * H * (D if header.level == 0 else T)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             scale = torch.frombuffer(blob, dtype=torch.float32, count=n_scales, offset=HEADER_BYTES).view(sshape)
-            q = torch.frombuffer(blob, dtype=torch.int8, count=L * 2 * H * T * D,
+            q = torch.frombuffer(blob, dtype=torch.int8, count=L * S * H * T * D,
                                  offset=HEADER_BYTES + 4 * n_scales).view(header.shape)
         if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
             raise ChunkFormatError("int8 scales are not finite and non-negative")

@@ -78,7 +78,8 @@ def payload_shape(layout: KVLayout, num_tokens: int, blocks: BlockLayout | None 
     """[L, 2, H, T, D], or with a block layout [L, num_blocks, H, 2, B*D]."""
     if blocks is None:
         return layout.shape(num_tokens)
-    return blocks.payload_shape(layout.num_layers, layout.num_kv_heads, num_tokens, layout.head_dim)
+    return blocks.payload_shape(layout.num_layers, layout.num_kv_heads, num_tokens, layout.head_dim,
+                                layout.num_states)
 
 
 def new_payload(layout: KVLayout, num_tokens: int, out: memoryview | None = None,

@@ -11,6 +11,8 @@ Contract:
   names the allowed values. `CodecChoice.make()` builds the codec.
 - `codec_for_id(codec_id)` builds a decoder for a header's codec id (decoders read the level from the header);
   an unknown id raises ChunkFormatError: the chunk is a miss.
+- `handles_latent(codec_id)`: the codec codes a latent (MLA) layout's chunks too (raw, int8); cachegen's and video's
+  models are K and V's, so they refuse latent layouts (`codec.base.check_codec`).
 - Codec ids are forever: a stored chunk names its codec by id. A codec whose package is missing here (video
   without PyAV) makes reading its chunks a miss (ChunkFormatError), and choosing it in config a clear error.
 """
@@ -39,6 +41,7 @@ class CodecEntry:
     default_level: int
     factory: str  # "module:Class"; Class(level) makes the codec (a codec with one level takes no argument)
     per_layout_default: bool = False  # Class() picks its default level per KV layout; default_level is its fallback
+    handles_latent: bool = False  # codes an MLA latent layout's [L, 1, 1, T, D] too, not only K and V
 
     @property
     def levels(self) -> range:
@@ -59,8 +62,8 @@ class CodecEntry:
 
 
 CODECS: tuple[CodecEntry, ...] = (
-    CodecEntry("raw", 0, 0, 0, 0, "kvfabric.codec.raw:RawCodec"),
-    CodecEntry("int8", 1, 0, 1, 0, "kvfabric.codec.int8:Int8Codec"),
+    CodecEntry("raw", 0, 0, 0, 0, "kvfabric.codec.raw:RawCodec", handles_latent=True),
+    CodecEntry("int8", 1, 0, 1, 0, "kvfabric.codec.int8:Int8Codec", handles_latent=True),
     CodecEntry("cachegen", 2, 0, 9, 6, "kvfabric.codec.cachegen:CacheGenCodec", per_layout_default=True),
     CodecEntry("video", 3, 0, 9, 6, "kvfabric.codec.video:VideoCodec"),  # needs PyAV (av)
 )
@@ -95,6 +98,12 @@ def parse_codec(spec: str) -> CodecChoice:
     if not level_text.isdigit() or int(level_text) not in found.levels:
         raise found.bad_level(level_text)
     return CodecChoice(name, int(level_text))
+
+
+def handles_latent(codec_id: int) -> bool:
+    """Whether the codec of this id codes MLA latents (False for an unknown id)."""
+    found = _BY_ID.get(codec_id)
+    return found is not None and found.handles_latent
 
 
 def codec_for_id(codec_id: int) -> Codec:

@@ -3,7 +3,8 @@ CacheEngine, through a CopyStream: the worker-side data path for vLLM's GPU atte
 
 Contract:
 - `PagedMover(engine, views, layout, stream)`: `views` are the group's per-layer logical views [B, H, N, C] as
-  vLLM hands them over (or `paged_views.layer_views` builds them), all on `stream.device`.
+  vLLM hands them over (or `paged_views.layer_views` builds them), all on `stream.device`. The engine's layout
+  says what C holds: K|V, or (`is_latent`) an MLA latent with H = 1, moved the same way as one state.
 - `save(key, block_ids, start, end)` -> `SaveJob`: tokens [start, end) (start block-aligned) of every layer are
   copied on the copy stream after the engine's current work (`after_compute`: the copies see the forward's
   writes; the forward never waits for them). `job.is_done()` polls; `job.finish()` (a saver thread) waits for
@@ -32,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from kvfabric.connectors.copy_stream import CopyDone, CopyStream
-from kvfabric.connectors.paged_views import (block_layout, gather, load_blocks, physical_blocks, save_blocks, scatter,
-                                             zero_tail)
+from kvfabric.connectors.paged_views import (Content, block_layout, gather, load_blocks, physical_blocks, save_blocks,
+                                             scatter, zero_tail)
 from kvfabric.kvcache import ChunkHit, ChunkPayload, KVCache
 from kvfabric.pages import Scratch
 
@@ -106,6 +107,7 @@ class PagedMover:
         self.engine = engine
         self.views = list(views)
         self.layout = layout
+        self.content: Content = "latent" if engine.layout.is_latent else "kv"
         self.stream = stream
         self.blocks = [physical_blocks(view, layout) for view in self.views]
         self.block_layout = block_layout(layout, self.blocks[0].block_size)
@@ -132,8 +134,8 @@ class PagedMover:
             for index, view in enumerate(self.views):
                 if payload.blocks is not None:  # whole blocks as they are
                     save_blocks(self.blocks[index], block_ids, start, end, target[index])
-                else:  # a codec or split layout wants [L, 2, H, T, D]
-                    gather(view, "kv", block_ids, start, end, target[index])
+                else:  # a codec or split layout wants [L, S, H, T, D]
+                    gather(view, self.content, block_ids, start, end, target[index])
 
         self.stream.after_compute()
         self.stream.run(copy)
@@ -162,7 +164,7 @@ class PagedMover:
                     if is_blocks:
                         load_blocks(blocks, block_ids, read.start, read.end, staging[index], read.first)
                     else:
-                        scatter(view, "kv", block_ids, read.start, read.end, staging[index])
+                        scatter(view, self.content, block_ids, read.start, read.end, staging[index])
 
             self.stream.run(copy)
             layer_done.append(self.stream.record())
@@ -170,7 +172,7 @@ class PagedMover:
 
     def _host_copy(self, hit: ChunkHit, read: ChunkRead) -> torch.Tensor | None:
         """The chunk's part in a host buffer of the stream's pool (kept until every layer's copies landed):
-        whole blocks [L, n, ...] as stored, or tokens [L, 2, H, end - start, D]."""
+        whole blocks [L, n, ...] as stored, or tokens [L, S, H, end - start, D]."""
         dtype = self.views[0].dtype
         if hit.blocks is None:
             source = hit.kv[:, :, :, read.start - read.first:read.end - read.first, :]
@@ -201,7 +203,7 @@ class PagedMover:
             return None
         try:
             dtype, staging = self.views[0].dtype, None
-            if hit.blocks is None:  # [L, 2, H, T, D] from `first`: only [start, end) goes in
+            if hit.blocks is None:  # [L, S, H, T, D] from `first`: only [start, end) goes in
                 source = hit.kv[:, :, :, start - first:end - first, :]
                 staging = self._staging(source)
                 if staging is not None:
@@ -211,7 +213,7 @@ class PagedMover:
 
                 def copy() -> None:
                     for index, view in enumerate(self.views):
-                        scatter(view, "kv", block_ids, start, end, chunk[index])
+                        scatter(view, self.content, block_ids, start, end, chunk[index])
 
                 self.stream.run(copy)
                 return LoadJob(self, staging, self.stream.record(), hit.tier, hit.num_bytes)

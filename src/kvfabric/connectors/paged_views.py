@@ -18,10 +18,9 @@ Contract:
 - `physical_blocks(view, layout)` is the layer's blocks in their memory order with the block axis first (`Blocks`:
   [B, H, N, C] or [B, N, H, C]): what a chunk in the writer's block layout stores per block. `save_blocks` /
   `load_blocks` copy runs of whole blocks of it as they are (no transpose); in a layer-compact, block-contiguous
-  layout (LBHNC, LBNHC) a run is one contiguous range of memory. For K|V content such a payload is a chunk in
+  layout (LBHNC, LBNHC) a run is one contiguous range of memory. Such a payload is a chunk in
   `block_layout(name, block_size)` (kvfabric.blocks family "vllm"): kvfabric.blocks converts it to any other
-  layout, exactly, so a chunk saved in one layout loads into every other. (MLA's one latent per token has no
-  chunk format yet: KVLayout's exchange shape is [L, 2, H, T, D]; its copies are here, its chunks are not.)
+  layout, exactly, so a chunk saved in one layout loads into every other; an MLA latent (H = 1) the same way.
 """
 from __future__ import annotations
 

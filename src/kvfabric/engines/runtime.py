@@ -118,8 +118,11 @@ def use_fast_attention(model: Any) -> bool:
 def layout_for(model_config: Any, kv_dtype: str = "float16") -> KVLayout:
     """KVLayout of a HF decoder config: its layer groups from `config.layer_types` (transformers folds Qwen2's
     `use_sliding_window` / `max_window_layers` into it) and `config.sliding_window`. Raises ValueError for
-    attention kinds kvfabric cannot store (e.g. linear attention, chunked attention)."""
+    attention kinds kvfabric cannot store (e.g. linear attention, chunked attention, MLA in transformers' cache)."""
     model_config = getattr(model_config, "text_config", None) or model_config  # multimodal wrappers (Gemma 3 4B+)
+    if getattr(model_config, "kv_lora_rank", None):  # transformers caches MLA's K and V decompressed, of two sizes
+        raise ValueError("multi-head latent attention (kv_lora_rank): kvfabric stores MLA latents as vLLM's MLA "
+                         "backends cache them (the vLLM connector), not transformers' decompressed K and V")
     heads = int(getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads)
     head_dim = int(getattr(model_config, "head_dim", None)
                    or model_config.hidden_size // model_config.num_attention_heads)

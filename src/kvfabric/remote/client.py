@@ -82,7 +82,8 @@ class RemoteCache:
         self._hello = {"name": name or f"{Path(sys.argv[0] or 'python').name}-{os.getpid()}", "pid": os.getpid(),
                        "model_id": model_id, "chunk_size": self.chunk_size, "hash": self.config.hash,
                        "salt": self.config.salt, "session": secrets.token_bytes(8),
-                       "layout": [layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype]}
+                       "layout": [layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
+                                  *(["latent"] if layout.is_latent else [])]}
         self._conns: list[Connection] = []
         self._lock = threading.Lock()
         self._pool: SlotPool | None = None

@@ -47,14 +47,18 @@ class Namespace:
 
 def parse_hello(body: dict[str, Any]) -> NamespaceId:
     layout = body.get("layout")
-    if not (isinstance(layout, list) and len(layout) == 4 and all(type(v) is int and 0 < v <= 1 << 16
-                                                                   for v in layout[:3])
-            and layout[3] in DTYPES):
-        raise ProtocolError("layout: expected [num_layers, num_kv_heads, head_dim, dtype]")
+    if not (isinstance(layout, list) and len(layout) in (4, 5) and all(type(v) is int and 0 < v <= 1 << 16
+                                                                        for v in layout[:3])
+            and layout[3] in DTYPES and layout[4:] in ([], ["latent"])):
+        raise ProtocolError('layout: expected [num_layers, num_kv_heads, head_dim, dtype] (and "latent" for MLA)')
+    try:
+        kv_layout = KVLayout(*layout[:4], is_latent=len(layout) == 5)
+    except ValueError as exc:  # a latent layout with several head slots
+        raise ProtocolError(f"layout: {exc}") from None
     hash_name = P.text_of(body, "hash", "sha256")
     if hash_name not in HASH_NAMES:
         raise ProtocolError(f"hash: one of {HASH_NAMES}")
-    return NamespaceId(P.text_of(body, "model_id"), KVLayout(*layout), P.int_of(body, "chunk_size", upper=1 << 16),
+    return NamespaceId(P.text_of(body, "model_id"), kv_layout, P.int_of(body, "chunk_size", upper=1 << 16),
                        hash_name, P.text_of(body, "salt", ""))
 
 

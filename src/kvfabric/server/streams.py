@@ -65,7 +65,8 @@ def _receive(service: Service, space: Namespace, sock: socket.socket, until: flo
     meta = W.parse_hello(bytes(recv_exact(sock, head.length)))
     lay = meta["layout"]
     try:
-        layout = KVLayout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], lay["dtype"])
+        layout = KVLayout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], lay["dtype"],
+                          is_latent=lay.get("is_latent", False) is True)
     except (KeyError, TypeError, ValueError):
         raise ProtocolError("stream HELLO has a bad layout") from None
     cs = meta["chunk_size"]

@@ -3,7 +3,8 @@
     frame := header (20 bytes: magic b"KVST", u8 kind, u8 level, u16 reserved, u32 chunk index, u64 length)
              + `length` bytes of body
     kinds:   HELLO  JSON {num_tokens, chunk_size, model_id,
-                          layout: {num_layers, num_kv_heads, head_dim, dtype, fingerprint (hex)}, tokens: [...]}
+                          layout: {num_layers, num_kv_heads, head_dim, dtype, is_latent, fingerprint (hex)},
+                          tokens: [...]}
              KV     one chunk blob (kvfabric.codec.format: header + payload of any registered codec)
              TOKENS the chunk's token ids as u32: the receiver recomputes its KV
              END    empty; the sender has sent every chunk
@@ -63,7 +64,7 @@ def recv_header(sock: socket.socket) -> Frame:
 def hello_body(tokens: list[int], chunk_size: int, model_id: str, layout) -> bytes:  # noqa: ANN001
     return json.dumps({"num_tokens": len(tokens), "chunk_size": chunk_size, "model_id": model_id,
                        "layout": {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
-                                  "head_dim": layout.head_dim, "dtype": layout.dtype,
+                                  "head_dim": layout.head_dim, "dtype": layout.dtype, "is_latent": layout.is_latent,
                                   "fingerprint": layout.fingerprint.hex()},  # names the layer groups too
                        "tokens": [int(t) for t in tokens]}).encode()
 

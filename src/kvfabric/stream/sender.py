@@ -58,7 +58,10 @@ def prepare(tokens: Sequence[int], kv: torch.Tensor, layout: KVLayout, model_id:
             levels: Sequence[int] = (1, 3, 5, 7, 9), threads: int | None = None, video_levels: Sequence[int] = (),
             time_decode: bool = False) -> PreparedPrompt:
     """kv [L, 2, H, >= len(tokens), D]: the prompt's KV. Encodes every chunk raw, at each cachegen level and at each
-    video level (PyAV needed only for those)."""
+    video level (PyAV needed only for those). A latent (MLA) layout streams raw only: cachegen and video code K
+    and V (ValueError for levels of theirs)."""
+    if layout.is_latent and (levels or video_levels):
+        raise ValueError("a latent (MLA) prompt streams raw: pass levels=() and no video_levels")
     tokens = [int(t) for t in tokens]
     keys = prompt_keys(tokens, layout, model_id, chunk_size)
     codecs: dict[str, object] = {RAW: RawCodec()}

@@ -51,7 +51,8 @@ Contract:
   sliding-window groups only, one block size dividing the chunk size, the sliding-window groups holding exactly
   the layout's window layers with its one window W (vLLM frees a window group's blocks before the window: the
   connector loads and saves window layers only where blocks exist), asynchronous loads only. Anything else
-  (state-space, chunked-local, MLA blocks, ...) raises NotImplementedError at start-up, never wrong KV.
+  (state-space, chunked-local, sparse MLA blocks, ...) raises NotImplementedError at start-up, never wrong KV. A
+  model with MLA (`layout_from_vllm`: a latent layout) has one group of ``MLAAttentionSpec`` blocks.
 - `detect_cpu_kv_layout` measures, with vLLM's CPU attention kernel itself, whether the K and V regions of a cache
   block are token-major ("td") or dim-major ("dt"); see ``kvfabric.connectors.paged``.
 """
@@ -176,7 +177,8 @@ def _config_environ() -> dict[str, str]:
 def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
     """The KVLayout of vLLM's model, layer groups included (``layout_for`` on the HF text config, the layout
     kvfabric's other engines use for the same model, so their chunk keys agree), cross-checked with vLLM's own
-    layer count, KV heads and head size."""
+    layer count, KV heads and head size. A model with multi-head latent attention (``use_mla``) gets a latent
+    layout: vLLM's MLA cache holds one vector of kv_lora_rank + qk_rope_head_dim values per token and layer."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
@@ -187,6 +189,9 @@ def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
     dtype = model.dtype if cache_dtype in ("auto", None) else getattr(torch, str(cache_dtype))
     if dtype not in _TORCH_DTYPES:
         raise NotImplementedError(f"KVFabricConnector does not support dtype {dtype}")
+    if model.use_mla:  # DeepSeek-V2/V3 and kin: one latent vector per token and layer (vLLM's MLA backends)
+        return KVLayout(model.get_num_layers(parallel), 1, model.get_head_size(), _TORCH_DTYPES[dtype],
+                        is_latent=True)
     try:
         layout = layout_for(model.hf_text_config, _TORCH_DTYPES[dtype])
     except ValueError as exc:  # attention kinds kvfabric cannot store
@@ -205,7 +210,7 @@ def describe_groups(kv_cache_config: KVCacheConfig | None) -> str:
     return "; ".join(f"{type(g.kv_cache_spec).__name__} x {len(g.layer_names)} layers" for g in groups) or "none"
 
 
-def kv_cache_block_size(kv_cache_config: KVCacheConfig | None, default: int) -> int:
+def kv_cache_block_size(kv_cache_config: KVCacheConfig | None, default: int, is_latent: bool = False) -> int:
     """The block size of vLLM's one KV cache group (`kv_cache_groups` with one group); NotImplementedError at
     start-up for anything else.
 
@@ -214,11 +219,12 @@ def kv_cache_block_size(kv_cache_config: KVCacheConfig | None, default: int) -> 
     a model with sliding-window and full layers (Gemma 3) has one ``FullAttentionSpec`` group whose window layers
     keep every token's KV in full-length blocks (the window is applied by the attention kernel). One group of
     sliding-window, chunked-local or state-space blocks (vLLM frees or overwrites what slides out) is refused;
-    several groups are `kv_cache_groups`' case (the connector's SupportsHMA path).
+    several groups are `kv_cache_groups`' case (the connector's SupportsHMA path). A latent layout's group holds
+    MLA blocks (``MLAAttentionSpec``), and only such a layout's.
     """
     if kv_cache_config is None:
         return default
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     groups = list(kv_cache_config.kv_cache_groups or ())
     described = describe_groups(kv_cache_config)
@@ -227,7 +233,12 @@ def kv_cache_block_size(kv_cache_config: KVCacheConfig | None, default: int) -> 
             f"kv_cache_block_size: one KV cache group (vLLM's hybrid KV cache manager off), got {len(groups)}: "
             f"{described}; several groups go through kv_cache_groups (the connector's SupportsHMA path)")
     spec = groups[0].kv_cache_spec
-    if type(spec) is not FullAttentionSpec:  # not even its subclasses (MLA, sink, ...): other page contents
+    if is_latent:
+        # one latent per token: not a DeepSeek-V4 compressed cache (model_version), nor states of several tokens
+        if type(spec) is not MLAAttentionSpec or spec.model_version is not None or spec.tokens_per_state != 1:
+            raise NotImplementedError(f"KVFabricConnector needs MLA KV cache blocks of one latent per token for a "
+                                      f"latent layout, got {described}")
+    elif type(spec) is not FullAttentionSpec:  # not even its subclasses (MLA, sink, ...): other page contents
         raise NotImplementedError(f"KVFabricConnector needs full-attention KV cache blocks, got {described} (a "
                                   "sliding-window or chunked-local group frees the blocks of tokens that leave it)")
     return int(spec.block_size)
@@ -259,7 +270,7 @@ def kv_cache_groups(kv_cache_config: KVCacheConfig | None, layout: KVLayout, def
     """The connector's view of vLLM's KV cache groups; NotImplementedError at start-up for what it cannot serve."""
     groups = list(kv_cache_config.kv_cache_groups or ()) if kv_cache_config is not None else []
     if len(groups) <= 1:
-        return KVGroups(kv_cache_block_size(kv_cache_config, default_block_size))
+        return KVGroups(kv_cache_block_size(kv_cache_config, default_block_size, layout.is_latent))
     from vllm.model_executor.models.utils import extract_layer_index
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 

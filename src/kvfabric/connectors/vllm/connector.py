@@ -22,7 +22,8 @@ Contract:
   ``wait_for_layer_load`` waits for one layer). On the CPU the connector never delays a request's
   blocks (``request_finished`` answers False): it is a cache, so a dropped save is a future miss
   (``requires_kv_delivery`` is False).
-- On a GPU (vLLM's device is not the CPU) the worker is a ``DeviceWorkerSide`` (``device``): saves are copied out
+- On a GPU (vLLM's device is not the CPU), and for an MLA model's latent cache on any device (vLLM's CPU_MLA
+  backend included), the worker is a ``DeviceWorkerSide`` (``device``): saves are copied out
   of the blocks after the step on a side stream, so ``request_finished`` answers True for a request that had a
   save, and ``get_finished`` reports it sent once those copies landed; ``handle_preemptions`` waits for copies
   in flight. ``get_required_kvcache_layout`` asks vLLM for the connector's ``kv_cache_layout`` (BLHNC).
@@ -111,7 +112,8 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
         self._vllm_config = vllm_config
         # vLLM's GPU backends: saves copy out of the blocks after the step (device.py), so a request that saved
         # keeps its blocks until the worker reports the copies landed
-        self._is_device = vllm_config.device_config.device_type != "cpu"
+        # and MLA latents on any device (the CPU backend's paged layer knows only K|V regions): PagedMover moves them
+        self._is_device = vllm_config.device_config.device_type != "cpu" or self.layout.is_latent
         self._saving: set[str] = set()  # (scheduler) requests with a save scheduled, on a device
         events_config = getattr(vllm_config, "kv_events_config", None)
         has_events = bool(events_config is not None and events_config.enable_kv_cache_events)

@@ -1,12 +1,14 @@
-"""Worker side for vLLM's GPU attention backends: the KV cache as vLLM 0.32 hands it to `register_kv_caches` (one
-[B, H, N, C] view of K|V content per layer, in the group's `KVCacheLayout`), moved by `PagedMover`.
+"""Worker side for vLLM's GPU attention backends, and for MLA latents on any device: the KV cache as vLLM 0.32
+hands it to `register_kv_caches` (one [B, H, N, C] view per layer in the group's `KVCacheLayout`: K|V content, or
+an MLA backend's one latent per token with H = 1), moved by `PagedMover`.
 
 Contract (what differs from ``WorkerSide``, the CPU backend's path; the rest, stats, stored-key mirroring and
 close, is shared):
-- `register(kv_caches, layout_name)`: every layer on one device, one KV cache group of full attention (vLLM's
-  hybrid manager with window groups, and MLA latents, are refused at start-up in one line). The copies go through `make_copy_stream(device, pinned_bytes)`: on CUDA a side stream with pinned host
-  buffers (a pool bounded by the connector's ``pinned_bytes``, reused); on a CPU device (the tests of every GPU
-  layout) the same code with plain copies.
+- `register(kv_caches, layout_name)`: every layer on one device, one KV cache group of full attention or of MLA
+  latents (vLLM's hybrid manager with window groups is refused at start-up in one line). The copies go through
+  `make_copy_stream(device, pinned_bytes)`: on CUDA a side stream with pinned host buffers (a pool bounded by the
+  connector's ``pinned_bytes``, reused); on a CPU device (the tests of every GPU layout, vLLM's CPU_MLA backend)
+  the same code with plain copies.
 - Saves: at `end_step` (``wait_for_save``: every layer of the step has been computed on the engine's stream) each
   chunk of the step's saves is copied out on the copy stream after that compute (`PagedMover.save`); the
   saver thread waits for the copies and stores the chunk (``DeviceSave.store``). The forward never waits for a
@@ -216,12 +218,14 @@ class DeviceWorkerSide(WorkerSide):
         named = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
         views = [kv for _, kv in named]
         layout = self.layout
+        width = layout.num_states * layout.head_dim  # K then V, or the one latent
         if (len(views) != layout.num_layers or any(v.dim() != 4 or v.shape[1] != layout.num_kv_heads or
-                                                   v.shape[3] != 2 * layout.head_dim or v.dtype != layout.torch_dtype
+                                                   v.shape[3] != width or v.dtype != layout.torch_dtype
                                                    for v in views)):
             shapes = [(name, tuple(kv.shape), kv.dtype) for name, kv in named[:2]]
+            what = f"{width}] views of an MLA latent" if layout.is_latent else f"2 x {layout.head_dim}] views of K|V"
             raise ValueError(f"KVFabricConnector: KV caches {shapes}... are not [blocks, {layout.num_kv_heads} heads, "
-                             f"tokens, 2 x {layout.head_dim}] views of K|V for {layout} (MLA latents: not yet)")
+                             f"tokens, {what} for {layout}")
         self.layers = {name: (extract_layer_index(name), view) for name, view in named}  # `layer_load` finds them
         self.mover = PagedMover(self.engine, views, layout_name, make_copy_stream(devices[0], self.pinned_bytes))
         self.loader.bind(self.mover)
