@@ -13,7 +13,8 @@ from tests.test_droidspeak import tiny_model
 
 
 def test_model_families_are_declared_by_builtins_siblings_and_markers(tmp_path):
-    from kvfabric.engines.model import MARKER, model_family
+    from kvfabric.engines.gguf import MARKER
+    from kvfabric.engines.model import model_family
     assert model_family("smollm2-135m-instruct") == finetune.DERIVED["smollm2-135m-musique"].family == "smollm2-135m"
     assert FINETUNED_MODELS["smollm2-135m-musique"].base == "smollm2-135m-instruct"
     assert model_family("qwen2.5-coder-0.5b") == model_family("qwen2.5-coder-1.5b") == "qwen2.5-coder"

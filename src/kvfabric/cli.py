@@ -43,8 +43,8 @@ def user_error(exc: BaseException) -> str | None:
     missing = missing_extra(exc)
     if missing is not None:
         return str(missing)
-    model = sys.modules.get("kvfabric.engines.model")  # not imported: the error cannot be one of its
-    if model is not None and isinstance(exc, model.ModelError):
+    models = sys.modules.get("kvfabric.engines.gguf")  # not imported: the error cannot be one of its (ModelError)
+    if models is not None and isinstance(exc, models.ModelError):
         return str(exc)
     tls = sys.modules.get("kvfabric.tls")  # a missing or unreadable certificate, plain text beyond loopback
     if tls is not None and isinstance(exc, tls.TLSConfigError):

@@ -38,7 +38,8 @@ import torch
 
 from kvfabric import CacheEngine, Config
 from kvfabric.engines.flexicache import DecodeMemoryStats, paged_kv
-from kvfabric.engines.model import DEFAULT_MODEL, MARKER, ModelError, load_model
+from kvfabric.engines.gguf import MARKER, ModelError
+from kvfabric.engines.model import DEFAULT_MODEL, load_model
 from kvfabric.engines.runtime import BufferCache, default_num_threads, layout_for, use_fast_attention
 from kvfabric.builder import build_engine
 from kvfabric.remote import RemoteCache
