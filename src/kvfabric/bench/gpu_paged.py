@@ -26,7 +26,8 @@ from kvfabric import CacheEngine, Config, KVLayout
 from kvfabric.config import CpuTierConfig, DiskTierConfig
 from kvfabric.connectors.copy_stream import make_copy_stream
 from kvfabric.connectors.paged_mover import PagedMover
-from kvfabric.connectors.paged_views import LAYOUTS, Content, PagedSpec, gather, layer_views, layout_order
+from kvfabric.connectors.paged_views import (LAYOUTS, Content, PagedSpec, content_of, gather, layer_views,
+                                             layout_order)
 
 BLOCK, CHUNK = 16, 256
 
@@ -53,7 +54,7 @@ def _copy_seconds(num_bytes: int, device: torch.device, to_host: bool, repeats: 
 def _tokens(views: list[torch.Tensor], layout: KVLayout, block_ids: list[int], num_tokens: int) -> torch.Tensor:
     out = torch.empty(layout.shape(num_tokens), dtype=views[0].dtype, device=views[0].device)
     for index, view in enumerate(views):
-        gather(view, "latent" if layout.is_latent else "kv", block_ids, 0, num_tokens, out[index])
+        gather(view, content_of(layout), block_ids, 0, num_tokens, out[index])
     return out
 
 

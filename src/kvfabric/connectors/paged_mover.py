@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from kvfabric.connectors.copy_stream import CopyDone, CopyStream
-from kvfabric.connectors.paged_views import (Content, block_layout, gather, load_blocks, physical_blocks, save_blocks,
-                                             scatter, zero_tail)
+from kvfabric.connectors.paged_views import (Content, block_layout, content_of, gather, load_blocks, physical_blocks,
+                                             save_blocks, scatter, zero_tail)
 from kvfabric.kvcache import ChunkHit, ChunkPayload, KVCache
 from kvfabric.pages import Scratch
 
@@ -107,7 +107,7 @@ class PagedMover:
         self.engine = engine
         self.views = list(views)
         self.layout = layout
-        self.content: Content = "latent" if engine.layout.is_latent else "kv"
+        self.content: Content = content_of(engine.layout)
         self.stream = stream
         self.blocks = [physical_blocks(view, layout) for view in self.views]
         self.block_layout = block_layout(layout, self.blocks[0].block_size)

@@ -32,6 +32,7 @@ import torch
 
 from kvfabric.blocks import BlockLayout
 from kvfabric.connectors.paged import segments
+from kvfabric.layout import KVLayout
 
 Content = Literal["kv", "latent"]
 LOGICAL_AXES = "LBHNC"
@@ -42,6 +43,11 @@ LAYOUTS: dict[str, tuple[int, ...]] = {
 }
 # the backends' names for their layouts (FlashInfer's NHD / HND; vLLM's default is LBNHC)
 ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+
+
+def content_of(layout: KVLayout) -> Content:
+    """What a paged cache of `layout` holds per token: "latent" (MLA) or "kv"."""
+    return "latent" if layout.is_latent else "kv"
 
 
 def layout_order(name: str) -> tuple[int, ...]:

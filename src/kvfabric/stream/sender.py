@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvfabric.codec.base import LatentCodecError, check_codec
 from kvfabric.codec.cachegen import CacheGenCodec
 from kvfabric.codec.format import parse
 from kvfabric.codec.raw import RawCodec
+from kvfabric.codec.registry import parse_codec
 from kvfabric.hashing import KeySpace
 from kvfabric.layout import KVLayout
 from kvfabric.stream import protocol as W
@@ -60,8 +62,11 @@ def prepare(tokens: Sequence[int], kv: torch.Tensor, layout: KVLayout, model_id:
     """kv [L, 2, H, >= len(tokens), D]: the prompt's KV. Encodes every chunk raw, at each cachegen level and at each
     video level (PyAV needed only for those). A latent (MLA) layout streams raw only: cachegen and video code K
     and V (ValueError for levels of theirs)."""
-    if layout.is_latent and (levels or video_levels):
-        raise ValueError("a latent (MLA) prompt streams raw: pass levels=() and no video_levels")
+    for name in [name for name, wanted in (("cachegen", levels), ("video", video_levels)) if wanted]:
+        try:  # the registry says which codecs code latents
+            check_codec(parse_codec(name), layout)
+        except LatentCodecError:
+            raise ValueError("a latent (MLA) prompt streams raw: pass levels=() and no video_levels") from None
     tokens = [int(t) for t in tokens]
     keys = prompt_keys(tokens, layout, model_id, chunk_size)
     codecs: dict[str, object] = {RAW: RawCodec()}

@@ -110,10 +110,10 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._vllm_config = vllm_config
-        # vLLM's GPU backends: saves copy out of the blocks after the step (device.py), so a request that saved
-        # keeps its blocks until the worker reports the copies landed
-        # and MLA latents on any device (the CPU backend's paged layer knows only K|V regions): PagedMover moves them
-        self._is_device = vllm_config.device_config.device_type != "cpu" or self.layout.is_latent
+        # vLLM's GPU backends, and MLA latents on any device (the CPU backend's paged layer knows only K|V regions):
+        # PagedMover saves copy out of the blocks after the step (device.py), so a request that saved keeps its
+        # blocks until the worker reports the copies landed
+        self._uses_mover = vllm_config.device_config.device_type != "cpu" or self.layout.is_latent
         self._saving: set[str] = set()  # (scheduler) requests with a save scheduled, on a device
         events_config = getattr(vllm_config, "kv_events_config", None)
         has_events = bool(events_config is not None and events_config.enable_kv_cache_events)
@@ -132,7 +132,7 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
                                              self.options["key_mode"], self.options["load_mode"], self.kv_role,
                                              self.groups, client=LookupClient(self._lookup_path()))
         else:
-            side = DeviceWorkerSide if self._is_device else WorkerSide
+            side = DeviceWorkerSide if self._uses_mover else WorkerSide
             # the engine's first worker answers the scheduler's lookups (connectors/lookup.py): the one cache it asks
             is_first = getattr(vllm_config.parallel_config, "rank", 0) == 0
             self._worker = side(self.config, self.layout, self.model_id, block_size, self.options,
@@ -274,7 +274,7 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         meta = self._scheduler.build_meta(scheduler_output)
-        if self._is_device:
+        if self._uses_mover:
             self._saving.update(save.req_id for save in meta.saves)
         if self._events is not None:
             for save in meta.saves:
