@@ -139,6 +139,8 @@ def test_views_of_another_model_and_ranges_outside_the_chunk_are_refused():
     with CacheEngine(Config(chunk_size=CHUNK, tiers=("cpu",)), LAYOUT, "m") as engine:
         with pytest.raises(ValueError, match="1 layer views for a 2-layer model"):
             PagedMover(engine, make_views("LBHNC", seed=5)[:1], "LBHNC", CpuCopyStream())
+        with pytest.raises(ValueError, match="1 layers. KV cache groups for 2 layer views"):
+            PagedMover(engine, make_views("LBHNC", seed=5), "LBHNC", CpuCopyStream(), layer_groups=[0])
         mover = PagedMover(engine, make_views("LBHNC", seed=5), "LBHNC", CpuCopyStream())
         with pytest.raises(ValueError, match="not in the chunk"):
             mover.load(b"k" * 32, [0, 1, 2, 3], 0, CHUNK + 1, first=0, chunk_tokens=CHUNK)
@@ -199,3 +201,36 @@ def test_a_layered_load_lands_layer_by_layer_and_stops_at_a_miss(tmp_path, sourc
         load.finish()
         assert load.num_read == 0 and all(torch.equal(a, b) for a, b in zip(fresh, untouched))
         assert stream.num_over_budget == 0
+
+
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("source,target", [("LBHNC", "LBHNC"), ("BLNHC", "LBNHC")])
+def test_each_group_moves_through_its_own_table_and_a_window_layer_loads_from_window_from(config, source, target,
+                                                                                         staged):
+    """vLLM's hybrid manager: layer 0 in a window group (0), layer 1 in a full-attention group (1), each group
+    with its own block table; a load puts the window layer in only from window_from (whole blocks as stored, or
+    converted token-major)."""
+    tables = ([3, 4, 5, 6], [7, 8, 9, 10])  # (window group, full group), token 0 on
+    into = ([11, 12, 13, 14], [0, 1, 2, 15])
+    src_views, dst_views = make_views(source, seed=21), make_views(target, seed=22)
+    untouched = make_views(target, seed=22)
+    window_from = BLOCK * 2  # 32: inside the only chunk [0, 48)
+    with CacheEngine(config, LAYOUT, "m") as engine:
+        key = engine.keys(list(range(CHUNK)))[0]
+        writer = PagedMover(engine, src_views, source, CpuCopyStream(staged=staged), layer_groups=[0, 1],
+                            window_layers=[0])
+        assert writer.save(key, tables[1], 0, CHUNK, group_tables=tables).finish()
+        reader = PagedMover(engine, dst_views, target, CpuCopyStream(staged=staged), layer_groups=[0, 1],
+                            window_layers=[0])
+        job = reader.load(key, into[1], 0, CHUNK, first=0, chunk_tokens=CHUNK, group_tables=into,
+                          window_from=window_from)
+        assert job is not None
+        job.finish()
+        with pytest.raises(ValueError, match="one KV cache group"):
+            reader.load_layered([ChunkRead(key, 0, 0, CHUNK, CHUNK)], into[1])
+    for layer, first in ((0, window_from), (1, 0)):
+        table, written = into[layer], tables[layer]
+        assert torch.equal(tokens_of([dst_views[layer]], table, first, CHUNK, LAYOUT.part((layer,))),
+                           tokens_of([src_views[layer]], written, first, CHUNK, LAYOUT.part((layer,))))
+        assert torch.equal(tokens_of([dst_views[layer]], table, 0, first, LAYOUT.part((layer,))),
+                           tokens_of([untouched[layer]], table, 0, first, LAYOUT.part((layer,))))

@@ -15,6 +15,7 @@ pytest.importorskip("vllm")
 from kvfabric import CacheEngine, Config, KVLayout  # noqa: E402
 from kvfabric.connectors.copy_stream import CpuCopyStream  # noqa: E402
 from kvfabric.connectors.paged_views import PagedSpec, gather, layer_views  # noqa: E402
+from kvfabric.connectors.vllm.config import KVGroups  # noqa: E402
 from kvfabric.connectors.vllm.device import DeviceWorkerSide  # noqa: E402
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, LoadSpec, SaveSpec  # noqa: E402
 
@@ -139,24 +140,107 @@ def test_a_request_that_saved_is_reported_sent_only_after_its_copies_landed(conf
         worker.close()
 
 
-def test_preemption_waits_for_the_copies_out_of_the_blocks(config, monkeypatch):
+def in_flight_saves(worker: DeviceWorkerSide, monkeypatch) -> list[bool]:
+    """Make every save's copies stay in flight until waited for; returns the list each wait appends to."""
+    waited: list[bool] = []
+    real_save = worker.mover.save
+
+    def watched_save(*args, **kwargs):
+        job = real_save(*args, **kwargs)
+        monkeypatch.setattr(job.done, "is_done", lambda: bool(waited))
+        monkeypatch.setattr(job.done, "wait", lambda: waited.append(True))
+        return job
+
+    monkeypatch.setattr(worker.mover, "save", watched_save)
+    return waited
+
+
+def test_the_next_step_waits_only_for_copies_out_of_blocks_vllm_hands_out_again(config, monkeypatch):
+    """handle_preemptions (before vLLM zeroes and writes the step's new blocks): a copy still reading a block that
+    is handed out again (a preempted request's) is waited for; one whose blocks vLLM keeps is not."""
     worker = side(config, caches("LBNHC", seed=4), "LBNHC")
     try:
         with CacheEngine(config, LAYOUT, "m") as keys_of:
             keys = keys_of.keys(list(range(CHUNK)))
-        waited = []
-        real_save = worker.mover.save
+        waited = in_flight_saves(worker, monkeypatch)
+        step(worker, KVFabricMetadata(saves=[SaveSpec("p", keys, 0, CHUNK, [1, 2, 3])]))
+        worker.fence(KVFabricMetadata(new_block_ids=frozenset({3, 7, 8})))  # block 3 is past the save's tokens
+        assert not waited  # the forward of the next step does not wait for this save
+        worker.fence(KVFabricMetadata(new_block_ids=frozenset({2, 7})))
+        assert waited == [True]  # block 2 is handed out again: its copy landed first
+        assert worker.counters.snapshot().get("save_fences") == 1
+        step(worker, KVFabricMetadata(saves=[SaveSpec("q", keys, 0, CHUNK, [4, 5])]))
+        waited.clear()
+        worker.fence(None)  # no block list: every copy in flight
+        assert waited == [True]
+    finally:
+        worker.close()
 
-        def watched_save(*args, **kwargs):
-            job = real_save(*args, **kwargs)
-            monkeypatch.setattr(job.done, "is_done", lambda: bool(waited))
-            monkeypatch.setattr(job.done, "wait", lambda: waited.append(True))
-            return job
 
-        monkeypatch.setattr(worker.mover, "save", watched_save)
-        step(worker, KVFabricMetadata(saves=[SaveSpec("p", keys, 0, CHUNK, [1, 2])]))
-        worker.preempted()
-        assert waited  # the host waited for the copies before vLLM may overwrite the blocks
+HYBRID = KVLayout.from_layer_types(["sliding_attention", "full_attention", "sliding_attention"], 2, 8, CHUNK,
+                                   "float16")
+
+
+def hybrid_groups() -> KVGroups:
+    """vLLM's hybrid manager on HYBRID: group 0 the window layers 0 and 2, group 1 the full layer 1."""
+    names = {f"model.layers.{i}.self_attn.attn": group for i, group in enumerate([0, 1, 0])}
+    return KVGroups(BLOCK, 2, names, CHUNK)
+
+
+def layer_tokens(view: torch.Tensor, table: list[int], start: int, end: int) -> torch.Tensor:
+    out = torch.empty(HYBRID.shape(end - start)[1:], dtype=torch.float16)
+    gather(view, "kv", table, start, end, out)
+    return out
+
+
+@pytest.mark.parametrize("source,target", [("BLHNC", "LBNHC"), ("LBHNC", "LBHNC")])
+def test_the_hybrid_managers_groups_each_move_through_their_own_block_table(config, source, target):
+    """Gemma-like groups on a GPU layout: every layer is saved from its group's blocks; a load puts the full layer
+    in from the start and the window layers only from window_from (before it vLLM holds no window block)."""
+    tokens = list(range(1, 3 * CHUNK + 1))
+    src, dst = caches(source, seed=11), caches(target, seed=12)
+    src_tables = ([4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15])  # (window group, full group)
+    dst_tables = ([16, 17, 18, 19, 20, 21], [0, 1, 2, 3, 22, 23])
+    with CacheEngine(config, HYBRID, "m") as keys_of:
+        keys = keys_of.keys(tokens)
+    writer = DeviceWorkerSide(config, HYBRID, "m", BLOCK, {}, groups=hybrid_groups())
+    writer.register(src, source)
+    writer.mover.stream = CpuCopyStream(staged=True)
+    step(writer, KVFabricMetadata(saves=[SaveSpec("w", keys, 0, len(tokens), src_tables[1], src_tables)]))
+    writer.saver.join()
+    writer.engine.flush()
+    writer.close()
+    reader = DeviceWorkerSide(config, HYBRID, "m", BLOCK, {}, groups=hybrid_groups())
+    try:
+        reader.register(dst, target)
+        window_from = 2 * CHUNK - BLOCK  # the window layers' first held block: token 48
+        step(reader, KVFabricMetadata(loads=[LoadSpec("r", keys, 0, len(tokens), dst_tables[1], is_async=True,
+                                                      group_block_ids=dst_tables, window_from=window_from)]))
+        wait_loaded(reader, "r")
+        assert reader.take_failed_loads() == set()
+        untouched = caches(target, seed=12)
+        for (name, view), group in zip(dst.items(), [0, 1, 0]):
+            first = window_from if group == 0 else 0
+            assert torch.equal(layer_tokens(view, dst_tables[group], first, len(tokens)),
+                               layer_tokens(src[name], src_tables[group], first, len(tokens))), name
+            assert torch.equal(layer_tokens(view, dst_tables[group], 0, first),
+                               layer_tokens(untouched[name], dst_tables[group], 0, first)), name
+    finally:
+        reader.close()
+
+
+def test_a_window_block_that_slid_out_is_fenced_before_vllm_reuses_it(config, monkeypatch):
+    worker = DeviceWorkerSide(config, HYBRID, "m", BLOCK, {}, groups=hybrid_groups())
+    try:
+        worker.register(caches("BLHNC", seed=13), "BLHNC")
+        waited = in_flight_saves(worker, monkeypatch)
+        with CacheEngine(config, HYBRID, "m") as keys_of:
+            keys = keys_of.keys(list(range(CHUNK)))
+        step(worker, KVFabricMetadata(saves=[SaveSpec("s", keys, 0, CHUNK, [9, 10], ([1, 2], [9, 10]))]))
+        worker.fence(KVFabricMetadata(new_block_ids=frozenset({3, 11})))
+        assert not waited
+        worker.fence(KVFabricMetadata(new_block_ids=frozenset({1})))  # window block 1 slid out and is handed out
+        assert waited == [True]
     finally:
         worker.close()
 
@@ -226,3 +310,21 @@ def test_a_cache_that_is_not_the_models_is_refused_in_one_line(config):
             worker.register(caches("LBNHC", seed=7), "LBNHC")
     finally:
         worker.close()
+
+
+def test_the_scheduler_lists_every_block_vllm_hands_out_in_a_step():
+    """allocated_blocks reads vLLM's own SchedulerOutput: new requests' tables, running requests' new blocks and
+    resumed ones' whole tables in every group, and copy-on-write targets; never the null block 0."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    from kvfabric.connectors.vllm.scheduler import allocated_blocks
+
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData("a", [1, 2, 3], [], None, None, ([0, 4, 5], [6, 7]), 0, None)]
+    out.scheduled_cached_reqs = CachedRequestData(
+        req_ids=["b", "c", "d"], resumed_req_ids={"d"}, new_token_ids=[[], [], []], all_token_ids={},
+        new_block_ids=[([8], []), None, ([9, 10], [11])], num_computed_tokens=[16, 32, 0], num_output_tokens=[1, 2, 0])
+    out.kv_cache_block_copies = [KVCacheBlockCopy(src_block_id=12, dst_block_id=13)]
+    assert allocated_blocks(out) == frozenset({4, 5, 6, 7, 8, 9, 10, 11, 13})
+    assert allocated_blocks(SchedulerOutput.make_empty()) == frozenset()

@@ -19,6 +19,10 @@ Contract:
   every chunk of `reads` (each a `ChunkRead`, in prompt order, up to the first miss) is read, verified and
   staged on the calling thread first, then the copies are queued layer by layer, so `layer_done[l]` (l's copies
   of every chunk) lands before l + 1's: the forward's layer l waits for it alone (`hold_compute`).
+- vLLM's hybrid KV cache manager (several KV cache groups): `layer_groups` names each layer's group, and `save` /
+  `load` take `group_tables` (one block table per group, each from token 0) in place of `block_ids`; a window
+  layer (`window_layers`) loads only tokens from `window_from` on (vLLM holds no block of it before: its null
+  block). `load_layered` moves one group only (the connector refuses layer-wise loads with several groups).
 - Whole runs of blocks are copied as they are when the chunk was written in this layout (`block_layout`), else
   the chunk is converted once (kvfabric.blocks) and scattered token-major; chunks of any layout load.
 - On a CPU device the copies go straight between the layers and the chunk's payload. On a staged stream (CUDA)
@@ -27,7 +31,7 @@ Contract:
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -101,9 +105,14 @@ class LayeredLoad:
 
 
 class PagedMover:
-    def __init__(self, engine: KVCache, views: Sequence[torch.Tensor], layout: str, stream: CopyStream) -> None:
+    def __init__(self, engine: KVCache, views: Sequence[torch.Tensor], layout: str, stream: CopyStream,
+                 layer_groups: Sequence[int] = (), window_layers: Iterable[int] = ()) -> None:
         if len(views) != engine.layout.num_layers:
             raise ValueError(f"{len(views)} layer views for a {engine.layout.num_layers}-layer model")
+        if layer_groups and len(layer_groups) != len(views):
+            raise ValueError(f"{len(layer_groups)} layers' KV cache groups for {len(views)} layer views")
+        self.layer_groups = list(layer_groups) or [0] * len(views)  # layer index -> its KV cache group
+        self.window_layers = frozenset(window_layers)
         self.engine = engine
         self.views = list(views)
         self.layout = layout
@@ -120,28 +129,44 @@ class PagedMover:
         raw = self.stream.host_buffer(like.numel() * like.element_size())
         return raw.view(like.dtype).view(like.shape)
 
+    @property
+    def is_hybrid(self) -> bool:
+        return len(set(self.layer_groups)) > 1
+
+    def _table(self, index: int, block_ids: Sequence[int], group_tables: Sequence[Sequence[int]]) -> Sequence[int]:
+        """Layer `index`'s block table: its group's under the hybrid manager, else `block_ids`."""
+        return group_tables[self.layer_groups[index]] if group_tables else block_ids
+
+    def _load_from(self, index: int, start: int, window_from: int) -> int:
+        """First token layer `index` loads: a window layer has no block before `window_from`."""
+        return max(start, window_from) if index in self.window_layers else start
+
     def release(self, staging: torch.Tensor | None) -> None:
         """A staging tensor back to the stream's pool (once its copies have landed)."""
         if staging is not None:
             self.stream.release(staging.view(-1).view(torch.uint8))
 
-    def save(self, key: bytes, block_ids: Sequence[int], start: int, end: int) -> SaveJob:
+    def save(self, key: bytes, block_ids: Sequence[int], start: int, end: int, *,
+             group_tables: Sequence[Sequence[int]] = ()) -> SaveJob:
         payload = self.engine.new_payload(end - start, self.block_layout)
         staging = self._staging(payload.kv)
         target = payload.kv if staging is None else staging
 
         def copy() -> None:
             for index, view in enumerate(self.views):
+                table = self._table(index, block_ids, group_tables)
                 if payload.blocks is not None:  # whole blocks as they are
-                    save_blocks(self.blocks[index], block_ids, start, end, target[index])
+                    save_blocks(self.blocks[index], table, start, end, target[index])
                 else:  # a codec or split layout wants [L, S, H, T, D]
-                    gather(view, self.content, block_ids, start, end, target[index])
+                    gather(view, self.content, table, start, end, target[index])
 
         self.stream.after_compute()
         self.stream.run(copy)
         return SaveJob(self, key, payload, staging, self.stream.record())
 
     def load_layered(self, reads: Sequence[ChunkRead], block_ids: Sequence[int]) -> LayeredLoad:
+        if self.is_hybrid:
+            raise ValueError("a layer-wise load moves one KV cache group")
         staged: list[tuple[ChunkRead, torch.Tensor, bool]] = []  # (read, its staging [L, ...], whole blocks?)
         by_tier: dict[str, int] = {}
         for read in reads:
@@ -193,8 +218,8 @@ class PagedMover:
             staging[index].copy_(layer)
         return staging
 
-    def load(self, key: bytes, block_ids: Sequence[int], start: int, end: int, *, first: int,
-             chunk_tokens: int) -> LoadJob | None:
+    def load(self, key: bytes, block_ids: Sequence[int], start: int, end: int, *, first: int, chunk_tokens: int,
+             group_tables: Sequence[Sequence[int]] = (), window_from: int = 0) -> LoadJob | None:
         if not first <= start <= end <= first + chunk_tokens:
             raise ValueError(f"tokens [{start}, {end}) are not in the chunk's [{first}, {first + chunk_tokens})")
         hit = self.engine.read_chunk(key, num_tokens=chunk_tokens, scratch=self._scratch, promote=False,
@@ -213,12 +238,18 @@ class PagedMover:
 
                 def copy() -> None:
                     for index, view in enumerate(self.views):
-                        scatter(view, self.content, block_ids, start, end, chunk[index])
+                        lo = self._load_from(index, start, window_from)
+                        if lo < end:  # [S, H, T, D] from `start`: the layer's part from lo
+                            scatter(view, self.content, self._table(index, block_ids, group_tables), lo, end,
+                                    chunk[index][:, :, lo - start:])
 
                 self.stream.run(copy)
                 return LoadJob(self, staging, self.stream.record(), hit.tier, hit.num_bytes)
             # this layout's blocks, layer by layer (a slab read from a file is valid until the next one)
             for index, blocks in enumerate(self.blocks):
+                lo = self._load_from(index, start, window_from)
+                if lo >= end:  # a window layer wholly before vLLM's first block of it: nothing to read
+                    continue
                 slab = hit.slab(index)
                 if slab is None:  # the stored blob turned out short: a miss (the caller recomputes)
                     self.stream.record().wait()
@@ -230,7 +261,8 @@ class PagedMover:
                         staging = self._staging(layer.expand(len(self.blocks), *layer.shape))
                     staging[index].copy_(layer)
                     layer = staging[index]
-                self.stream.run(lambda b=blocks, x=layer: load_blocks(b, block_ids, start, end, x, first))
+                table = self._table(index, block_ids, group_tables)
+                self.stream.run(lambda b=blocks, t=table, x=layer, lo=lo: load_blocks(b, t, lo, end, x, first))
             return LoadJob(self, staging, self.stream.record(), hit.tier, hit.num_bytes)
         finally:
             hit.close()

@@ -25,8 +25,10 @@ Contract:
 - On a GPU (vLLM's device is not the CPU), and for an MLA model's latent cache on any device (vLLM's CPU_MLA
   backend included), the worker is a ``DeviceWorkerSide`` (``device``): saves are copied out
   of the blocks after the step on a side stream, so ``request_finished`` answers True for a request that had a
-  save, and ``get_finished`` reports it sent once those copies landed; ``handle_preemptions`` waits for copies
-  in flight. ``get_required_kvcache_layout`` asks vLLM for the connector's ``kv_cache_layout`` (BLHNC).
+  save, and ``get_finished`` reports it sent once those copies landed; the step's metadata lists the blocks
+  vLLM hands out (``new_block_ids``) and ``handle_preemptions`` waits only for copies still reading one of them
+  (a preempted request's blocks, a window block that slid out). vLLM's hybrid manager works there as on the CPU.
+  ``get_required_kvcache_layout`` asks vLLM for the connector's ``kv_cache_layout`` (BLHNC).
 - vLLM's ``kv_role`` (``role_of``): a ``kv_producer`` (P/D prefill) loads hits (the pool is its prefix cache too),
   stores, and ends each step only once its KV is stored; a ``kv_consumer`` (P/D decode) loads and never stores;
   ``kv_both`` loads and stores.
@@ -72,7 +74,7 @@ from kvfabric.connectors.vllm.metrics import (
     worker_events,
 )
 from kvfabric.connectors.vllm.device import DeviceWorkerSide
-from kvfabric.connectors.vllm.scheduler import SchedulerSide
+from kvfabric.connectors.vllm.scheduler import SchedulerSide, allocated_blocks
 from kvfabric.connectors.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -178,7 +180,7 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None:
-            self._worker.preempted()
+            self._worker.fence(kv_connector_metadata)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -274,8 +276,9 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         meta = self._scheduler.build_meta(scheduler_output)
-        if self._uses_mover:
+        if self._uses_mover:  # saves copy out after the step: the worker fences the blocks handed out again
             self._saving.update(save.req_id for save in meta.saves)
+            meta.new_block_ids = allocated_blocks(scheduler_output)
         if self._events is not None:
             for save in meta.saves:
                 self._events.saving(save.req_id, save.start, save.end)
@@ -297,5 +300,6 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        """SupportsHMA's request_finished (several groups: CPU only, where saves gather within the step)."""
+        """SupportsHMA's request_finished: every group's blocks are held alike (True: a save's copies may still be
+        reading them)."""
         return self.request_finished(request, block_ids[0] if block_ids else [])

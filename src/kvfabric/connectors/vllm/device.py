@@ -4,8 +4,9 @@ an MLA backend's one latent per token with H = 1), moved by `PagedMover`.
 
 Contract (what differs from ``WorkerSide``, the CPU backend's path; the rest, stats, stored-key mirroring and
 close, is shared):
-- `register(kv_caches, layout_name)`: every layer on one device, one KV cache group of full attention or of MLA
-  latents (vLLM's hybrid manager with window groups is refused at start-up in one line). The copies go through
+- `register(kv_caches, layout_name)`: every layer on one device; one KV cache group of full attention or of MLA
+  latents, or vLLM's hybrid manager's full-attention and sliding-window groups (each layer moves through its
+  group's block table; a window layer loads only from the spec's `window_from`). The copies go through
   `make_copy_stream(device, pinned_bytes)`: on CUDA a side stream with pinned host buffers (a pool bounded by the
   connector's ``pinned_bytes``, reused); on a CPU device (the tests of every GPU layout, vLLM's CPU_MLA backend)
   the same code with plain copies.
@@ -13,8 +14,11 @@ close, is shared):
   chunk of the step's saves is copied out on the copy stream after that compute (`PagedMover.save`); the
   saver thread waits for the copies and stores the chunk (``DeviceSave.store``). The forward never waits for a
   save. A request that had a save keeps its blocks past its end: the scheduler answers ``request_finished``
-  True for it, and `finished` reports it as sent once every copy out of its blocks has landed. Before vLLM
-  reuses a preempted request's blocks (``handle_preemptions``), `preempted` waits for the copies in flight.
+  True for it, and `finished` reports it as sent once every copy out of its blocks has landed. A running
+  request's blocks can still be handed out again (a preempted request's; under the hybrid manager a window block
+  that slid out of the window): before vLLM writes this step's new blocks (``handle_preemptions``, before it
+  zeroes them), `fence` waits for the copies still reading one of them (``KVFabricMetadata.new_block_ids``),
+  and only those: the next step never waits for a save whose blocks vLLM keeps.
   A save that would overfill the saver's queue is dropped (counted) before any copy is made.
 - Loads (vLLM's WAITING_FOR_REMOTE_KVS path): one load thread reads and verifies each chunk on the host and
   queues its copies into the request's blocks (`PagedMover.load`); `finished` reports a load once all its copies
@@ -43,13 +47,20 @@ from kvfabric.connectors.paged import blocks_of
 from kvfabric.connectors.paged_mover import ChunkRead, LayeredLoad, LoadJob, PagedMover, SaveJob
 from kvfabric.connectors.vllm.config import DEFAULT_PINNED_BYTES
 from kvfabric.connectors.vllm.loads import LoadOutcome
-from kvfabric.connectors.vllm.metadata import LoadSpec, RequestStats
+from kvfabric.connectors.vllm.metadata import KVFabricMetadata, LoadSpec, RequestStats
 from kvfabric.connectors.vllm.threads import release
 from kvfabric.connectors.vllm.worker import WorkerSide
 from kvfabric.counters import Counters
 from kvfabric.kvcache import KVCache
 
 logger = init_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    """A save's copies out of the device and the blocks they read."""
+    done: CopyDone
+    block_ids: frozenset[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +147,8 @@ class DeviceLoads:
         end = spec.start
         for read in chunk_reads(spec, self.chunk_size):
             job = mover.load(read.key, spec.block_ids, read.start, read.end, first=read.first,
-                             chunk_tokens=read.chunk_tokens)
+                             chunk_tokens=read.chunk_tokens, group_tables=spec.group_block_ids,
+                             window_from=spec.window_from)
             if job is None:  # missing or corrupt: the rest is recomputed
                 self.counters.add("load_missing_chunks")
                 break
@@ -203,7 +215,7 @@ class DeviceWorkerSide(WorkerSide):
         self.pinned_bytes = int(self.options.get("pinned_bytes") or DEFAULT_PINNED_BYTES)
         self.mover: PagedMover | None = None
         self._saving: set[str] = set()  # requests with a save bound: the scheduler holds their blocks at the end
-        self._copies: dict[str, list[CopyDone]] = {}  # per request: copies out of its blocks, maybe in flight
+        self._copies: dict[str, list[_Copy]] = {}  # per request: copies out of its blocks, maybe in flight
         self._ending: set[str] = set()  # finished requests whose blocks wait for their copies
 
     def _new_loader(self, options: dict[str, Any]) -> DeviceLoads:
@@ -212,9 +224,12 @@ class DeviceWorkerSide(WorkerSide):
     def register(self, kv_caches: dict[str, torch.Tensor], layout_name: str = "LBNHC") -> None:
         from vllm.model_executor.models.utils import extract_layer_index
         devices = sorted({str(kv.device) for kv in kv_caches.values()})
-        if self.groups.is_hybrid or len(devices) != 1:
-            raise ValueError(f"KVFabricConnector: on {', '.join(devices)} the connector moves one KV cache group of "
-                             "full-attention layers on one device (this model has several groups or devices)")
+        if len(devices) != 1:
+            raise ValueError(f"KVFabricConnector: the KV cache is on {', '.join(devices)}; the connector moves one "
+                             "device's cache per worker")
+        if self.groups.is_hybrid and set(self.groups.layer_group) != set(kv_caches):
+            raise ValueError(f"KVFabricConnector: KV cache layers {sorted(kv_caches)} are not those of vLLM's KV "
+                             f"cache groups {sorted(self.groups.layer_group)}")
         named = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
         views = [kv for _, kv in named]
         layout = self.layout
@@ -227,7 +242,10 @@ class DeviceWorkerSide(WorkerSide):
             raise ValueError(f"KVFabricConnector: KV caches {shapes}... are not [blocks, {layout.num_kv_heads} heads, "
                              f"tokens, {what} for {layout}")
         self.layers = {name: (extract_layer_index(name), view) for name, view in named}  # `layer_load` finds them
-        self.mover = PagedMover(self.engine, views, layout_name, make_copy_stream(devices[0], self.pinned_bytes))
+        groups = [self.groups.layer_group.get(name, 0) for name, _ in named]
+        window = layout.window_layers if self.groups.is_hybrid else ()
+        self.mover = PagedMover(self.engine, views, layout_name, make_copy_stream(devices[0], self.pinned_bytes),
+                                groups, window)
         self.loader.bind(self.mover)
         self.engine.premap(self.chunk_size, self.mover.block_layout)
         logger.info("kvfabric: %d layers on %s in layout %s (pinned host pool %d MB)", len(views), devices[0],
@@ -256,9 +274,12 @@ class DeviceWorkerSide(WorkerSide):
                 self.counters.add("saves_dropped_queue_full")
                 continue
             started = time.perf_counter_ns()
-            jobs = [self.mover.save(key, spec.block_ids, lo, hi) for key, (lo, hi) in zip(spec.keys, spans)]
+            jobs = [self.mover.save(key, spec.block_ids, lo, hi, group_tables=spec.group_block_ids)
+                    for key, (lo, hi) in zip(spec.keys, spans)]
             self.counters.add("save_gather_ns", time.perf_counter_ns() - started)  # enqueueing the copies
-            self._copies.setdefault(spec.req_id, []).extend(job.done for job in jobs)
+            blocks = frozenset(block for table in (spec.group_block_ids or (spec.block_ids,))
+                               for block in table[spec.start // self.block_size:-(-spec.end // self.block_size)])
+            self._copies.setdefault(spec.req_id, []).extend(_Copy(job.done, blocks) for job in jobs)
             self.saver.submit(DeviceSave(spec.req_id, spec.keys, jobs, num_bytes))
             self._add_stats(spec.req_id, RequestStats(saved_tokens=spec.end - spec.start))
         if self.is_sync_store and self.meta.saves:
@@ -275,16 +296,23 @@ class DeviceWorkerSide(WorkerSide):
         self._ending |= finished_req_ids & self._saving
         self._saving -= finished_req_ids
         for req_id in list(self._copies):  # forget landed copies (a long request saves chunk after chunk)
-            self._copies[req_id] = [done for done in self._copies[req_id] if not done.is_done()]
+            self._copies[req_id] = [copy for copy in self._copies[req_id] if not copy.done.is_done()]
             if not self._copies[req_id]:
                 del self._copies[req_id]
         sent = {req_id for req_id in self._ending if req_id not in self._copies}
         self._ending -= sent
         return sent, received
 
-    def preempted(self) -> None:
-        """vLLM is about to reuse preempted requests' blocks: every copy out of them must have landed."""
-        for dones in self._copies.values():
-            for done in dones:
-                done.wait()
-        self._copies.clear()
+    def fence(self, meta: Any) -> None:
+        """vLLM is about to write this step's new blocks: the copies still reading one of them must land first
+        (without the step's block list, every copy in flight)."""
+        new = meta.new_block_ids if isinstance(meta, KVFabricMetadata) else None
+        for req_id, copies in list(self._copies.items()):
+            for copy in copies:
+                if new is None or not copy.block_ids.isdisjoint(new):
+                    if not copy.done.is_done():
+                        self.counters.add("save_fences")
+                    copy.done.wait()
+            self._copies[req_id] = [copy for copy in copies if not copy.done.is_done()]
+            if not self._copies[req_id]:
+                del self._copies[req_id]

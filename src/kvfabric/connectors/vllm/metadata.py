@@ -11,6 +11,8 @@ Contract:
   sliding-window blocks vLLM allocated (earlier ones are its null block): window layers load only from there.
   With one group, `block_ids` serves every layer and `window_from` is 0. `is_idle`: nothing is scheduled
   this step (the worker may then wait briefly for an asynchronous load instead of returning at once).
+  `new_block_ids` (the paged mover's path: a GPU, MLA): the blocks vLLM hands out this step; before vLLM writes
+  them (``handle_preemptions``) the worker waits for any save still copying out of one of them.
 - Worker -> scheduler, ``KVFabricWorkerMetadata`` (only when there is something to say): per-request
   ``RequestStats`` of the step (added up with ``+``). What the cache holds is not reported: the scheduler asks
   the worker's cache (connectors/lookup.py).
@@ -89,6 +91,9 @@ class KVFabricMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     is_idle: bool = False
+    # the paged mover's path only (a GPU, MLA): every block vLLM hands out this step, in any group (a block an
+    # earlier save still copies out of may be among them: a preempted request's, a window block that slid out)
+    new_block_ids: frozenset[int] = frozenset()
 
 
 @dataclass

@@ -312,3 +312,18 @@ class SchedulerSide:
         self.keys.pop(req_id, None)
         self.pending.pop(req_id, None)
         self.waiting.discard(req_id)
+
+
+def allocated_blocks(out: SchedulerOutput) -> frozenset[int]:
+    """Every block vLLM hands out in this step's output, in any group (the block pool is shared by all groups):
+    new requests' and resumed ones' tables, running ones' new blocks, and the targets of its block copies."""
+    found: set[int] = set()
+    for new in out.scheduled_new_reqs:
+        for table in new.block_ids:
+            found.update(table)
+    for groups in out.scheduled_cached_reqs.new_block_ids:
+        for table in groups or ():
+            found.update(table)
+    found.update(copy.dst_block_id for copy in getattr(out, "kv_cache_block_copies", None) or ())
+    found.discard(0)  # vLLM's null block: never written
+    return frozenset(found)

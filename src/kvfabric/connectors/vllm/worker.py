@@ -279,8 +279,8 @@ class WorkerSide:
         async load ended)."""
         return set(), self.finished_loads()
 
-    def preempted(self) -> None:
-        """Nothing to wait for before vLLM reuses preempted blocks: saves copy within their step."""
+    def fence(self, meta: KVConnectorMetadata) -> None:
+        """Nothing to wait for before vLLM writes the step's new blocks: saves copy within their step."""
 
     def finished_loads(self) -> set[str]:
         """Requests whose asynchronous load ended (loaded, or failed with its blocks reported)."""
