@@ -138,6 +138,10 @@ def test_layout_from_vllm_has_the_model_configs_layer_groups():
     assert [(g.layers, g.window) for g in layout.groups] == [((5, 11), 0), ((0, 1, 2, 3, 4, 6, 7, 8, 9, 10), WINDOW)]
     with pytest.raises(NotImplementedError, match="vLLM's model"):  # vLLM sees another KV shape: refused
         layout_from_vllm(_vllm_config(text, 12, 1, 128))
+    tensor_parallel = _vllm_config(text, 12, 1, 256)
+    tensor_parallel.parallel_config.tensor_parallel_size = 2  # each rank would hold a share of the heads: refused
+    with pytest.raises(NotImplementedError, match=r"one worker \(tensor and pipeline parallel size 1\)"):
+        layout_from_vllm(tensor_parallel)
 
 
 # ---- real vLLM on Gemma 3 -----------------------------------------------------------------------------------
