@@ -25,7 +25,6 @@ thread). The cachegen level the codec uses for this model when none is given (pr
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable

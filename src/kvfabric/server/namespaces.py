@@ -19,7 +19,7 @@ from kvfabric.codec.base import Decoders
 from kvfabric.config import Config, ConfigError
 from kvfabric.engine import CacheEngine
 from kvfabric.framing import ProtocolError
-from kvfabric.hashing import HASH_NAMES, KeySpace
+from kvfabric.hashing import HASH_NAMES
 from kvfabric.layout import DTYPES, KVLayout
 from kvfabric.remote import protocol as P
 from kvfabric.tiers.base import Tier

@@ -51,7 +51,7 @@ from kvfabric.blocks import as_words
 from kvfabric.builder import build_engine
 from kvfabric.config import Config
 from kvfabric.connectors.lookup import start_lookup_service
-from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather, populate, save_blocks
+from kvfabric.connectors.paged import CpuPagedLayer, gather, populate, save_blocks
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE, DEFAULT_LOAD_THREADS, KVGroups, detect_cpu_kv_layout
 from kvfabric.connectors.vllm.loads import Loader, LoadOutcome
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, RequestStats
