@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvfabric.bench.vllm_server import free_port
+from kvfabric.bench.vllm_server import free_ports
 
 CHUNK = 256
 
@@ -35,7 +35,7 @@ class LMCacheServer:
     """LMCache's standalone server (its multi-process mode, the one that runs on CPU), on 127.0.0.1."""
 
     def __init__(self, python: str, workdir: Path, l1_gb: float = 4.0) -> None:
-        self.port, http_port = free_port(), free_port()
+        self.port, http_port = free_ports(2)
         self.log = workdir / "lmcache-server.log"
         lmcache = str(Path(python).parent / "lmcache")
         env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false"}

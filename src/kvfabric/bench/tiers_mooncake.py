@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from kvfabric.bench.tiers_shared import SIZES, _payload, _row
-from kvfabric.bench.vllm_server import free_port
+from kvfabric.bench.vllm_server import free_port, free_ports
 
 SEGMENT_BYTES = 1 << 30
 TARGET = 0.9
@@ -49,7 +49,7 @@ class LoopbackMaster:
     def __init__(self, workdir: Path) -> None:
         self.binary = str(master_binary())
         self.workdir = workdir
-        self.rpc_port, self.metadata_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.rpc_port, self.metadata_port, self.metrics_port = free_ports(3)
         self.proc: subprocess.Popen | None = None
 
     @property

@@ -18,9 +18,20 @@ from pathlib import Path
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(num_ports: int) -> list[int]:
+    """num_ports distinct free loopback ports: all sockets stay bound until every port is picked (ports picked one
+    after another can repeat once the first socket is closed, and a server given one port twice fails to start)."""
+    sockets = [socket.socket() for _ in range(num_ports)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 class VllmServer:
