@@ -3,8 +3,8 @@
 - reference/config.md from the `Config` dataclass tree (kvfabric/config.py): every key with its type, default,
   allowed values, environment variable and description. The description is the comment on the key's line in
   config.py (and the comment lines right below it): config.py is the one place a key is documented.
-- reference/cli.md from the click command tree (kvfabric/cli.py): each command's `--help`.
-- reference/metrics.md from `kvfabric.metrics.METRICS`: every metric's name, type, labels and help.
+- reference/cli.md from the click command tree (kvfabric/apps/cli.py): each command's `--help`.
+- reference/metrics.md from `kvfabric.observe.metrics.METRICS`: every metric's name, type, labels and help.
 
 The same functions serve tests/test_docs.py (a key without a description fails there).
 """
@@ -143,7 +143,7 @@ def cli_commands(group: Any = None, path: tuple[str, ...] = ()) -> list[tuple[tu
     import click
     from click.testing import CliRunner
 
-    from kvfabric.cli import main
+    from kvfabric.apps.cli import main
 
     group = main if group is None else group
     out = []
@@ -158,7 +158,7 @@ def cli_commands(group: Any = None, path: tuple[str, ...] = ()) -> list[tuple[tu
 
 
 def cli_page() -> str:
-    out = ["# Command reference", "", "Generated from the `kvfabric` command tree (`kvfabric/cli.py`) at every docs "
+    out = ["# Command reference", "", "Generated from the `kvfabric` command tree (`kvfabric/apps/cli.py`) at every docs "
            "build: each command's `--help`.", ""]
     for path, text in cli_commands():
         out += [f"## `kvfabric {' '.join(path)}`", "", "```text", text, "```", ""]
@@ -167,9 +167,9 @@ def cli_page() -> str:
 
 # ---- metrics ---------------------------------------------------------------------------------------------------
 def metrics_page() -> str:
-    from kvfabric.metrics import METRICS
+    from kvfabric.observe.metrics import METRICS
 
-    out = ["# Metrics reference", "", "Generated from `kvfabric.metrics.METRICS`, the one table every /metrics "
+    out = ["# Metrics reference", "", "Generated from `kvfabric.observe.metrics.METRICS`, the one table every /metrics "
            "endpoint (engine, `kvfabric server`, vLLM connector) is built from.", "",
            "| name | type | labels | meaning |", "|---|---|---|---|"]
     for name, spec in METRICS.items():

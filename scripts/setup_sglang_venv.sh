@@ -12,7 +12,7 @@ PY="${PYTHON:-python3.11}"
 SGLANG_SPEC="${SGLANG_SPEC:-sglang==0.5.23}"
 CHECK="from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage
 from sglang.srt.mem_cache.storage import StorageBackendFactory
-import mooncake.store, kvfabric, kvfabric.builder"
+import mooncake.store, kvfabric, kvfabric.cache.builder"
 
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "$CHECK" >/dev/null 2>&1; then
   echo "setup_sglang_venv: $VENV already has sglang's storage interface, mooncake and kvfabric; nothing to do"
@@ -32,7 +32,7 @@ PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install -q orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 triton==3.9.0 pillow==13.0.0 \
   starlette==1.10.0 msgspec==0.23.0 pydantic==2.14.4 pyzmq==27.3.0 tqdm==4.70.1 ipython==9.18.1 aiohttp==3.14.5
 "${PIP[@]}" install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
-# kvfabric itself, editable, with its core dependencies (the backend builds its cache with kvfabric.builder), torch
+# kvfabric itself, editable, with its core dependencies (the backend builds its cache with kvfabric.cache.builder), torch
 # held at the build above by the constraints; under a lock: setup.sh builds the venvs at once, and an editable build
 # writes into the checkout
 "${PIP[@]}" install -q "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"

@@ -1,5 +1,5 @@
 """Test-wide settings. OpenMP must wait passively: the suite shares 2 cores with subprocesses (redis, engines),
-and spinning OpenMP threads made model steps 30-60x slower under such load (see kvfabric.cli)."""
+and spinning OpenMP threads made model steps 30-60x slower under such load (see kvfabric.apps.cli)."""
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -51,7 +51,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001, ARG001
                 except OSError:
                     pass
     try:
-        from kvfabric.remote.pool import SlotPool
+        from kvfabric.cache.remote.pool import SlotPool
     except ImportError:  # pragma: no cover - a venv without kvfabric's deps
         return
     SlotPool.reclaim(SHM)

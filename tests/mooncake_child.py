@@ -13,7 +13,7 @@ import sys
 import torch
 
 from kvfabric import Config, KVLayout
-from kvfabric.builder import build_engine
+from kvfabric.cache.builder import build_engine
 from kvfabric.config import MooncakeTierConfig
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")

@@ -12,8 +12,8 @@ import time
 
 import torch
 
+from kvfabric.cache.remote import RemoteCache
 from kvfabric.config import Config
-from kvfabric.remote import RemoteCache
 from tests.server_fixtures import LAYOUT, random_kv, tokens_of
 
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import yaml
 
+from kvfabric.cache.remote.pool import SlotPool
 from kvfabric.config import Config
-from kvfabric.layout import KVLayout
-from kvfabric.remote.pool import SlotPool
+from kvfabric.kv.layout import KVLayout
 from kvfabric.server.listener import Listener
 from kvfabric.server.main import pool_path
 from kvfabric.server.service import Service
@@ -75,7 +75,7 @@ def start_server(tmp_path: Path, data: dict[str, Any], *extra: str) -> ServerPro
     path = tmp_path / f"server-{secrets.token_hex(3)}.yaml"
     path.write_text(yaml.safe_dump(data))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "KVFABRIC_HOME": str(tmp_path / "home")}
-    proc = subprocess.Popen([sys.executable, "-m", "kvfabric.cli", "server", "--config", str(path), *extra],
+    proc = subprocess.Popen([sys.executable, "-m", "kvfabric.apps.cli", "server", "--config", str(path), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline() if proc.stdout else ""
     if "ready" not in line:

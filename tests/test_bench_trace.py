@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from kvfabric.apps.cli import main
 from kvfabric.bench.trace import simulate
-from kvfabric.bench.trace_replay import ReplaySetup, TierSpec, replay, trace_keys
-from kvfabric.config import PlacementConfig
 from kvfabric.bench.trace_data import TraceError, find_trace, load_trace
+from kvfabric.bench.trace_replay import ReplaySetup, TierSpec, replay, trace_keys
 from kvfabric.bench.trace_sim import TierConfig, TTFTModel, request_metas, simulate_two_tiers
-from kvfabric.cli import main
+from kvfabric.config import PlacementConfig
 from kvfabric.tiers.policies import LRU, PolicyIndex
 
 # Four requests, 512-token blocks; ids name prefix blocks. Distinct blocks: 1, 2, 3, 4.

@@ -4,7 +4,6 @@ Passages are paragraphs of the shipped demo document; nothing here reads the ben
 """
 from __future__ import annotations
 
-
 import json
 import logging
 import threading
@@ -20,10 +19,18 @@ from hypothesis import strategies as st
 
 from kvfabric import Config
 from kvfabric.bench.blend import random_ranker
-from kvfabric.blend import (BlendConfig, Blender, LlamaRunner, LoadController, PassageMatcher, PassageStore,
-                            passage_digest, rotate)
+from kvfabric.blend import (
+    BlendConfig,
+    Blender,
+    LlamaRunner,
+    LoadController,
+    PassageMatcher,
+    PassageStore,
+    passage_digest,
+    rotate,
+    sparse,
+)
 from kvfabric.blend import matcher as matcher_mod
-from kvfabric.blend import sparse
 
 
 # ---- matcher (no model) ----------------------------------------------------------------------------------

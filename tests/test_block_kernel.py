@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvfabric.connectors.block_kernel import ChunkPlacer
+from kvfabric.cache.placer import ChunkPlacer
 
 NUM_LAYERS, SLAB_BLOCKS, CACHE_BLOCKS, HEADS, WIDTH = 3, 6, 16, 2, 32  # a block: [H, 2, W] float16
 

@@ -1,4 +1,4 @@
-"""Block-layout chunks (kvfabric.blocks, connectors.paged save_blocks / load_blocks, CacheEngine read_chunk(blocks=)):
+"""Block-layout chunks (kvfabric.kv.blocks, connectors.paged save_blocks / load_blocks, CacheEngine open_chunk(blocks=)):
 a chunk saved from a paged layer in layout A loads exactly into a layer of layout B for every pair (and into the
 token-major readers), and a damaged block-layout chunk is a miss on disk, in shm and in process memory."""
 from __future__ import annotations
@@ -15,13 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfabric import CacheEngine, Config, KVLayout
-from kvfabric.blocks import BlockLayout, BlockLayoutError, as_words, from_tokens, pack, to_tokens, unpack
+from kvfabric.cache.protocol import BlockSource, ChunkFailed, ChunkMiss, TokenSource
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, parse, write_blob
 from kvfabric.codec.raw import RawCodec
 from kvfabric.config import DiskTierConfig, ShmTierConfig
 from kvfabric.connectors.paged import CpuPagedLayer, gather, load_blocks, save_blocks, scatter
-from kvfabric.kvcache import ChunkHit, ChunkMiss
-from kvfabric.pages import Scratch
+from kvfabric.host.pages import Scratch
+from kvfabric.kv.blocks import BlockLayout, BlockLayoutError, as_words, from_tokens, pack, to_tokens, unpack
 from kvfabric.tiers.shm import ShmTier
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32")
@@ -141,7 +141,7 @@ def test_every_layout_pair_loads_exactly(tmp_path, src, dst, dtype):
             assert payload.blocks == source[0].blocks and tuple(payload.kv.shape[:2]) == (3, -(-(last - first) // 8))
             for index, layer in enumerate(source):
                 save_blocks(layer, table, first, last, as_words(payload.kv[index]))
-            assert engine.store_chunk(key, payload)
+            assert engine.store_chunks([(key, payload)]) == [True]
     target = paged(dst, block_size, dtype=dtype, layout=layout)
     sentinel = [layer.block_array.copy() for layer in target]
     dst_table = [7, 8, 9, 2, 14, 15, 16, 17, 18, 19, 21]
@@ -149,22 +149,21 @@ def test_every_layout_pair_loads_exactly(tmp_path, src, dst, dtype):
         for i, key in enumerate(keys):
             first, last = i * CHUNK, min(num_tokens, (i + 1) * CHUNK)
             lo = first + 8 if i == 1 else first  # a load from a block inside the chunk, as after a prefix hit
-            hit = engine.read_chunk(key, num_tokens=last - first, scratch=Scratch(), promote=False,
-                                    blocks=target[0].blocks, check_later=True)
-            assert isinstance(hit, ChunkHit)
-            assert (hit.blocks is not None) == (src == dst)
+            hit = engine.open_chunk(key, num_tokens=last - first, scratch=Scratch(), blocks=target[0].blocks)
+            assert isinstance(hit, BlockSource if src == dst else TokenSource)
             digest = xxhash.xxh3_64()
-            for index, layer in enumerate(target):
-                if hit.blocks is not None:  # read from disk one layer's slab at a time (kv is None)
-                    assert hit.kv is None and hit.reader is not None
-                    slab = hit.slab(index)
-                    digest.update(slab)
-                    load_blocks(layer, dst_table, lo, last, slab, first)
-                else:
-                    scatter(layer, dst_table, lo, last, hit.kv[index, :, :, lo - first:, :])
-            hit.close()
-            if hit.blocks is not None:
-                assert hit.unchecked_sum == digest.intdigest()
+            with hit:  # a BlockSource from disk is hashed as it is copied, its verdict at the exit (none raised)
+                for index, layer in enumerate(target):
+                    if isinstance(hit, BlockSource):  # read from disk one layer's slab at a time
+                        assert hit.blocks == target[0].blocks and hit.is_checked_on_exit
+                        slab = hit.slab(index)
+                        digest.update(slab)
+                        load_blocks(layer, dst_table, lo, last, slab, first)
+                    else:
+                        scatter(layer, dst_table, lo, last, hit.kv[index, :, :, lo - first:, :])
+            if isinstance(hit, BlockSource):  # the slabs handed out are the payload as stored, every byte
+                stored = engine.stack.tiers[0].path(key).read_bytes()
+                assert parse(stored, key).payload_sum == digest.intdigest()
         # token-major readers (the HF engine, CacheBlend): the converted chunks, exactly
         assert torch.equal(engine.retrieve(tokens), kv)
     got = read_back(target, dst_table, 0, num_tokens)
@@ -184,29 +183,25 @@ def store_blocks(engine: CacheEngine, layers: list[CpuPagedLayer], table: list[i
         payload = engine.new_payload(last - first, layers[0].blocks)
         for index, layer in enumerate(layers):
             save_blocks(layer, table, first, last, as_words(payload.kv[index]))
-        engine.store_chunk(key, payload)
+        assert engine.store_chunks([(key, payload)]) == [True]
     engine.flush()
     return keys
 
 
-def flipped_load(engine: CacheEngine, key: bytes, layers: list[CpuPagedLayer]) -> bool:
-    """A loader's read of one chunk with the hash in the copy: True when it would be served."""
-    hit = engine.read_chunk(key, num_tokens=CHUNK, scratch=Scratch(), promote=False, in_place=True,
-                            blocks=layers[0].blocks, check_later=True)
+def flipped_load(engine: CacheEngine, key: bytes, layers: list[CpuPagedLayer], table: list[int]) -> bool:
+    """A loader's read of one chunk with the cache's fastest read (open_chunk: the hash in the copy): True when it
+    would be served. A damaged chunk must be a miss, or fail (ChunkFailed "corrupt") by the source's exit."""
+    hit = engine.open_chunk(key, num_tokens=CHUNK, scratch=Scratch(), blocks=layers[0].blocks)
     if isinstance(hit, ChunkMiss):
+        assert hit.reason in ("corrupt", "missing")
         return False
-    if hit.unchecked_sum is None:
-        return True
-    digest = xxhash.xxh3_64()
-    for index in range(len(layers)):
-        slab = hit.slab(index)
-        if slab is None:
-            hit.close()
-            return False
-        digest.update(slab)
-    hit.close()
-    if digest.intdigest() != hit.unchecked_sum:
-        engine.discard_chunk(key, hit.tier, "test")
+    assert isinstance(hit, BlockSource)
+    try:
+        with hit:
+            for index, layer in enumerate(layers):
+                load_blocks(layer, table, 0, CHUNK, hit.slab(index), 0)
+    except ChunkFailed as exc:
+        assert exc.miss == ChunkMiss("corrupt")
         return False
     return True
 
@@ -224,8 +219,10 @@ def test_a_flipped_payload_byte_on_disk_is_a_miss(tmp_path_factory, at, bit):
         data = bytearray(chunk.read_bytes())
         data[at] ^= 1 << bit
         chunk.write_bytes(bytes(data))
-        assert not flipped_load(engine, keys[0], layers)
-        assert flipped_load(engine, keys[1], layers)
+        target = paged(("dt", "td"), 16)
+        assert not flipped_load(engine, keys[0], target, [0, 1])
+        assert flipped_load(engine, keys[1], target, [2, 3])
+        assert torch.equal(read_back(target, [2, 3], 0, CHUNK), read_back(layers, [2, 3], 0, CHUNK))
         assert engine.lookup(list(range(2 * CHUNK))) == 0  # the damaged chunk is gone
         assert engine.stats().counters["corrupt.disk"] == 1
 
@@ -247,8 +244,11 @@ def test_a_flipped_byte_in_shm_is_a_miss_and_intact_chunks_are_served():
                 at = i - 36 + HEADER_BYTES + 100
                 f.seek(at)
                 f.write(bytes([data[at] ^ 0x10]))
-            assert not flipped_load(engine, keys[0], layers)
-            assert flipped_load(engine, keys[1], layers)
+            target = paged(("dt", "td"), 16)
+            assert not flipped_load(engine, keys[0], target, [0, 1])
+            assert flipped_load(engine, keys[1], target, [2, 3])
+            assert torch.equal(read_back(target, [2, 3], 0, CHUNK), read_back(layers, [2, 3], 0, CHUNK))
+            assert engine.lookup(list(range(2 * CHUNK))) == 0  # the damaged chunk is gone
     finally:
         ShmTier.destroy(name)
 
@@ -288,8 +288,12 @@ def test_cpu_tier_chunks_need_no_hash_and_other_codec_tiers_get_token_major_kv(t
     fill(layers, [0, 1], kv)
     with CacheEngine(config, LAYOUT, "m") as engine:
         (key,) = store_blocks(engine, layers, [0, 1], CHUNK)
-        hit = engine.read_chunk(key, num_tokens=CHUNK, promote=False, blocks=layers[0].blocks, check_later=True)
-        assert isinstance(hit, ChunkHit) and hit.tier == "cpu" and hit.unchecked_sum is None
+        hit = engine.open_chunk(key, num_tokens=CHUNK, blocks=layers[0].blocks)
+        assert isinstance(hit, BlockSource) and hit.tier == "cpu" and not hit.is_checked_on_exit
+        with hit:
+            for index in range(LAYOUT.num_layers):
+                hit.slab(index)
+        assert hit.check_ns == 0  # nothing hashed
         engine.clear_tier("cpu")
         got = engine.retrieve(list(range(CHUNK)))
     assert got.shape == kv.shape and (got - kv).abs().max() < 0.05
@@ -304,5 +308,5 @@ def test_a_truncated_block_layout_chunk_on_disk_is_a_miss(tmp_path):
         (key,) = store_blocks(engine, layers, list(range(2)), CHUNK)
         (path,) = tmp_path.rglob("*.kvc")
         path.write_bytes(path.read_bytes()[:-1000])
-        assert not flipped_load(engine, key, layers)
+        assert not flipped_load(engine, key, paged(("dt", "td"), 16), [0, 1])
         assert engine.stats().counters["corrupt.disk"] == 1 and not path.exists()

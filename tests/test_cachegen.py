@@ -14,7 +14,7 @@ from kvfabric.codec.cachegen import wire as W
 from kvfabric.codec.cachegen.rans import encode_lossy
 from kvfabric.codec.cachegen.rans_decode import decode_lossy
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, parse
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 from kvfabric.research import cachegen_reference as R
 
 KEY = bytes(32)
@@ -247,11 +247,13 @@ def test_shipped_profile_matches_its_layout():
 def test_engine_path_with_cachegen(tmp_path):
     from kvfabric import CacheEngine, Config
     layout = KVLayout(2, 2, 16, "float16")
-    engine = CacheEngine(Config(chunk_size=32, tiers=("cpu",)), layout, "m")
-    engine.codec = CacheGenCodec(5, threads=1)
+    engine = CacheEngine(Config(chunk_size=32, tiers=("cpu",), codec="cachegen:5"), layout, "m")
     tokens = list(range(100))
     kv = torch.randn(layout.shape(100)) * 2
     assert engine.store(tokens, kv) == 3
+    key = engine.keys(tokens)[0]
+    stored = engine.stack.tiers[0].get(key)  # the configured codec encoded it
+    assert parse(stored, key).codec_id == CacheGenCodec.codec_id and len(stored) < layout.num_bytes(32)
     out = torch.zeros(layout.shape(100))
     got = engine.retrieve(tokens, out=out)
     assert got.shape[3] == 96 and (got - kv[:, :, :, :96]).abs().max() < 0.5

@@ -9,7 +9,7 @@ from kvfabric.codec.cachegen import CacheGenCodec
 from kvfabric.codec.cachegen import profile as P
 from kvfabric.codec.cachegen import wire as W
 from kvfabric.codec.format import parse
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 KEY = bytes(range(32))
 GEMMA_TYPES = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(18)]
@@ -57,7 +57,7 @@ def test_default_level_comes_from_the_profile_and_is_what_a_level_free_codec_cod
 def test_profile_cachegen_default_command_keeps_the_id(tmp_path):
     from click.testing import CliRunner
 
-    from kvfabric.cli import main
+    from kvfabric.apps.cli import main
     layout = KVLayout(2, 1, 8, "float16")
     prof = P.build(layout, np.full((2, 2, 1, 8), 1e-2), [np.zeros(layout.shape(16), np.float32)], meta={})
     P.save(prof, tmp_path / "p.npz")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvfabric.cli import main
+from kvfabric.apps.cli import main
 from kvfabric.codec.cachegen import profile as P
 from kvfabric.data import demo_document
 

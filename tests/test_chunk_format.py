@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, parse
 from kvfabric.codec.raw import RawCodec
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 LAYOUT = KVLayout(2, 1, 4, "float16")
 KEY = bytes(range(32))

@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 
 from kvfabric import CacheEngine, Config, KVLayout, __version__
-from kvfabric.cli import main
+from kvfabric.apps.cli import main
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 metrics, the Redis-down path, and a schemathesis fuzz run over the published OpenAPI schema."""
 from __future__ import annotations
 
-
 import pytest
 import schemathesis
 from fastapi.testclient import TestClient
@@ -13,7 +12,7 @@ from kvfabric.cluster.controller import check_bind, main
 from kvfabric.cluster.controller_app import create_app
 from kvfabric.cluster.index_memory import MemoryIndex
 from kvfabric.cluster.index_redis import RedisIndex
-from kvfabric.hashing import chunk_keys
+from kvfabric.kv.hashing import chunk_keys
 from tests.cluster_scripts.helpers import wait_for
 from tests.redis_fixtures import needs_redis, redis_server  # noqa: F401  (fixture)
 

@@ -13,8 +13,8 @@ from kvfabric.cluster.controller_app import create_app
 from kvfabric.cluster.controller_tenants import Caller, TenantTokens
 from kvfabric.cluster.index import Namespace
 from kvfabric.cluster.index_memory import MemoryIndex
-from kvfabric.hashing import KeySpace
-from kvfabric.layout import KVLayout
+from kvfabric.kv.hashing import KeySpace
+from kvfabric.kv.layout import KVLayout
 
 TOKEN = "cluster-token"
 ACME, GLOBEX, BOTH = "acme-token", "globex-token", "both-token"

@@ -13,9 +13,9 @@ from kvfabric.cluster import protocol as p
 from kvfabric.cluster.p2p_client import PeerClient, PeerError
 from kvfabric.cluster.p2p_server import PeerServer
 from kvfabric.codec.format import parse
+from kvfabric.net.framing import ProtocolError
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
-from kvfabric.framing import ProtocolError
 from tests.cluster_scripts.helpers import finishes, key, make_blob, wait_for
 
 TOKEN = "t0ken"

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from kvfabric import CacheEngine, Config
-from kvfabric.builder import build_engine
-from kvfabric.breaker import CircuitBreaker
+from kvfabric.cache.builder import build_engine
 from kvfabric.cluster.client import ControllerClient, ControllerError
 from kvfabric.cluster.controller_app import create_app
 from kvfabric.cluster.index_memory import MemoryIndex
 from kvfabric.cluster.peer import PeerTier
 from kvfabric.cluster.worker import ClusterNode
 from kvfabric.config import ClusterConfig, CpuTierConfig, DiskTierConfig
+from kvfabric.net.breaker import CircuitBreaker
 from kvfabric.tiers.cpu import CpuTier
 from tests.cluster_scripts.helpers import LAYOUT, ControllerThread, FakeClock, finishes, wait_for
 from tests.tier_contract import TierContract

@@ -12,9 +12,9 @@ import pytest
 from kvfabric.cluster import protocol as p
 from kvfabric.cluster.p2p_client import PeerClient, PeerError
 from kvfabric.cluster.p2p_server import PeerServer
+from kvfabric.net.tls import TLSConfigError, TLSFiles, check_exposure, client_context, server_context
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
-from kvfabric.tls import TLSConfigError, TLSFiles, check_exposure, client_context, server_context
 from tests.cluster_scripts.helpers import key, make_blob, wait_for
 from tests.tls_certs import make_certs
 
@@ -113,7 +113,7 @@ def test_a_plain_text_frame_gets_no_answer_from_a_tls_server(certs, tiers):
 def test_beyond_loopback_needs_tls_or_insecure(certs, tiers, caplog):
     with pytest.raises(TLSConfigError, match="without TLS"):
         PeerServer(list(tiers), token=TOKEN, host="0.0.0.0")
-    with caplog.at_level(logging.WARNING, logger="kvfabric.tls"):
+    with caplog.at_level(logging.WARNING, logger="kvfabric.net.tls"):
         PeerServer(list(tiers), token=TOKEN, host="0.0.0.0", insecure=True).close()
     assert any("in clear" in r.getMessage() for r in caplog.records)
     PeerServer(list(tiers), token=TOKEN, host="0.0.0.0", tls=server_context(certs.server)).close()
@@ -130,7 +130,7 @@ def test_a_fleet_fetches_chunks_over_mutual_tls(certs, tmp_path):
     """Two engines with tier "peer" and cluster.tls (mTLS on): B's retrieve of A's prompt crosses TLS, bit-exact."""
     import torch
 
-    from kvfabric.builder import build_engine
+    from kvfabric.cache.builder import build_engine
     from kvfabric.cluster.controller_app import create_app
     from kvfabric.cluster.index_memory import MemoryIndex
     from kvfabric.config import ClusterConfig, Config, CpuTierConfig, TLSConfig

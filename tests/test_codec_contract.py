@@ -21,7 +21,7 @@ from kvfabric.codec.cachegen import CacheGenCodec
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, parse, write_blob
 from kvfabric.codec.registry import codec_for_id
 from kvfabric.codec.video import VideoCodec
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 KEY = bytes(range(32))
 CODECS = [(f"{entry.name}-{lvl}", entry.make(lvl)) for entry in registry.CODECS if entry.name != "video"

@@ -9,7 +9,7 @@ from kvfabric.codec.cachegen import wire
 from kvfabric.codec.format import ChunkFormatError, parse
 from kvfabric.codec.registry import CodecChoice, CodecSpecError, codec_for_id, parse_codec
 from kvfabric.config import Config, ConfigError, RedisTierConfig
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 KEY = bytes(range(32))
 LAYOUT = KVLayout(2, 1, 8, "float16")

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvfabric.config import Config, ConfigError, parse_bytes
+from kvfabric.config import Config, ConfigError
+from kvfabric.config_types import parse_bytes
 
 
 def test_defaults():

@@ -11,7 +11,7 @@ import pytest
 
 def test_demo_reuses_the_document_in_memory_and_across_processes(tmp_path):
     env = dict(os.environ, KVFABRIC_DISK__PATH=str(tmp_path / "chunks"), COLUMNS="200")
-    proc = subprocess.run([sys.executable, "-m", "kvfabric.cli", "demo"], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "kvfabric.apps.cli", "demo"], env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = re.findall(r"(cold|warm \(cpu\)|warm \(disk\)) \| reused\s+(\d+)/(\d+) tokens \| TTFT\s+([\d.]+) s", proc.stdout)
@@ -29,8 +29,8 @@ def test_demo_reuses_the_document_in_memory_and_across_processes(tmp_path):
 def test_demo_rag_answers_each_question_with_full_prefill_and_blend(capsys, monkeypatch):
     """`kvfabric demo --rag` on a short document: passages cached once, reused in each question's own order."""
     monkeypatch.setenv("COLUMNS", "250")  # the table's headers on one line
+    from kvfabric.apps.demo_rag import run, split_passages
     from kvfabric.data import demo_document
-    from kvfabric.demo_rag import run, split_passages
     document = "\n\n".join(demo_document().split("\n\n")[:16])  # the first sections only: a short run
     passages = split_passages(document)
     assert len(passages) >= 4 and all(p.endswith("\n\n") for p in passages)
@@ -47,7 +47,7 @@ def test_demo_rag_answers_each_question_with_full_prefill_and_blend(capsys, monk
 
 
 def test_demo_rag_retrieves_by_shared_words_and_splits_sections():
-    from kvfabric.demo_rag import retrieve, split_passages
+    from kvfabric.apps.demo_rag import retrieve, split_passages
     text = "Title\n\nAbout Cats\n\nCats purr. Cats sleep.\n\nAbout Dogs\n\nDogs bark.\n\nMore on dogs: they fetch."
     passages = split_passages(text)
     assert passages == ["About Cats\nCats purr. Cats sleep.\n\n", "About Dogs\nDogs bark.\nMore on dogs: they fetch.\n\n"]
@@ -60,7 +60,7 @@ def test_the_summary_shows_the_first_fresh_process_answer_as_the_disk_figure(cap
     the summary's disk row is that one, never the fastest of them."""
     from rich.console import Console
 
-    from kvfabric.demo import Answer, _summary
+    from kvfabric.apps.demo import Answer, _summary
 
     def answer(phase: str, ttft: float) -> Answer:
         return Answer(phase=phase, question="q", answer="a", hit_tokens=512, prompt_tokens=600, ttft_s=ttft)

@@ -21,10 +21,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfabric import Config
-from kvfabric.builder import build_engine
+from kvfabric.cache.builder import build_engine
 from kvfabric.cluster.controller_app import create_app
-from kvfabric.config import ClusterConfig, CpuTierConfig, DiskTierConfig, KVEventsConfig, MetricsConfig, \
-    RedisTierConfig
+from kvfabric.config import ClusterConfig, CpuTierConfig, DiskTierConfig, KVEventsConfig, MetricsConfig, RedisTierConfig
 from tests.cluster_scripts.helpers import LAYOUT, ControllerThread, free_port, wait_for
 from tests.redis_fixtures import needs_redis, redis_server, redis_url  # noqa: F401 - fixtures
 
@@ -110,7 +109,7 @@ def test_real_prometheus_scrapes_a_demo_node_and_evaluates_the_dashboard(tmp_pat
         job["static_configs"][0]["targets"] = [f"127.0.0.1:{port}"]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(prom))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), KVFABRIC_HOME=str(tmp_path / "home"))
-    kvf = [sys.executable, "-m", "kvfabric.cli"]
+    kvf = [sys.executable, "-m", "kvfabric.apps.cli"]
     procs = [
         subprocess.Popen([*kvf, "node", "--config", str(tmp_path / "node.yaml"), "--load", "40"], env=env,
                          stdout=subprocess.DEVNULL),

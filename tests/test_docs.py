@@ -90,8 +90,8 @@ def test_a_new_config_key_appears_on_the_page_without_a_hand_edit(tmp_path):
 def test_every_command_and_metric_is_on_its_reference_page():
     import click
 
-    from kvfabric.cli import main
-    from kvfabric.metrics import METRICS
+    from kvfabric.apps.cli import main
+    from kvfabric.observe.metrics import METRICS
 
     hooks = _hooks()
     cli = hooks.cli_page()

@@ -16,8 +16,8 @@ from kvfabric.blend.runner import LlamaRunner
 from kvfabric.config import Config, DiskTierConfig
 from kvfabric.droidspeak.family import DroidStore, FamilyMember, chunk_as_hidden, hidden_as_chunk
 from kvfabric.droidspeak.runtime import Block, droid_prefill, recompute_block, sender_prefill
-from kvfabric.hashing import family_namespace
-from kvfabric.layout import KVLayout
+from kvfabric.kv.hashing import family_namespace
+from kvfabric.kv.layout import KVLayout
 
 LAYOUT = KVLayout(4, 2, 16, "float32")
 

@@ -1,5 +1,5 @@
-"""CacheEngine: lookup / store / retrieve, and the per-chunk calls (read_chunk, new_payload / store_chunk) the vLLM
-connector uses, over real cpu and disk tiers."""
+"""CacheEngine: lookup / store / retrieve, and the per-chunk calls (read_into, read_chunk, read_many, new_payload /
+store_chunks) the vLLM connector uses, over real cpu and disk tiers."""
 from __future__ import annotations
 
 import subprocess
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from kvfabric import CacheEngine, Config, KVLayout
+from kvfabric.cache.protocol import ChunkHit, ChunkMiss, TokenSource
 from kvfabric.codec.format import HEADER_BYTES, ChunkHeader, write_blob
 from kvfabric.codec.raw import RawCodec
-from kvfabric.config import CpuTierConfig, DiskTierConfig
-from kvfabric.kvcache import ChunkHit, ChunkMiss
-from kvfabric.pages import Scratch
+from kvfabric.config import CpuTierConfig, DiskTierConfig, PlacementConfig
+from kvfabric.host.pages import Scratch
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
 
@@ -29,6 +29,16 @@ def config(tmp_path):
 
 def make_kv(num_tokens: int, seed: int = 0, layout: KVLayout = LAYOUT) -> torch.Tensor:
     return torch.randn(layout.shape(num_tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def read_kv(engine: CacheEngine, key: bytes) -> torch.Tensor | ChunkMiss:
+    """read_chunk's KV copied out of its source (valid only inside its `with`), or its miss."""
+    got = engine.read_chunk(key)
+    if isinstance(got, ChunkMiss):
+        return got
+    assert isinstance(got, TokenSource)
+    with got:
+        return got.kv.clone()
 
 
 def test_store_lookup_retrieve_exact(config):
@@ -125,7 +135,10 @@ def test_a_damaged_slow_chunk_is_checked_before_it_is_promoted(tmp_path):
         assert path.read_bytes() == lower.path(keys[1]).read_bytes()  # promoted from below: the good copy
         assert cpu.contains_many(keys) == [True] * 4
         for i, key in enumerate(keys):  # what process memory holds is the good copy
-            assert torch.equal(engine.read_chunk(key).kv, kv[:, :, :, 16 * i:16 * i + 16])
+            got = engine.read_chunk(key)
+            assert isinstance(got, TokenSource) and got.tier == "cpu"
+            with got:
+                assert torch.equal(got.kv, kv[:, :, :, 16 * i:16 * i + 16])
 
 
 def test_tier_peer_needs_the_builder(config):
@@ -203,7 +216,9 @@ def test_per_tier_codec_keeps_memory_raw_and_disk_compressed(tmp_path):
         engine.flush()
         key = engine.keys(tokens)[0]
         hit = engine.read_chunk(key)
-        assert isinstance(hit, ChunkHit) and hit.tier == "cpu" and torch.equal(hit.kv, kv[:, :, :, :32])
+        assert isinstance(hit, TokenSource) and hit.tier == "cpu"
+        with hit:
+            assert torch.equal(hit.kv, kv[:, :, :, :32])
         assert hit.num_bytes == HEADER_BYTES + layout.num_bytes(32)  # raw in memory
         assert torch.equal(engine.retrieve(tokens), kv)  # served raw from memory
     files = sorted((tmp_path / "chunks").rglob("*.kvc"))
@@ -216,22 +231,28 @@ def test_per_tier_codec_keeps_memory_raw_and_disk_compressed(tmp_path):
 
 # ---- per-chunk calls (the vLLM connector's seam) ----------------------------------------------------------
 def test_read_chunk_hit_names_its_tier(config):
+    """read_chunk and read_into name the tier that served them; with placement.promote_chunk_reads a chunk read
+    from a slower tier is copied up (off by default: the next test)."""
     tokens, kv = list(range(48)), make_kv(48)
+    config = Config(chunk_size=16, disk=config.disk, placement=PlacementConfig(promote_chunk_reads=True))
     with CacheEngine(config, LAYOUT, "m") as engine:
         engine.store(tokens, kv)
         engine.flush()
         keys = engine.keys(tokens)
         hit = engine.read_chunk(keys[1])
-        assert isinstance(hit, ChunkHit) and hit.tier == "cpu"
-        assert hit.num_bytes == HEADER_BYTES + LAYOUT.num_bytes(16) and torch.equal(hit.kv, kv[:, :, :, 16:32])
+        assert isinstance(hit, TokenSource) and hit.tier == "cpu" and hit.layers is None
+        with hit:
+            assert hit.num_bytes == HEADER_BYTES + LAYOUT.num_bytes(16) and torch.equal(hit.kv, kv[:, :, :, 16:32])
         out = torch.zeros(LAYOUT.shape(16), dtype=torch.float64)  # any float dtype
-        into = engine.read_chunk(keys[2], out)
-        assert isinstance(into, ChunkHit) and into.kv is out and torch.equal(out, kv[:, :, :, 32:48].double())
+        into = engine.read_into(keys[2], out)
+        assert into == ChunkHit("cpu", HEADER_BYTES + LAYOUT.num_bytes(16))
+        assert torch.equal(out, kv[:, :, :, 32:48].double())
         engine.clear_tier("cpu")
         assert engine.tier_keys("cpu") == [] and engine.tier_usage("cpu").num_chunks == 0
         from_disk = engine.read_chunk(keys[0])
-        assert isinstance(from_disk, ChunkHit) and from_disk.tier == "disk"
-        assert torch.equal(from_disk.kv, kv[:, :, :, :16])
+        assert isinstance(from_disk, TokenSource) and from_disk.tier == "disk"
+        with from_disk:
+            assert torch.equal(from_disk.kv, kv[:, :, :, :16])
         assert engine.tier_keys("cpu") == [keys[0]]  # promoted
         stats = engine.stats()
         assert stats.counters["hit.disk"] == 1 and stats.counters["hit.cpu"] == 2
@@ -249,24 +270,28 @@ def test_read_chunk_without_out_is_a_view_over_the_callers_scratch(config):
     with CacheEngine(Config(chunk_size=16, tiers=("disk",), disk=config.disk), LAYOUT, "m") as engine:
         scratch = Scratch()
         hit = engine.read_chunk(engine.keys(tokens)[1], scratch=scratch)
-        assert isinstance(hit, ChunkHit) and hit.tier == "disk" and torch.equal(hit.kv, kv[:, :, :, 16:32])
-        start = torch.frombuffer(scratch.view(hit.num_bytes), dtype=torch.uint8).data_ptr()
-        assert hit.kv.data_ptr() == start + HEADER_BYTES
+        assert isinstance(hit, TokenSource) and hit.tier == "disk"
+        with hit:
+            assert torch.equal(hit.kv, kv[:, :, :, 16:32])
+            start = torch.frombuffer(scratch.view(hit.num_bytes), dtype=torch.uint8).data_ptr()
+            assert hit.kv.data_ptr() == start + HEADER_BYTES
 
 
 def test_read_chunk_without_promotion_reads_a_lower_tier_into_the_scratch(config):
-    """promote=False (the vLLM connector's loads): a chunk on disk behind a process-memory tier is read into the
-    caller's scratch and not copied into process memory."""
+    """By default (placement.promote_chunk_reads off: the vLLM connector's loads) a chunk on disk behind a
+    process-memory tier is read into the caller's scratch and not copied into process memory."""
     tokens, kv = list(range(32)), make_kv(32)
     with CacheEngine(config, LAYOUT, "m") as engine:
         engine.store(tokens, kv)
         engine.flush()
         engine.clear_tier("cpu")
         scratch = Scratch()
-        hit = engine.read_chunk(engine.keys(tokens)[1], scratch=scratch, promote=False)
-        assert isinstance(hit, ChunkHit) and hit.tier == "disk" and torch.equal(hit.kv, kv[:, :, :, 16:32])
-        start = torch.frombuffer(scratch.view(hit.num_bytes), dtype=torch.uint8).data_ptr()
-        assert hit.kv.data_ptr() == start + HEADER_BYTES
+        hit = engine.read_chunk(engine.keys(tokens)[1], scratch=scratch)
+        assert isinstance(hit, TokenSource) and hit.tier == "disk"
+        with hit:
+            assert torch.equal(hit.kv, kv[:, :, :, 16:32])
+            start = torch.frombuffer(scratch.view(hit.num_bytes), dtype=torch.uint8).data_ptr()
+            assert hit.kv.data_ptr() == start + HEADER_BYTES
         assert engine.tier_keys("cpu") == []
         assert engine.chunk_blob_bytes() == hit.num_bytes
 
@@ -290,7 +315,7 @@ def test_read_chunk_misses_say_why_and_bad_chunks_are_discarded():
         cpu.put(short, RawCodec().encode(make_kv(8), short, LAYOUT))  # 8 tokens where a chunk holds 16
         assert engine.read_chunk(corrupt) == ChunkMiss("corrupt")
         assert engine.read_chunk(foreign) == ChunkMiss("wrong_layout")
-        assert engine.read_chunk(short, torch.empty(LAYOUT.shape(16))) == ChunkMiss("wrong_layout")
+        assert engine.read_into(short, torch.empty(LAYOUT.shape(16))) == ChunkMiss("wrong_layout")
         assert engine.tier_keys("cpu") == []  # all three discarded
         assert engine.stats().counters["discarded"] == 3
         assert engine.read_chunk(corrupt) == ChunkMiss("missing")
@@ -309,15 +334,16 @@ def test_store_chunk_of_a_caller_laid_out_payload(config, codec):
         assert (payload.blob is not None) == (codec == "raw")
         for layer in range(LAYOUT.num_layers):  # filled layer by layer, as the connector does
             payload.kv[layer].copy_(kv[layer])
-        assert engine.store_chunk(key, payload) is True
-        assert engine.store_chunk(key, engine.new_payload()) is False  # present: skipped, nothing overwritten
+        assert engine.store_chunks([(key, payload)]) == [True]
+        assert engine.store_chunks([(key, engine.new_payload())]) == [False]  # present: skipped, nothing overwritten
         assert engine.stats().counters["chunks_stored"] == 1
         hit = engine.read_chunk(key)
-        assert isinstance(hit, ChunkHit) and hit.tier == "cpu"
-        if codec == "raw":
-            assert torch.equal(hit.kv, kv) and hit.kv.data_ptr() == payload.kv.data_ptr()  # stored without a copy
-        else:
-            assert float((hit.kv - kv).abs().max()) < 0.05
+        assert isinstance(hit, TokenSource) and hit.tier == "cpu"
+        with hit:
+            if codec == "raw":
+                assert torch.equal(hit.kv, kv) and hit.kv.data_ptr() == payload.kv.data_ptr()  # stored without a copy
+            else:
+                assert float((hit.kv - kv).abs().max()) < 0.05
         assert engine.lookup(list(range(16))) == 16  # the same key as the token path
         engine.flush()
     with CacheEngine(Config(chunk_size=16, codec=codec, tiers=("disk",), disk=config.disk), LAYOUT, "m") as engine:
@@ -325,8 +351,8 @@ def test_store_chunk_of_a_caller_laid_out_payload(config, codec):
         assert got.shape[3] == 16 and (torch.equal(got, kv) or codec != "raw")
 
 
-def test_store_chunks_and_read_chunks_by_key_in_batches(config):
-    """The batched calls by key (the SGLang backend's): store_chunks skips what the tiers hold, read_chunks reads
+def test_store_chunks_and_read_many_by_key_in_batches(config):
+    """The batched calls by key (the SGLang backend's): store_chunks skips what the tiers hold, read_many reads
     each chunk into its scratch (disk here: read into the caller's buffer, not promoted) and misses the rest."""
     kvs = [make_kv(16, seed=i) for i in range(3)]
     with CacheEngine(Config(chunk_size=16, tiers=("disk",), disk=config.disk), LAYOUT, "m") as engine:
@@ -340,10 +366,15 @@ def test_store_chunks_and_read_chunks_by_key_in_batches(config):
         assert engine.store_chunks([(keys[1], engine.new_payload()), (keys[2], payloads[2])]) == [False, True]
         engine.flush()
         scratches = [Scratch() for _ in range(4)]
-        hits = engine.read_chunks([keys[0], b"\x01" * 32, keys[2], keys[1]], scratches)
-        assert [isinstance(h, ChunkHit) for h in hits] == [True, False, True, True]
-        assert [torch.equal(h.kv, kvs[i]) for h, i in zip((hits[0], hits[2], hits[3]), (0, 2, 1))] == [True] * 3
+        hits = engine.read_many([keys[0], b"\x01" * 32, keys[2], keys[1]], scratches)
+        assert [isinstance(h, TokenSource) for h in hits] == [True, False, True, True]
+        assert hits[1] == ChunkMiss("missing")
+        for h, i in zip((hits[0], hits[2], hits[3]), (0, 2, 1)):
+            assert isinstance(h, TokenSource) and h.tier == "disk"
+            with h:
+                assert torch.equal(h.kv, kvs[i])
         start = np.frombuffer(scratches[0].view(1), dtype=np.uint8).ctypes.data  # read into the caller's buffer
+        assert isinstance(hits[0], TokenSource)
         assert start <= hits[0].kv.data_ptr() < start + HEADER_BYTES + LAYOUT.num_bytes(16)
         counters = engine.stats().counters
         assert counters["chunks_stored"] == 3 and counters["chunk_read_hits"] == 3 and counters["miss"] == 1
@@ -359,24 +390,41 @@ def test_store_chunk_and_read_chunk_from_two_threads(config):
             for key in keys:
                 payload = engine.new_payload()
                 payload.kv.copy_(kv)
-                engine.store_chunk(key, payload)
+                engine.store_chunks([(key, payload)])
 
         threads = [threading.Thread(target=store) for _ in range(2)]
         for thread in threads:
             thread.start()
-        reads = [engine.read_chunk(key) for key in keys for _ in range(2)]
+        reads = [read_kv(engine, key) for key in keys for _ in range(2)]
         for thread in threads:
             thread.join(60)
         assert not any(thread.is_alive() for thread in threads)
-        assert all(isinstance(r, ChunkMiss) or torch.equal(r.kv, kv) for r in reads)
-        assert all(isinstance(engine.read_chunk(key), ChunkHit) for key in keys)
+        assert all(r == ChunkMiss("missing") or torch.equal(r, kv) for r in reads)
+        assert all(isinstance(r, torch.Tensor) and torch.equal(r, kv) for r in (read_kv(engine, key) for key in keys))
         assert 40 <= engine.stats().counters["chunks_stored"] <= 80  # a race may store a chunk twice, never lose one
+
+
+def test_premap_maps_payloads_ahead_and_paused_holds_it_back_while_nested(config):
+    """premap names the payload size to process memory, whose pool maps free buffers of it ahead; paused() holds
+    that back (a vLLM forward runs) and nests: only the outermost exit resumes it."""
+    cpu = CpuTier(1 << 24, premap_bytes=2 * (HEADER_BYTES + LAYOUT.num_bytes(16)))
+    with CacheEngine(Config(chunk_size=16, tiers=("cpu",)), LAYOUT, "m", tiers=[cpu]) as engine:
+        with engine.paused():
+            engine.premap()
+            with engine.paused():
+                pass
+            assert not cpu.pool.wait_premapped(0.3) and cpu.pool.num_premapped == 0  # still paused
+        assert cpu.pool.wait_premapped(30) and cpu.pool.num_premapped == 2
+        payload = engine.new_payload()
+        payload.kv.copy_(make_kv(16))
+        assert engine.store_chunks([(engine.keys(list(range(16)))[0], payload)]) == [True]
+        assert cpu.pool.num_reused >= 1  # the payload's blob was one mapped ahead
 
 
 def test_retrieve_hints_the_disk_a_bounded_distance_ahead(config, monkeypatch):
     """Read-ahead hints go READ_AHEAD_BYTES past the chunk being read, never for the whole prompt at once (the
     kernel would read every file side by side and the first chunk would arrive last)."""
-    import kvfabric.engine as engine_module
+    import kvfabric.cache.retrieve as retrieve_module
 
     events: list[tuple[str, bytes]] = []
 
@@ -390,7 +438,7 @@ def test_retrieve_hints_the_disk_a_bounded_distance_ahead(config, monkeypatch):
             return super().get_into(key, scratch) if meta is None else super().get_into(key, scratch, meta)
 
     chunk_bytes = LAYOUT.num_bytes(16)
-    monkeypatch.setattr(engine_module, "READ_AHEAD_BYTES", 2 * chunk_bytes)  # two chunks ahead
+    monkeypatch.setattr(retrieve_module, "READ_AHEAD_BYTES", 2 * chunk_bytes)  # two chunks ahead
     disk = Recording(config.disk.path, 1 << 30)
     tokens, kv = list(range(16 * 8)), make_kv(16 * 8)
     with CacheEngine(Config(chunk_size=16, tiers=("disk",), disk=config.disk), LAYOUT, "m", tiers=[disk]) as engine:
@@ -413,16 +461,21 @@ def test_retrieve_hints_the_disk_a_bounded_distance_ahead(config, monkeypatch):
 def test_both_caches_offer_the_kvcache_seam(config):
     """CacheEngine and RemoteCache (mode: server) answer the same public calls: the KVCache protocol the connectors
     and engines are written against (a member missing from either fails here)."""
-    from kvfabric.kvcache import KVCache
-    from kvfabric.remote import RemoteCache
+    from kvfabric.cache.protocol import KVCache
+    from kvfabric.cache.remote import RemoteCache
 
     with CacheEngine(config, LAYOUT, "m") as engine:
         assert isinstance(engine, KVCache)
     remote = RemoteCache(Config(chunk_size=16, mode="server"), LAYOUT, "m")  # no server: built, never connected
     try:
         assert isinstance(remote, KVCache)
-        members = {name for name in vars(KVCache) if not name.startswith("_")} | set(KVCache.__annotations__)
-        assert {"lookup_keys", "read_chunk", "store_chunk", "events", "discard_chunk"} <= members
+        protocols = [cls for cls in KVCache.__mro__ if getattr(cls, "_is_protocol", False) and cls.__module__ ==
+                     KVCache.__module__]
+        members = {name for cls in protocols for name in [*vars(cls), *cls.__dict__.get("__annotations__", {})]
+                   if not name.startswith("_")}
+        assert {"lookup_keys", "read_into", "read_chunk", "open_chunk", "read_many", "store_chunks", "holds",
+                "premap", "paused", "events"} <= members
+        assert not {"store_chunk", "read_chunks", "discard_chunk"} & members  # the old calls are gone
         for name in members:  # isinstance checks presence; the calls must be methods on both
             assert callable(getattr(KVCache, name, None)) == callable(getattr(remote, name)) == \
                 callable(getattr(CacheEngine, name, None)), name

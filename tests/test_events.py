@@ -1,4 +1,4 @@
-"""KV events (kvfabric.events) from a real engine to a real ZMQ subscriber (pyzmq): BlockStored with the chunk keys
+"""KV events (kvfabric.observe.events) from a real engine to a real ZMQ subscriber (pyzmq): BlockStored with the chunk keys
 and tokens, BlockRemoved for deletes and for evictions found by the sweep, replay from a sequence number. Payloads
 are decoded untyped (plain msgpack structure), so the test checks the wire format, not our own classes."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 import zmq
 
 from kvfabric import CacheEngine, Config, KVLayout
-from kvfabric.builder import build_engine
+from kvfabric.cache.builder import build_engine
 from kvfabric.config import CpuTierConfig, KVEventsConfig
-from kvfabric.events import ChunkEvents
+from kvfabric.observe.events import ChunkEvents
 from tests.cluster_scripts.helpers import free_port
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")

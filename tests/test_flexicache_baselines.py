@@ -15,7 +15,6 @@ from tests.test_flexicache import table
 
 def test_baseline_plans_as_documented():
     cfg = FlexiCacheConfig(max_full_share=0.9, rerank_interval=16, head_order="stability")
-    heads = table(4, 3, unstable=[(0, 0), (1, 1), (3, 2)])
     quest = make_plan("quest", 0.3, 4, 3, cfg)
     assert (quest.roles == Role.TOPK).all() and not quest.stable.any() and quest.intervals.max() == 1
     assert (make_plan("streaming", 0.3, 4, 3, cfg).roles == Role.WINDOW).all()

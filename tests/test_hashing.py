@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfabric.hashing import chunk_keys, root_key, token_bytes
-from kvfabric.layout import KVLayout
+from kvfabric.kv.hashing import chunk_keys, root_key, token_bytes
+from kvfabric.kv.layout import KVLayout
 
 LAYOUT = KVLayout(30, 3, 64, "float16")
 ROOT = root_key("m", LAYOUT, 4)
@@ -74,7 +74,7 @@ def test_bad_token_ids_are_rejected(bad):
 
 
 def test_keys_identical_across_processes_and_hash_seeds():
-    code = ("import json; from kvfabric.hashing import chunk_keys, root_key; from kvfabric.layout import KVLayout;"
+    code = ("import json; from kvfabric.kv.hashing import chunk_keys, root_key; from kvfabric.kv.layout import KVLayout;"
             "r = root_key('smollm2', KVLayout(30, 3, 64), 256, 'salt');"
             "print(json.dumps([k.hex() for k in chunk_keys(list(range(1000)), r, 256)]))")
     outs = []
@@ -104,8 +104,8 @@ def test_key_space_is_the_only_caller_of_the_key_functions():
 
 def test_key_space_tenants_and_wire_form():
     from kvfabric.cluster.index import Namespace
-    from kvfabric.hashing import KeySpace, chunk_keys, root_key, tenant_root
-    from kvfabric.layout import KVLayout
+    from kvfabric.kv.hashing import KeySpace, chunk_keys, root_key, tenant_root
+    from kvfabric.kv.layout import KVLayout
 
     layout = KVLayout(2, 2, 8, "float16")
     space = KeySpace.of("m", layout, 4, salt="org", include_partial=True)
@@ -129,8 +129,8 @@ def test_key_space_tenants_and_wire_form():
 def test_unsalted_roots_are_unchanged_by_tenant_roots():
     """The unsalted root is what it was before tenant roots (a cache written then stays valid): the vector below is
     root_key("smollm2", KVLayout(30, 3, 64), 256) computed with the earlier code."""
-    from kvfabric.hashing import root_key
-    from kvfabric.layout import KVLayout
+    from kvfabric.kv.hashing import root_key
+    from kvfabric.kv.layout import KVLayout
 
     assert root_key("smollm2", KVLayout(30, 3, 64), 256).hex() == (
         "712745b416f78ad2c4ba532993ad2d9b809480e3ed3ebb501d1a3db1dc417988")

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from kvfabric import Config
-from kvfabric.chunk_parts import ChunkParts
 from kvfabric.codec.format import HEADER_BYTES
 from kvfabric.config import DiskTierConfig
 from kvfabric.engines.hf import HFEngine
 from kvfabric.engines.model import installed_builtin
 from kvfabric.engines.runtime import next_logprobs
+from kvfabric.kv.shapes import ChunkShape, WindowSplit
 
 pytestmark = pytest.mark.slow
 TEXT = (Path(__file__).parents[1] / "src/kvfabric/data/demo_document.txt").read_text()
@@ -59,9 +59,11 @@ def test_gemma3_hit_across_the_window_is_exact_and_a_corrupt_window_chunk_is_a_m
         # emptied): the hit ends before chunk 4, and the part is discarded
         engine.cache.flush()
         engine.cache.clear_tier("cpu")
-        parts = ChunkParts.of(layout)
-        key = parts.window_key(engine.cache.keys(ids)[4])
-        offset = HEADER_BYTES + parts.window.num_bytes(128) // parts.window.num_layers * 0  # raw: layer-major
+        shape = ChunkShape.of(layout)
+        assert isinstance(shape, WindowSplit)
+        window_part = shape.window.layout
+        key = shape.window.key(engine.cache.keys(ids)[4])
+        offset = HEADER_BYTES + window_part.num_bytes(128) // window_part.num_layers * 0  # raw: layer-major
         disk = engine.cache.stack.tiers[1]
         blob = bytearray(disk.get(key))
         blob[offset + 7] ^= 0xFF
@@ -99,7 +101,7 @@ def test_blend_refuses_sliding_window_models_at_start_up(tmp_path):
     wrong KV, so `bench blend` says so before any work."""
     from click.testing import CliRunner
 
-    from kvfabric.cli import main
+    from kvfabric.apps.cli import main
     if installed_builtin("gemma3-270m") is None:
         pytest.skip("gemma3-270m is not set up under $KVFABRIC_HOME")
     (tmp_path / "q.json").write_text("[]")  # no questions needed: the refusal comes first

@@ -1,6 +1,6 @@
 """The README's layer diagram, enforced: import-linter's contracts in pyproject.toml must hold for src/ (the
-layers, the vLLM connector through the cache, the runtime apart from research and benchmarks, RemoteCache beside
-the in-process engine).
+folders as layers, the layers inside the cache, the connectors through the cache protocol, the runtime apart from
+research and benchmarks, RemoteCache beside the in-process engine).
 
 The other tests prove the checks can fail: a copy of the package with one upward import (a tier importing the
 engine), or with a runtime module importing research code, must break its contract, and the report must name that
@@ -27,7 +27,7 @@ def _lint(src: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_imports_point_down_only():
     result = _lint(ROOT / "src", ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "4 kept, 0 broken" in result.stdout
+    assert "5 kept, 0 broken" in result.stdout
 
 
 def _copy_with(tmp_path: Path, module: str, line: str) -> Path:
@@ -39,10 +39,10 @@ def _copy_with(tmp_path: Path, module: str, line: str) -> Path:
 
 
 def test_an_upward_import_breaks_the_contract(tmp_path):
-    src = _copy_with(tmp_path, "tiers/cpu.py", "from kvfabric.engine import CacheEngine")
+    src = _copy_with(tmp_path, "tiers/cpu.py", "from kvfabric.cache.engine import CacheEngine")
     result = _lint(src, tmp_path)
     assert result.returncode != 0
-    assert "kvfabric.tiers.cpu -> kvfabric.engine" in result.stdout
+    assert "kvfabric.tiers.cpu -> kvfabric.cache.engine" in result.stdout
 
 
 def test_a_runtime_module_importing_research_breaks_the_split(tmp_path):
@@ -55,7 +55,21 @@ def test_a_runtime_module_importing_research_breaks_the_split(tmp_path):
 
 
 def test_remote_cache_built_on_the_engine_breaks_the_contract(tmp_path):
-    src = _copy_with(tmp_path, "remote/client.py", "from kvfabric.engine import CacheEngine")
+    src = _copy_with(tmp_path, "cache/remote/client.py", "from kvfabric.cache.engine import CacheEngine")
     result = _lint(src, tmp_path)
     assert result.returncode != 0
     assert "RemoteCache meets the KVCache protocol without the in-process engine BROKEN" in result.stdout
+
+
+def test_a_connector_reaching_into_the_engine_breaks_the_contract(tmp_path):
+    src = _copy_with(tmp_path, "connectors/sglang.py", "from kvfabric.cache.reads import ChunkReads")
+    result = _lint(src, tmp_path)
+    assert result.returncode != 0
+    assert "kvfabric.connectors.sglang -> kvfabric.cache.reads" in result.stdout
+
+
+def test_a_chunk_format_module_importing_the_cache_breaks_the_layers(tmp_path):
+    src = _copy_with(tmp_path, "kv/shapes.py", "from kvfabric.cache.protocol import KVCache")
+    result = _lint(src, tmp_path)
+    assert result.returncode != 0
+    assert "kvfabric.kv.shapes -> kvfabric.cache.protocol" in result.stdout

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from kvfabric import CacheEngine, Config
+from kvfabric.cache.protocol import ChunkMiss
 from kvfabric.codec.raw import RawCodec
-from kvfabric.hashing import root_key
-from kvfabric.kvcache import ChunkMiss
-from kvfabric.layout import KVLayout, LayerGroup
+from kvfabric.kv.hashing import root_key
+from kvfabric.kv.layout import KVLayout, LayerGroup
 
 GEMMA_TYPES = ["sliding_attention"] * 5 + ["full_attention"]  # Gemma 3's pattern, 6 layers here
 

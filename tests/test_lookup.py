@@ -19,10 +19,9 @@ import pytest
 import torch
 
 from kvfabric import CacheEngine, Config, KVLayout
-from kvfabric.chunk_parts import ChunkParts
+from kvfabric.cache.protocol import KeyLookup
 from kvfabric.config import DiskTierConfig
 from kvfabric.connectors.lookup import LookupClient, LookupService, lookup_path, start_lookup_service
-from kvfabric.kvcache import KeyLookup
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
 
@@ -82,7 +81,7 @@ def test_window_parts_rule_the_answer(tmp_path, folder):
         service, client = LookupService(engine, path), LookupClient(path)
         try:
             assert client.lookup(keys, len(tokens)).num_chunks == 4
-            assert disk.delete(ChunkParts.window_key(keys[3]))
+            assert disk.delete(engine.shape.window.key(keys[3]))
             assert client.lookup(keys, len(tokens)).num_chunks == 3 == engine.lookup(tokens) // CHUNK
         finally:
             client.close()

@@ -1,4 +1,4 @@
-"""Metrics in every process (kvfabric.metrics): an engine's /metrics scraped over real HTTP must say what its
+"""Metrics in every process (kvfabric.observe.metrics): an engine's /metrics scraped over real HTTP must say what its
 stats say; the naming scheme; the controller's extra metrics port; the P2P numbers of a two-engine cluster."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfabric import Config, KVLayout
-from kvfabric.builder import build_engine
+from kvfabric.cache.builder import build_engine
 from kvfabric.config import ClusterConfig, CpuTierConfig, DiskTierConfig, MetricsConfig, RedisTierConfig
-from kvfabric.metrics import METRICS, Histograms, tier_misses
+from kvfabric.observe.metrics import METRICS, Histograms, tier_misses
 from tests.cluster_scripts.helpers import ControllerThread, free_port, wait_for
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")

@@ -18,8 +18,8 @@ import torch
 
 from kvfabric import Config
 from kvfabric.config import DiskTierConfig
-from kvfabric.engines.hf import HFEngine
 from kvfabric.engines.gguf import ModelError
+from kvfabric.engines.hf import HFEngine
 from kvfabric.engines.model import ensure_model, load_model
 from kvfabric.engines.runtime import BufferCache, layout_for
 

@@ -20,7 +20,7 @@ import torch
 from click.testing import CliRunner
 from transformers import DynamicCache
 
-from kvfabric.cli import main as cli
+from kvfabric.apps.cli import main as cli
 from kvfabric.engines import gguf
 from kvfabric.engines.gguf import BUILTIN_MODELS, ModelError
 from kvfabric.engines.model import ensure_model, installed_builtin, load_model

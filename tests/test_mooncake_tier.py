@@ -12,21 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from kvfabric.breaker import CircuitBreaker
-from kvfabric.builder import build_engine
+from kvfabric.cache.builder import build_engine
 from kvfabric.config import Config, ConfigError, MooncakeTierConfig
-from kvfabric.pages import Scratch
+from kvfabric.host.pages import Scratch
+from kvfabric.net.breaker import CircuitBreaker
 from kvfabric.tiers.disk import DiskTier
 from kvfabric.tiers.factory import build_tiers
 from kvfabric.tiers.stack import TierStack
 from tests.cluster_scripts.helpers import FakeClock, finishes, wait_for
-from tests.mooncake_fixtures import (  # noqa: F401 - fixtures are used by name
-    MooncakeMaster,
-    hang,
-    mooncake_master,
-    needs_mooncake,
-    shared_mooncake_master,
-)
+from tests.mooncake_fixtures import MooncakeMaster, hang, mooncake_master, needs_mooncake, shared_mooncake_master  # noqa: F401 - fixtures are used by name
 from tests.redis_fixtures import make_blob
 from tests.tier_contract import TierContract
 

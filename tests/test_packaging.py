@@ -1,7 +1,7 @@
 """Packaging: kvfabric's core installs beside an inference engine's pins, and works without the optional extras.
 
 - pyproject.toml declares ranges, never `==` pins, for the core dependencies, and each optional module kvfabric
-  uses belongs to an extra that `kvfabric.extras` names (a command that needs a missing one says which to install).
+  uses belongs to an extra that `kvfabric.host.extras` names (a command that needs a missing one says which to install).
 - With the extras' modules made unimportable (an import hook: what a `pip install kvfabric` without extras gives),
   every module outside the benchmarks, research, the reference engines and the engine connectors imports, and the CLI's
   commands that need one end with one line naming the extra (exit code 2).
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfabric.extras import EXTRAS, missing_extra
+from kvfabric.host.extras import EXTRAS, missing_extra
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -34,7 +34,7 @@ sys.meta_path.insert(0, Block())
 """
 NEEDS_EXTRAS = ("kvfabric.bench.", "kvfabric.research.", "kvfabric.engines.",  # HF models, plots, constriction
                 "kvfabric.connectors.",  # vLLM, SGLang
-                "kvfabric.seal", "kvfabric.tiers.sealed")  # cryptography (sealed chunks)
+                "kvfabric.tiers.seal", "kvfabric.tiers.sealed")  # cryptography (sealed chunks)
 
 
 def _name(requirement: str) -> str:
@@ -74,14 +74,14 @@ for info in pkgutil.walk_packages(kvfabric.__path__, "kvfabric."):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     imported = set(done.stdout.split())
-    assert {"kvfabric.engine", "kvfabric.tiers.factory", "kvfabric.server.service", "kvfabric.cluster.worker",
-            "kvfabric.cli", "kvfabric.remote.client"} <= imported
+    assert {"kvfabric.cache.engine", "kvfabric.tiers.factory", "kvfabric.server.service", "kvfabric.cluster.worker",
+            "kvfabric.apps.cli", "kvfabric.cache.remote.client"} <= imported
 
 
 @pytest.mark.parametrize("argv", [["demo"], ["bench", "codec"], ["bench", "long-doc-qa"]])
 def test_a_command_that_needs_an_extra_says_which_in_one_line(argv, tmp_path):
     env = {**os.environ, "KVFABRIC_HOME": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", BLOCK + "from kvfabric.cli import main; main()", *argv],
+    done = subprocess.run([sys.executable, "-c", BLOCK + "from kvfabric.apps.cli import main; main()", *argv],
                           capture_output=True, text=True, timeout=300, env=env)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
@@ -92,7 +92,7 @@ def test_sealing_without_its_extra_is_one_line_naming_it(tmp_path):
     import base64
     env = {**os.environ, "KVFABRIC_HOME": str(tmp_path), "KVFABRIC_TIERS": "cpu,disk", "KVFABRIC_SEAL__TIERS": "disk",
            "KVFABRIC_SEAL__KEYS": base64.b64encode(bytes(32)).decode()}
-    done = subprocess.run([sys.executable, "-c", BLOCK + "from kvfabric.cli import main; main()", "cache", "stats"],
+    done = subprocess.run([sys.executable, "-c", BLOCK + "from kvfabric.apps.cli import main; main()", "cache", "stats"],
                           capture_output=True, text=True, timeout=300, env=env)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
@@ -101,7 +101,7 @@ def test_sealing_without_its_extra_is_one_line_naming_it(tmp_path):
 
 def test_info_works_without_the_extras(tmp_path):
     env = {**os.environ, "KVFABRIC_HOME": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", BLOCK + "from kvfabric.cli import main; main()", "info"],
+    done = subprocess.run([sys.executable, "-c", BLOCK + "from kvfabric.apps.cli import main; main()", "info"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0 and '"version"' in done.stdout, done.stderr[-2000:]
 

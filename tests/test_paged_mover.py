@@ -1,7 +1,7 @@
 """PagedMover: the worker-side data path for vLLM's GPU layouts, run here on CPU tensors in those layouts, direct
 and through the staging buffers a CUDA stream uses (CpuCopyStream(staged=True): the same code as on CUDA but
 for the stream and pinned-memory calls). Chunks saved from one layout load exactly into every other, through the
-cpu and disk tiers; a miss and a damaged chunk load nothing."""
+cpu and disk tiers; a miss loads nothing, and a damaged chunk's load fails (the blocks asked for are recomputed)."""
 from __future__ import annotations
 
 import itertools
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvfabric import CacheEngine, Config, KVLayout
+from kvfabric.cache.protocol import BlockSource
 from kvfabric.config import DiskTierConfig
 from kvfabric.connectors.copy_stream import CpuCopyStream
 from kvfabric.connectors.paged_mover import ChunkRead, PagedMover
@@ -113,7 +114,10 @@ def _load_all(mover: PagedMover, keys: list[bytes], block_ids: list[int], num_to
     mover.load(keys[0], block_ids, 0, BLOCK, first=0, chunk_tokens=CHUNK).finish()
 
 
-def test_a_miss_and_a_damaged_chunk_load_nothing(tmp_path):
+def test_a_miss_loads_nothing_and_a_damaged_chunk_fails_its_load(tmp_path):
+    """A miss writes nothing. A damaged chunk is found while it is copied (open_chunk's check at the source's exit):
+    the load answers None (vLLM recomputes the blocks asked for), the chunk is discarded and counted, and no block
+    outside the ones asked for is written."""
     config = Config(chunk_size=CHUNK, tiers=("disk",), disk=DiskTierConfig(path=str(tmp_path)))
     views = make_views("LBNHC", seed=3)
     tokens = list(range(CHUNK))
@@ -131,8 +135,14 @@ def test_a_miss_and_a_damaged_chunk_load_nothing(tmp_path):
     before = [view.clone() for view in target]
     with CacheEngine(config, LAYOUT, "m") as engine:
         mover = PagedMover(engine, target, "LBNHC", CpuCopyStream())
-        assert mover.load(key, [5, 6, 7], 0, CHUNK, first=0, chunk_tokens=CHUNK) is None
-    assert all(torch.equal(a, b) for a, b in zip(target, before))
+        assert mover.load(b"\1" * 32, [5, 6, 7], 0, CHUNK, first=0, chunk_tokens=CHUNK) is None  # a miss
+        assert all(torch.equal(a, b) for a, b in zip(target, before))  # wrote nothing
+        assert mover.load(key, [5, 6, 7], 0, CHUNK, first=0, chunk_tokens=CHUNK) is None  # damaged: failed
+        assert engine.stats().counters["corrupt.disk"] == 1 and not path.exists()
+        assert engine.lookup(tokens) == 0
+        assert mover.load(key, [5, 6, 7], 0, CHUNK, first=0, chunk_tokens=CHUNK) is None  # gone: a miss now
+    untouched = [b for b in range(16) if b not in (5, 6, 7)]
+    assert all(torch.equal(a[untouched], b[untouched]) for a, b in zip(target, before))
 
 
 def test_views_of_another_model_and_ranges_outside_the_chunk_are_refused():
@@ -149,19 +159,20 @@ def test_views_of_another_model_and_ranges_outside_the_chunk_are_refused():
 @pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
 def test_stale_slots_past_a_partial_chunk_are_never_stored(layout, staged):
-    from kvfabric.pages import Scratch
+    from kvfabric.host.pages import Scratch
 
     views = make_views(layout, seed=9)  # every slot holds (stale) values, past the 20 tokens too
     with CacheEngine(Config(chunk_size=CHUNK, tiers=("cpu",), save_partial_chunk=True), LAYOUT, "m") as engine:
         mover = PagedMover(engine, views, layout, CpuCopyStream(staged=staged))
         (key,) = engine.keys(list(range(20)))
         assert mover.save(key, [4, 5], 0, 20).finish()
-        hit = engine.read_chunk(key, num_tokens=20, scratch=Scratch(), promote=False, blocks=mover.block_layout)
+        hit = engine.read_chunk(key, num_tokens=20, scratch=Scratch(), blocks=mover.block_layout)
+        assert isinstance(hit, BlockSource) and hit.blocks == mover.block_layout
         axis = mover.blocks[0].token_axis
-        for index in range(LAYOUT.num_layers):
-            last = torch.from_numpy(hit.slab(index)).view(torch.bfloat16)[-1]
-            assert not last.narrow(axis, 4, BLOCK - 4).any() and last.narrow(axis, 0, 4).any()
-        hit.close()
+        with hit:
+            for index in range(LAYOUT.num_layers):
+                last = torch.from_numpy(hit.slab(index)).view(torch.bfloat16)[-1]
+                assert not last.narrow(axis, 4, BLOCK - 4).any() and last.narrow(axis, 0, 4).any()
 
 
 @pytest.mark.parametrize("staged", [False, True])

@@ -11,15 +11,26 @@ import pytest
 import torch
 
 from kvfabric import CacheEngine, Config, KVLayout
-from kvfabric.blocks import BlockLayout, BlockLayoutError, pack, unpack
+from kvfabric.cache.protocol import BlockSource, TokenSource
 from kvfabric.config import DiskTierConfig
 from kvfabric.connectors.copy_stream import CpuCopyStream, make_copy_stream
 from kvfabric.connectors.paged_views import (
-    LAYOUTS, PagedSpec, block_layout, gather, is_cross_layer, layer_views, layout_order, load_blocks,
-    physical_blocks, save_blocks, scatter, strides, zero_tail,
+    LAYOUTS,
+    PagedSpec,
+    block_layout,
+    gather,
+    is_cross_layer,
+    layer_views,
+    layout_order,
+    load_blocks,
+    physical_blocks,
+    save_blocks,
+    scatter,
+    strides,
+    zero_tail,
 )
-from kvfabric.kvcache import ChunkHit
-from kvfabric.pages import Scratch
+from kvfabric.host.pages import Scratch
+from kvfabric.kv.blocks import BlockLayout, BlockLayoutError, pack, unpack
 
 BLOCK = 16
 CONTENTS = {"kv": (2, 8), "latent": (1, 24)}  # content -> (head slots, head_dim)
@@ -122,7 +133,7 @@ def test_blocks_saved_as_they_are_load_into_other_blocks(layout, content):
 @pytest.mark.parametrize("source,target", list(itertools.product(LAYOUTS, LAYOUTS)))
 def test_a_chunk_saved_in_one_layout_loads_exactly_into_every_other(tmp_path, source, target):
     """Whole blocks saved as layout A's engine holds them, stored on disk as a chunk, read by a fresh engine asking
-    for layout B: the blocks as they are when A and B keep a block alike, else converted once (kvfabric.blocks);
+    for layout B: the blocks as they are when A and B keep a block alike, else converted once (kvfabric.kv.blocks);
     either way layout B's slots then hold exactly what layout A's held."""
     spec_a, spec_b = make_spec(source, "kv"), make_spec(target, "kv")
     layout = KVLayout(spec_a.num_layers, spec_a.num_heads, spec_a.head_dim, "bfloat16")
@@ -139,19 +150,19 @@ def test_a_chunk_saved_in_one_layout_loads_exactly_into_every_other(tmp_path, so
             blocks = physical_blocks(view, source)
             save_blocks(blocks, ids_a, 0, num_tokens, payload.kv[index])
             zero_tail(payload.kv[index], blocks.token_axis, num_tokens)
-        assert engine.store_chunk(key, payload)
+        assert engine.store_chunks([(key, payload)]) == [True]
     wanted = block_layout(target, BLOCK)
     with CacheEngine(config, layout, "m") as engine:
-        hit = engine.read_chunk(key, num_tokens=num_tokens, scratch=Scratch(), promote=False, blocks=wanted)
-        assert isinstance(hit, ChunkHit)
-        assert (hit.blocks is not None) == (block_layout(source, BLOCK) == wanted)
-        for index, view in enumerate(views_b):
-            if hit.blocks is not None:
-                slab = torch.from_numpy(hit.slab(index)).view(spec_b.dtype)
-                load_blocks(physical_blocks(view, target), ids_b, 0, num_tokens, slab, first=0)
-            else:
-                scatter(view, "kv", ids_b, 0, num_tokens, hit.kv[index])
-        hit.close()
+        hit = engine.read_chunk(key, num_tokens=num_tokens, scratch=Scratch(), blocks=wanted)
+        assert isinstance(hit, BlockSource if block_layout(source, BLOCK) == wanted else TokenSource)
+        with hit:
+            for index, view in enumerate(views_b):
+                if isinstance(hit, BlockSource):
+                    assert hit.blocks == wanted
+                    slab = torch.from_numpy(hit.slab(index)).view(spec_b.dtype)
+                    load_blocks(physical_blocks(view, target), ids_b, 0, num_tokens, slab, first=0)
+                else:
+                    scatter(view, "kv", ids_b, 0, num_tokens, hit.kv[index])
     for view_a, view_b in zip(views_a, views_b):
         assert torch.equal(read_by_slots(view_b, spec_b, ids_b, 0, num_tokens),
                            read_by_slots(view_a, spec_a, ids_a, 0, num_tokens))

@@ -1,4 +1,4 @@
-"""kvfabric.pages (and connectors.paged.populate over it): memory mapped before a hot path writes it."""
+"""kvfabric.host.pages (and connectors.paged.populate over it): memory mapped before a hot path writes it."""
 from __future__ import annotations
 
 import ctypes
@@ -7,8 +7,8 @@ import mmap
 import pytest
 import torch
 
-from kvfabric import pages
 from kvfabric.connectors import paged
+from kvfabric.host import pages
 
 
 def _resident_pages(address: int, length: int) -> int:

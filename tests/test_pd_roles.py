@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 from kvfabric import CacheEngine  # noqa: E402
 from kvfabric.config import Config, ConfigError  # noqa: E402
 from kvfabric.connectors.vllm.config import kv_transfer_config, role_of  # noqa: E402
-from kvfabric.layout import KVLayout  # noqa: E402
+from kvfabric.kv.layout import KVLayout  # noqa: E402
 from tests.scheduler_fixtures import scheduler_asking  # noqa: E402
 
 CHUNK = 256

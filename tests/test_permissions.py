@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfabric.permissions import PermissionsError, check_mode, create_file, file_mode, make_private_dir, parse_mode
+from kvfabric.host.permissions import PermissionsError, check_mode, create_file, file_mode, make_private_dir, parse_mode
 from kvfabric.tiers.disk import DiskTier
 from kvfabric.tiers.shm import ShmTier
 from tests.tier_contract import key, make_blob
@@ -66,7 +66,7 @@ def test_a_wide_cache_directory_is_one_warning_or_with_strict_an_error(tmp_path,
     root = tmp_path / "old"
     root.mkdir()
     root.chmod(0o755)  # as kvfabric made it before
-    with caplog.at_level(logging.WARNING, logger="kvfabric.permissions"):
+    with caplog.at_level(logging.WARNING, logger="kvfabric.host.permissions"):
         DiskTier(root, 1 << 20)
     (record,) = caplog.records
     assert str(root) in record.getMessage() and "0755" in record.getMessage() and f"chmod 700 {root}" in \

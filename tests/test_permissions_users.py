@@ -111,13 +111,13 @@ def test_a_second_user_cannot_read_the_first_users_cache(homes):
     assert denied.stdout.split() == ["list", "denied", "read", "denied", "pool", "denied"], denied.stdout
     pointed = as_user("kvfabric-test-b", """
         import sys
-        from kvfabric.cli import main
+        from kvfabric.apps.cli import main
         main(["cache", "stats"])
         """, b, check=False)  # B's own cache: fine
     assert pointed.returncode == 0, pointed.stderr[-2000:]
     cross = subprocess.run(["runuser", "-u", "kvfabric-test-b", "--", "env", "-i", f"HOME={b}",
                             f"KVFABRIC_HOME={b / 'kvfabric'}", f"KVFABRIC_DISK__PATH={chunks}",
-                            f"PYTHONPATH={ROOT / 'src'}:{SITE}", PYTHON, "-m", "kvfabric.cli", "cache", "stats"],
+                            f"PYTHONPATH={ROOT / 'src'}:{SITE}", PYTHON, "-m", "kvfabric.apps.cli", "cache", "stats"],
                            capture_output=True, text=True, timeout=300, cwd=b)
     assert cross.returncode != 0 and "Traceback" not in cross.stderr, cross.stderr[-2000:]
     (line,) = cross.stderr.strip().splitlines()

@@ -155,7 +155,7 @@ def test_placement_config_is_checked():
 def test_engine_tells_the_policies_each_chunks_position_and_cost():
     import torch
 
-    from kvfabric.engine import CacheEngine
+    from kvfabric.cache.engine import CacheEngine
     from kvfabric.tiers.policies import LRU
     from tests.tier_contract import LAYOUT
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvfabric.tiers.policies import ARC, LFU, LRU, S3FIFO, AccessMeta, PolicyIndex, PrefixHeat, make_eviction
-from tests.policy_contract import PolicyContract, replay, unit
+from tests.policy_contract import PolicyContract
 
 
 class TestLRUContract(PolicyContract):

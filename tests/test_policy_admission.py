@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvfabric.tiers.policies import (LRU, AccessMeta, AlwaysAdmit, PolicyIndex, SecondAccess, TinyLFU, key_hash64,
-                                     make_admission)
+from kvfabric.tiers.policies import (
+    LRU,
+    AccessMeta,
+    AlwaysAdmit,
+    PolicyIndex,
+    SecondAccess,
+    TinyLFU,
+    key_hash64,
+    make_admission,
+)
 
 META = AccessMeta()
 

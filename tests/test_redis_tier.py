@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvfabric.breaker import CircuitBreaker
 from kvfabric.config import Config, RedisTierConfig
+from kvfabric.net.breaker import CircuitBreaker
 from kvfabric.tiers.disk import DiskTier
 from kvfabric.tiers.factory import build_tiers
 from kvfabric.tiers.redis import RedisTier, redis_key

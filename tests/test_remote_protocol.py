@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfabric.framing import ProtocolError
-from kvfabric.layout import KVLayout
-from kvfabric.remote import protocol as P
-from kvfabric.remote.pool import PoolError, SlotPool
+from kvfabric.cache.remote import wire as P
+from kvfabric.cache.remote.pool import PoolError, SlotPool
+from kvfabric.kv.layout import KVLayout
+from kvfabric.net.framing import ProtocolError
 
 
 def _pair() -> tuple[socket.socket, socket.socket]:

@@ -34,7 +34,7 @@ SPECIFICATIONS: dict[str, list[str]] = {
         "(CPython's default: 5 ms)",  # the interpreter's default switch interval
         "``LOAD_SWITCH_INTERVAL_S`` (0.5 ms)",  # the value this module sets
     ],
-    "connectors/block_kernel.py": ["a switch interval (5 ms)"],  # CPython's default switch interval
+    "cache/placer.py": ["a switch interval (5 ms)"],  # CPython's default switch interval
 }
 
 PENDING: dict[str, list[str]] = {}  # measured figures not moved yet (none left): path -> texts, each one temporary

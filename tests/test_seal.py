@@ -1,4 +1,4 @@
-"""Sealed chunks (kvfabric.seal, tiers/sealed.py): the tier contract on sealed disk and Redis tiers; what is stored
+"""Sealed chunks (kvfabric.tiers.seal, tiers/sealed.py): the tier contract on sealed disk and Redis tiers; what is stored
 is not the chunk; a flipped byte, a truncated blob, a blob moved to another key and one sealed with an unknown key
 are misses, never served; key rotation; the configuration's one-line errors."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvfabric.config import Config, ConfigError
-from kvfabric.pages import Scratch
-from kvfabric.seal import OVERHEAD, SealError, Sealer, parse_keys
+from kvfabric.host.pages import Scratch
 from kvfabric.tiers.disk import DiskTier
 from kvfabric.tiers.factory import build_tiers
+from kvfabric.tiers.seal import OVERHEAD, Sealer, SealError, parse_keys
 from kvfabric.tiers.sealed import SealedTier
 from kvfabric.tiers.stack import TierStack
 from tests.redis_fixtures import needs_redis, redis_server  # noqa: F401 - fixtures are used by name

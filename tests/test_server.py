@@ -3,6 +3,7 @@ clients, leases, refusals, a malformed connection, a server that goes away and c
 own process, with kill -9 of either side and fuzzed frames: test_server_processes.py."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
@@ -13,9 +14,10 @@ import urllib.request
 import pytest
 import torch
 
-from kvfabric.pages import Scratch
-from kvfabric.remote import RemoteCache
-from kvfabric.remote import protocol as P
+from kvfabric.cache.protocol import ChunkHit, ChunkMiss, TokenSource
+from kvfabric.cache.remote import RemoteCache
+from kvfabric.cache.remote import wire as P
+from kvfabric.host.pages import Scratch
 from tests.server_fixtures import CHUNK, LAYOUT, client_config, random_kv, server_config, server_in_thread, tokens_of
 
 
@@ -43,7 +45,7 @@ def test_two_clients_share_exact_kv(tmp_path) -> None:
         assert service.slots.usage()["referenced"] == 0
 
 
-def test_read_chunk_view_is_leased_until_the_scratch_is_reused(tmp_path) -> None:
+def test_read_chunk_view_is_leased_until_the_sources_exit(tmp_path) -> None:
     data = server_config(tmp_path)
     tokens, kv = tokens_of(512, 2), random_kv(512, 2)
     with server_in_thread(tmp_path, data) as service, _client(data) as c:
@@ -52,14 +54,28 @@ def test_read_chunk_view_is_leased_until_the_scratch_is_reused(tmp_path) -> None
         keys = c.keys(tokens)
         scratch = Scratch()
         hit = c.read_chunk(keys[0], scratch=scratch)
-        assert torch.equal(hit.kv, kv[:, :, :, :CHUNK]) and hit.tier == "pool"
-        assert service.slots.usage()["referenced"] == 1  # the view's lease
-        hit = c.read_chunk(keys[1], scratch=scratch)  # the first view is given up: released with this request
-        assert torch.equal(hit.kv, kv[:, :, :, CHUNK:])
-        assert service.slots.usage()["referenced"] == 1
+        assert isinstance(hit, TokenSource) and hit.tier == "pool"
+        with hit:
+            assert torch.equal(hit.kv, kv[:, :, :, :CHUNK])
+            assert service.slots.usage()["referenced"] == 1  # the view's lease, held until the exit
+        hit = c.read_chunk(keys[1], scratch=scratch)  # the first view was given up: released with this request
+        assert isinstance(hit, TokenSource)
+        with hit:
+            assert torch.equal(hit.kv, kv[:, :, :, CHUNK:])
+            assert service.slots.usage()["referenced"] == 1
+        opened = c.open_chunk(keys[1])  # the same read: the server verified it, the slot is the fastest view
+        assert isinstance(opened, TokenSource)
+        with opened:
+            assert torch.equal(opened.kv, kv[:, :, :, CHUNK:]) and service.slots.usage()["referenced"] == 1
         out = torch.empty(LAYOUT.shape(CHUNK), dtype=torch.float32)
-        assert torch.equal(c.read_chunk(keys[0], out).kv, kv[:, :, :, :CHUNK].float())
-        assert c.read_chunk(b"x" * 32).reason == "missing"
+        got = c.read_into(keys[0], out)
+        assert isinstance(got, ChunkHit) and torch.equal(out, kv[:, :, :, :CHUNK].float())
+        assert c.is_connected()  # a request after read_into's one-way release: the server has handled it
+        assert service.slots.usage()["referenced"] == 0  # read_into let its slot go, and the last view's too
+        assert c.read_chunk(b"x" * 32) == ChunkMiss("missing")
+        assert c.read_into(b"x" * 32, out) == ChunkMiss("missing")
+        held = c.read_chunk(keys[0])
+        assert isinstance(held, TokenSource) and service.slots.usage()["referenced"] == 1
     assert service.slots.usage()["referenced"] == 0  # closing the client reclaimed the view
 
 
@@ -71,8 +87,9 @@ def test_payloads_lease_slots_and_a_dropped_payload_is_released(tmp_path) -> Non
         payload = c.new_payload()
         payload.kv.copy_(kv[:, :, :, :CHUNK])
         assert service.slots.usage()["referenced"] == 1
-        assert c.store_chunk(keys[0], payload)
-        assert not c.store_chunk(keys[0], c.new_payload())  # held already
+        assert c.store_chunks([(keys[0], payload)]) == [True]
+        assert c.store_chunks([(keys[0], c.new_payload())]) == [False]  # held already
+        assert c.holds([keys[0], keys[1]]) == [True, False]
         dropped = c.new_payload()
         del dropped, payload
         gc.collect()
@@ -88,9 +105,11 @@ def test_a_client_holds_at_most_its_slot_cap(tmp_path) -> None:
         assert c.store(tokens, kv) == 6  # in batches of at most 3 leases
         c.flush()
         scratches = [Scratch() for _ in range(6)]
-        hits = [c.read_chunk(key, scratch=s) for key, s in zip(c.keys(tokens), scratches)]
-        assert all(torch.equal(h.kv, kv[:, :, :, i * CHUNK:(i + 1) * CHUNK]) for i, h in enumerate(hits))
-        assert service.slots.usage()["referenced"] <= 3  # past the cap, chunks are copied out instead
+        with contextlib.ExitStack() as sources:  # six sources open at once
+            hits = [sources.enter_context(c.read_chunk(key, scratch=s)) for key, s in zip(c.keys(tokens), scratches)]
+            assert all(isinstance(h, TokenSource) for h in hits)
+            assert all(torch.equal(h.kv, kv[:, :, :, i * CHUNK:(i + 1) * CHUNK]) for i, h in enumerate(hits))
+            assert service.slots.usage()["referenced"] <= 3  # past the cap, chunks are copied out instead
         assert torch.equal(c.retrieve(tokens), kv)
 
 
@@ -105,11 +124,12 @@ def test_a_stalled_client_cannot_block_another(tmp_path) -> None:
         assert num_stored == 6
         keys = a.keys(tokens)
         held = [Scratch(), Scratch()]
-        views = [a.read_chunk(key, scratch=s) for key, s in zip(keys, held)]  # a keeps its leases and stalls
-        assert service.slots.usage()["referenced"] == 2
-        assert torch.equal(b.retrieve(tokens), kv)  # b gets all six chunks through the two slots left
-        assert b.stats().counters.get("server.retrieve_stop.pool_full", 0) >= 1
-        assert all(torch.equal(v.kv, kv[:, :, :, i * CHUNK:(i + 1) * CHUNK]) for i, v in enumerate(views))
+        with contextlib.ExitStack() as sources:  # a keeps its leases (sources open) and stalls
+            views = [sources.enter_context(a.read_chunk(key, scratch=s)) for key, s in zip(keys, held)]
+            assert service.slots.usage()["referenced"] == 2
+            assert torch.equal(b.retrieve(tokens), kv)  # b gets all six chunks through the two slots left
+            assert b.stats().counters.get("server.retrieve_stop.pool_full", 0) >= 1
+            assert all(torch.equal(v.kv, kv[:, :, :, i * CHUNK:(i + 1) * CHUNK]) for i, v in enumerate(views))
 
 
 def test_token_and_socket_mode_refuse_others(tmp_path) -> None:
@@ -156,7 +176,7 @@ def test_server_down_is_a_miss_and_a_restart_is_found(tmp_path) -> None:
             while not c.is_connected() and time.monotonic() < deadline:
                 time.sleep(0.05)  # misses for retry_s after the failure, then reconnects
             assert c.store(tokens, kv) == 2
-            first_pool = c._pool.pool_id
+            first_pool = c._sessions.pool.pool_id
             assert torch.equal(c.retrieve(tokens), kv)
         assert c.lookup(tokens) == 0  # gone again
         with server_in_thread(tmp_path, data):  # a new server, a new pool; the disk tier kept the chunks
@@ -164,7 +184,7 @@ def test_server_down_is_a_miss_and_a_restart_is_found(tmp_path) -> None:
             while not c.is_connected() and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert torch.equal(c.retrieve(tokens), kv)
-            assert c._pool.pool_id != first_pool
+            assert c._sessions.pool.pool_id != first_pool
 
 
 def test_prometheus_metrics_per_client(tmp_path) -> None:
@@ -199,7 +219,7 @@ def test_chunks_decode_from_the_tiers_into_slots(tmp_path, with_prefetch: bool) 
 def test_an_mla_latent_namespace_is_its_own(tmp_path) -> None:
     """A client with a latent layout (MLA) names it in its hello: the server keeps its chunks apart from a K|V
     namespace of the same size, round trips them exactly, and refuses a latent layout with several heads."""
-    from kvfabric.layout import KVLayout
+    from kvfabric.kv.layout import KVLayout
 
     data = server_config(tmp_path)
     latent = KVLayout(2, 1, 64, "float16", is_latent=True)  # a token's bytes equal LAYOUT's (2 x 2 x 16 halves)

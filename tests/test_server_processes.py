@@ -10,7 +10,6 @@ import stat
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import msgpack
 import pytest
@@ -18,11 +17,20 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvfabric.remote import RemoteCache
-from kvfabric.remote import protocol as P
-from kvfabric.remote.pool import SlotPool
-from tests.server_fixtures import (CHUNK, LAYOUT, ROOT, ServerProcess, client_config, random_kv, server_config,
-                                   start_server, tokens_of)
+from kvfabric.cache.remote import RemoteCache
+from kvfabric.cache.remote import wire as P
+from kvfabric.cache.remote.pool import SlotPool
+from tests.server_fixtures import (
+    CHUNK,
+    LAYOUT,
+    ROOT,
+    ServerProcess,
+    client_config,
+    random_kv,
+    server_config,
+    start_server,
+    tokens_of,
+)
 
 pytestmark = pytest.mark.slow
 

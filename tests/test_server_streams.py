@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from kvfabric.remote import RemoteCache
+from kvfabric.cache.remote import RemoteCache
 from kvfabric.stream import FixedPolicy, prepare, send_prompt
 from kvfabric.stream import protocol as W
 from tests.server_fixtures import CHUNK, LAYOUT, client_config, random_kv, server_config, server_in_thread, tokens_of
@@ -80,7 +80,7 @@ def test_a_broken_stream_is_a_refusal_and_the_connection_stays(tmp_path) -> None
 def test_an_mla_latent_stream_lands_in_its_own_namespace(tmp_path) -> None:
     """The stream's HELLO names a latent layout (MLA): the server receives it into the latent client's namespace,
     exactly; a K|V client of the same model and size finds nothing."""
-    from kvfabric.layout import KVLayout
+    from kvfabric.kv.layout import KVLayout
 
     data = server_config(tmp_path)
     latent = KVLayout(LAYOUT.num_layers, 1, 2 * LAYOUT.head_dim * LAYOUT.num_kv_heads, LAYOUT.dtype, is_latent=True)

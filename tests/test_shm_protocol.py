@@ -7,8 +7,6 @@ import os
 import signal
 import struct
 
-import pytest
-
 from kvfabric.config import ShmTierConfig
 from kvfabric.tiers.shm import ShmTier
 from kvfabric.tiers.shm.coherence import CacheOps, MsyncCacheOps

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, parse
 from kvfabric.config import ShmTierConfig
-from kvfabric.pages import Scratch
+from kvfabric.host.pages import Scratch
 from kvfabric.tiers.shm import ShmPoolError, ShmTier
 from kvfabric.tiers.shm.index import Index
 from kvfabric.tiers.shm.layout import ENTRY_BYTES, KEY_AT, READY, SEQ, STATS, STATS_AT, extent_bytes
@@ -600,10 +600,15 @@ def test_a_corrupt_entry_read_in_place_is_dropped(pool_name: str) -> None:
     stack.close()
 
 
-def test_engine_read_chunk_in_place(pool_name: str) -> None:
+def test_engine_open_chunk_reads_in_place_and_a_reused_slot_fails_at_exit(pool_name: str) -> None:
+    """open_chunk of a chunk in shared memory views it where it lies; a writer reusing the slot while the caller
+    copies makes the source's exit raise ChunkFailed("torn") (counted, the entry not discarded). read_chunk copies
+    it out first: nothing to check afterwards."""
+    import numpy as np
     import torch
 
     from kvfabric import CacheEngine, Config, KVLayout
+    from kvfabric.cache.protocol import ChunkFailed, ChunkMiss, TokenSource
 
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
     shm_cfg = ShmTierConfig(name=pool_name, capacity=8 << 20)
@@ -613,12 +618,28 @@ def test_engine_read_chunk_in_place(pool_name: str) -> None:
         assert engine.store(tokens, kv) == 2
         engine.flush()
         key = engine.keys(tokens)[1]
-        hit = engine.read_chunk(key, promote=False, in_place=True)
-        assert torch.equal(hit.kv, kv[:, :, :, 16:]) and hit.view is not None and hit.is_intact()
-        copied = hit.kv.clone()
-        assert engine.delete(tokens)  # the slot goes back to the writers: what was copied may be torn now
-        assert not hit.is_intact() and torch.equal(copied, kv[:, :, :, 16:])
-        assert engine.read_chunk(key, promote=False, in_place=True).reason == "missing"
+        index = engine.stack.tiers[0].arena.current
+        pool = np.frombuffer(index.mm, dtype=np.uint8).ctypes.data
+        hit = engine.open_chunk(key)
+        assert isinstance(hit, TokenSource) and hit.tier == "shm"
+        with hit:  # intact: the exit raises nothing
+            assert torch.equal(hit.kv, kv[:, :, :, 16:])
+            assert pool <= hit.kv.data_ptr() < pool + len(index.mm)  # the pool's own bytes, not a copy
+        hit = engine.open_chunk(key)
+        assert isinstance(hit, TokenSource)
+        with pytest.raises(ChunkFailed) as failed:
+            with hit:
+                copied = hit.kv.clone()
+                assert engine.delete(tokens)  # the slot goes back to the writers: what was copied may be torn now
+        assert failed.value.miss == ChunkMiss("torn") and torch.equal(copied, kv[:, :, :, 16:])
+        assert engine.stats().counters["torn_reads"] == 1
+        assert engine.open_chunk(key) == ChunkMiss("missing")
         assert engine.store(tokens, kv) == 2
         engine.flush()
-        assert engine.read_chunk(key).view is None  # without in_place: a copy, nothing to check afterwards
+        hit = engine.read_chunk(key)  # verified and copied out: a writer reusing the slot cannot tear it
+        assert isinstance(hit, TokenSource)
+        with hit:
+            assert not pool <= hit.kv.data_ptr() < pool + len(index.mm)
+            assert engine.delete(tokens)
+            assert torch.equal(hit.kv, kv[:, :, :, 16:])
+        assert engine.stats().counters["torn_reads"] == 1

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import yaml
 
-from kvfabric.statsview import InstanceStats, minus, quantile, scrape
+from kvfabric.apps.statsview import InstanceStats, minus, quantile, scrape
 from tests.cluster_scripts.helpers import free_port, wait_for
 
 
@@ -37,7 +37,7 @@ def node(tmp_path):
               "disk": {"path": str(tmp_path / "chunks"), "capacity": "4MiB"}, "metrics": {"port": port}}
     (tmp_path / "node.yaml").write_text(yaml.safe_dump(config))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.Popen([sys.executable, "-m", "kvfabric.cli", "node", "--config", str(tmp_path / "node.yaml"),
+    proc = subprocess.Popen([sys.executable, "-m", "kvfabric.apps.cli", "node", "--config", str(tmp_path / "node.yaml"),
                              "--load", "50"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/metrics"
 
@@ -57,7 +57,7 @@ def node(tmp_path):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), COLUMNS="120")
-    return subprocess.run([sys.executable, "-m", "kvfabric.cli", "stats", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvfabric.apps.cli", "stats", *args], env=env, capture_output=True,
                           text=True, timeout=120)
 
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from kvfabric import Config
-from kvfabric.builder import build_engine
+from kvfabric.cache.builder import build_engine
 from kvfabric.cluster.controller_app import create_app
 from kvfabric.config import ClusterConfig, CpuTierConfig
-from tests.cluster_scripts.helpers import LAYOUT, ControllerThread, wait_for
 from tests.artifacts import keep_artifact
+from tests.cluster_scripts.helpers import LAYOUT, ControllerThread, wait_for
 
 TOKEN = "page-token"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

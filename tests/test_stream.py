@@ -11,11 +11,19 @@ import pytest
 import torch
 
 from kvfabric.codec.format import HEADER_BYTES
-from kvfabric.layout import KVLayout
-from kvfabric.stream import (AdaptivePolicy, FixedPolicy, Receiver, ThrottledSocket, TokenBucket, loopback_pair,
-                             prepare, send_prompt)
+from kvfabric.kv.layout import KVLayout
+from kvfabric.stream import (
+    AdaptivePolicy,
+    FixedPolicy,
+    Receiver,
+    ThrottledSocket,
+    TokenBucket,
+    loopback_pair,
+    prepare,
+    send_prompt,
+    throttle,
+)
 from kvfabric.stream import protocol as W
-from kvfabric.stream import throttle
 from kvfabric.stream.policy import RECOMPUTE
 
 LAYOUT = KVLayout(2, 2, 16, "float16")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvfabric.codec.video import VideoCodec
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 from kvfabric.stream import Receiver, ThrottledSocket, TokenBucket, loopback_pair, prepare, send_prompt
 from kvfabric.stream import policy as policy_module
 from kvfabric.stream.policy import RAW, RECOMPUTE, ResolutionPolicy
@@ -114,7 +114,7 @@ def test_video_levels_stream_end_to_end():
 def test_bench_stream_rejects_a_bad_ladder():
     from click.testing import CliRunner
 
-    from kvfabric.cli import main
+    from kvfabric.apps.cli import main
     for ladder in ("0,x", "0,12"):
         result = CliRunner().invoke(main, ["bench", "stream", "--trace-only", "--ladder", ladder])
         assert result.exit_code == 2 and "--ladder" in result.output, result.output
@@ -127,7 +127,7 @@ def test_bench_stream_trace_smoke():
 
     from click.testing import CliRunner
 
-    from kvfabric.cli import main
+    from kvfabric.apps.cli import main
     result = CliRunner().invoke(main, ["bench", "stream", "--json", "--trace-only", "--quick", "--trace-seconds", "2",
                                        "--tokens", "512"])
     assert result.exit_code == 0, result.output

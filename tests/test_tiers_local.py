@@ -8,14 +8,13 @@ import typing
 import pytest
 
 from kvfabric.config import Config, ConfigError, DiskTierConfig, EvictionName
-from kvfabric.pages import Scratch
+from kvfabric.host.pages import Scratch
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
 from kvfabric.tiers.factory import build_tiers, codec_spec
 from kvfabric.tiers.policies import NO_META
 from kvfabric.tiers.stack import TierStack
 from tests.tier_contract import BLOB_BYTES, TierContract, key, make_blob
-
 
 EVICTIONS = typing.get_args(EvictionName)
 

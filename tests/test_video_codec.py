@@ -17,7 +17,7 @@ from kvfabric.codec.format import ChunkFormatError, parse
 from kvfabric.codec.video import VideoCodec, VideoUnavailable
 from kvfabric.codec.video import backends as B
 from kvfabric.codec.video.frames import Geometry, balanced_tile
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 KEY = bytes(range(32))
 
@@ -245,7 +245,7 @@ def test_bench_video_smoke():
     lossless modes are exact, and the video modes decode a 2k-token context with a small share of its size."""
     from click.testing import CliRunner
 
-    from kvfabric.cli import main
+    from kvfabric.apps.cli import main
     result = CliRunner().invoke(main, ["bench", "video", "--quick", "--docs", "1", "--json"])
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]

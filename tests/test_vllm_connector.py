@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfabric.builder import build_engine
+from kvfabric.cache.builder import build_engine
 from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather, render_region, scatter, segments
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,7 +291,7 @@ def _lookup(tmp_path):
     from kvfabric.config import Config
     from kvfabric.connectors.lookup import LookupClient
     from kvfabric.connectors.vllm.scheduler import ChunkLookup
-    from kvfabric.layout import KVLayout
+    from kvfabric.kv.layout import KVLayout
 
     config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
     return ChunkLookup(config, KVLayout(2, 1, 4, "float32"), "m", LookupClient(str(tmp_path / "nobody.sock")))
@@ -315,7 +315,7 @@ def test_token_keys_skip_lora_and_salt_selects_a_namespace(tmp_path):
     from kvfabric.config import Config
     from kvfabric.connectors.lookup import LookupClient
     from kvfabric.connectors.vllm.scheduler import SchedulerSide
-    from kvfabric.layout import KVLayout
+    from kvfabric.kv.layout import KVLayout
 
     config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})
     layout = KVLayout(2, 1, 4, "float32")
@@ -357,9 +357,9 @@ def test_a_chunk_that_failed_a_load_is_not_offered_again(tmp_path):
     from types import SimpleNamespace
 
     pytest.importorskip("vllm")
+    from kvfabric.cache.protocol import ChunkMiss
     from kvfabric.config import Config
-    from kvfabric.kvcache import ChunkMiss
-    from kvfabric.layout import KVLayout
+    from kvfabric.kv.layout import KVLayout
     from tests.scheduler_fixtures import scheduler_asking
 
     config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
@@ -376,7 +376,7 @@ def test_a_chunk_that_failed_a_load_is_not_offered_again(tmp_path):
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
-        assert isinstance(engine.read_chunk(keys[0]), ChunkMiss)  # what the worker's load met
+        assert isinstance(engine.open_chunk(keys[0]), ChunkMiss)  # what the worker's load met
         assert engine.stats().counters["corrupt.disk"] == 1
         assert side.num_new_matched_tokens(request, 0) == 0
 
@@ -384,7 +384,7 @@ def test_a_chunk_that_failed_a_load_is_not_offered_again(tmp_path):
 def test_partial_last_chunk_is_looked_up_and_saved_with_save_partial_chunk(tmp_path):
     pytest.importorskip("vllm")
     from kvfabric.config import Config
-    from kvfabric.layout import KVLayout
+    from kvfabric.kv.layout import KVLayout
     from tests.scheduler_fixtures import scheduler_asking
 
     config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["disk"], "disk": {"path": str(tmp_path)},
@@ -441,7 +441,7 @@ def test_scheduler_counts_chunks_a_peer_holds(tmp_path):
     from kvfabric.cluster.controller_app import create_app
     from kvfabric.cluster.index_memory import MemoryIndex
     from kvfabric.config import ClusterConfig, Config
-    from kvfabric.layout import KVLayout
+    from kvfabric.kv.layout import KVLayout
     from tests.cluster_scripts.helpers import ControllerThread, wait_for
     from tests.scheduler_fixtures import scheduler_asking
 
@@ -470,7 +470,7 @@ def test_hybrid_manager_specs_carry_every_groups_table_and_skip_chunks_whose_win
     pytest.importorskip("vllm")
     from kvfabric.config import Config
     from kvfabric.connectors.vllm.config import KVGroups
-    from kvfabric.layout import KVLayout
+    from kvfabric.kv.layout import KVLayout
     from tests.scheduler_fixtures import scheduler_asking
 
     config = Config.from_dict({"chunk_size": 256, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
@@ -526,10 +526,10 @@ def test_hybrid_manager_failed_load_is_a_failed_receive_not_block_ids(tmp_path):
     pytest.importorskip("vllm")
     from kvfabric.config import Config
     from kvfabric.connectors.vllm.config import KVGroups
-    from kvfabric.connectors.vllm.loads import LoadOutcome
+    from kvfabric.connectors.vllm.load_jobs import LoadOutcome
     from kvfabric.connectors.vllm.metadata import RequestStats
     from kvfabric.connectors.vllm.worker import WorkerSide
-    from kvfabric.layout import KVLayout
+    from kvfabric.kv.layout import KVLayout
 
     config = Config.from_dict({"chunk_size": 256, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
     layout = KVLayout.from_layer_types(["sliding_attention", "full_attention"], 1, 4, 512, "float32")
@@ -548,7 +548,7 @@ def test_a_device_cache_given_to_the_cpu_worker_side_is_refused_in_one_line_nami
     pytest.importorskip("vllm")
     from kvfabric.config import Config
     from kvfabric.connectors.vllm.worker import WorkerSide
-    from kvfabric.layout import KVLayout
+    from kvfabric.kv.layout import KVLayout
 
     config = Config.from_dict({"chunk_size": 256, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
     side = WorkerSide(config, KVLayout(1, 2, 8, "float32"), "m", 16, {"load_threads": 1})
@@ -594,9 +594,9 @@ def test_a_prefix_whose_window_part_is_gone_is_not_promised(tmp_path):
     from types import SimpleNamespace
 
     pytest.importorskip("vllm")
-    from kvfabric.chunk_parts import ChunkParts
     from kvfabric.config import Config
-    from kvfabric.layout import KVLayout
+    from kvfabric.kv.layout import KVLayout
+    from kvfabric.kv.shapes import WindowSplit
     from kvfabric.tiers.factory import build_tiers
     from tests.scheduler_fixtures import scheduler_asking
 
@@ -612,11 +612,12 @@ def test_a_prefix_whose_window_part_is_gone_is_not_promised(tmp_path):
         engine.flush()
         keys = engine.keys(tokens)
         assert side.num_new_matched_tokens(request, 0) == 1024
+        window = WindowSplit(layout).window
         for tier in (cpu, disk):
-            assert tier.delete(ChunkParts.window_key(keys[0]))  # older than the window: not needed
+            assert tier.delete(window.key(keys[0]))  # older than the window: not needed
         assert side.num_new_matched_tokens(request, 0) == 1024
-        assert disk.delete(ChunkParts.window_key(keys[3]))  # still in process memory
+        assert disk.delete(window.key(keys[3]))  # still in process memory
         assert side.num_new_matched_tokens(request, 0) == 1024
-        assert cpu.delete(ChunkParts.window_key(keys[3]))  # gone everywhere: the prefix ends before chunk 3
+        assert cpu.delete(window.key(keys[3]))  # gone everywhere: the prefix ends before chunk 3
         assert side.num_new_matched_tokens(request, 0) == 768
         assert engine.lookup(tokens) == 768  # the same answer as the cache's own lookup

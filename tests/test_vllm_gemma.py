@@ -32,13 +32,7 @@ import torch
 from tests.test_vllm_connector import ROOT, _phase, _side_by_side
 
 pytest.importorskip("vllm")
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec  # noqa: E402
 
 from kvfabric.connectors.vllm.config import kv_cache_block_size, kv_cache_groups, layout_from_vllm  # noqa: E402
 
@@ -82,7 +76,7 @@ def test_other_kv_cache_groups_are_refused_at_start_up(specs, words):
 
 
 def _gemma_layout(num_layers: int = 6):
-    from kvfabric.layout import KVLayout
+    from kvfabric.kv.layout import KVLayout
 
     kinds = ["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(num_layers)]  # full: 2, 5
     return KVLayout.from_layer_types(kinds, 1, 256, WINDOW, "float32")

@@ -14,7 +14,7 @@ from kvfabric import CacheEngine, Config, KVLayout  # noqa: E402
 from kvfabric.connectors.paged import CpuPagedLayer, gather  # noqa: E402
 from kvfabric.connectors.vllm.loads import Loader  # noqa: E402
 from kvfabric.connectors.vllm.metadata import LoadSpec  # noqa: E402
-from kvfabric.counters import Counters  # noqa: E402
+from kvfabric.observe.counters import Counters  # noqa: E402
 
 CHUNK, BLOCK = 32, 16
 LAYOUT = KVLayout(3, 2, 8, "float32")
@@ -257,8 +257,8 @@ def test_hybrid_manager_load_uses_each_groups_table_and_window_layers_only_from_
 
 
 def _store_blocks(config, source, table, tokens):
-    from kvfabric.blocks import as_words
     from kvfabric.connectors.paged import save_blocks
+    from kvfabric.kv.blocks import as_words
 
     with CacheEngine(config, LAYOUT, "m") as writer:
         keys = writer.keys(tokens)
@@ -266,7 +266,7 @@ def _store_blocks(config, source, table, tokens):
             payload = writer.new_payload(CHUNK, source[0].blocks)
             for index, layer in enumerate(source):
                 save_blocks(layer, table, i * CHUNK, (i + 1) * CHUNK, as_words(payload.kv[index]))
-            writer.store_chunk(key, payload)
+            assert writer.store_chunks([(key, payload)]) == [True]
     return keys
 
 

@@ -21,15 +21,10 @@ import torch
 from tests.test_vllm_connector import ROOT, _phase, _side_by_side
 
 pytest.importorskip("vllm")
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    MLAAttentionSpec,
-)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec  # noqa: E402
 
 from kvfabric.connectors.vllm.config import kv_cache_block_size, layout_from_vllm  # noqa: E402
-from kvfabric.layout import KVLayout  # noqa: E402
+from kvfabric.kv.layout import KVLayout  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "vllm_scripts" / "mla_phases.py"
 CHUNK = 256

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 
 from kvfabric import Config, KVLayout  # noqa: E402
-from kvfabric.builder import build_engine
+from kvfabric.cache.builder import build_engine
 from kvfabric.config import CpuTierConfig, KVEventsConfig  # noqa: E402
 from tests.cluster_scripts.helpers import free_port, wait_for  # noqa: E402
 

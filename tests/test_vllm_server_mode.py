@@ -10,8 +10,8 @@ import tempfile
 import pytest
 import torch
 
-from kvfabric.kvcache import ChunkHit
-from kvfabric.remote import RemoteCache
+from kvfabric.cache.protocol import ChunkHit
+from kvfabric.cache.remote import RemoteCache
 from tests.server_fixtures import CHUNK, LAYOUT, client_config, random_kv, server_config, server_in_thread, tokens_of
 
 
@@ -35,11 +35,12 @@ def test_scheduler_sees_worker_stores_through_the_server(tmp_path):
         for i in (0, 1):  # what the worker's Saver does with each gathered chunk
             payload = worker.engine.new_payload()
             payload.kv.copy_(kv[:, :, :, i * CHUNK:(i + 1) * CHUNK, :])
-            assert worker.engine.store_chunk(keys[i], payload)
+            assert worker.engine.store_chunks([(keys[i], payload)]) == [True]
         hit = scheduler.lookup.prefix(keys)
         assert (hit.num_chunks, hit.num_in_memory) == (2, 0)
-        found = worker.engine.read_chunk(keys[1], out=torch.empty(LAYOUT.shape(CHUNK), dtype=torch.float16))
-        assert isinstance(found, ChunkHit) and torch.equal(found.kv, kv[:, :, :, CHUNK:2 * CHUNK, :])
+        out = torch.empty(LAYOUT.shape(CHUNK), dtype=torch.float16)
+        assert isinstance(worker.engine.read_into(keys[1], out), ChunkHit)
+        assert torch.equal(out, kv[:, :, :, CHUNK:2 * CHUNK, :])
         assert worker.worker_meta() is None  # nothing to report: the scheduler asks the worker's cache
     assert scheduler.lookup.prefix(keys).num_chunks == 0  # server gone: a miss, not an error
     worker.close()
@@ -50,12 +51,12 @@ def test_scheduler_sees_worker_stores_through_the_server(tmp_path):
 
 def test_the_loader_loads_through_the_server(tmp_path):
     """The worker's background loads (connectors.vllm.loads) with mode: server: every keyword the loader passes
-    to read_chunk is accepted, and the KV lands in the paged cache."""
+    to open_chunk is accepted, and the KV lands in the paged cache."""
     pytest.importorskip("vllm")
     from kvfabric.connectors.paged import CpuPagedLayer, gather
     from kvfabric.connectors.vllm.loads import Loader
     from kvfabric.connectors.vllm.metadata import LoadSpec
-    from kvfabric.counters import Counters
+    from kvfabric.observe.counters import Counters
 
     data = server_config(tmp_path)
     tokens, kv = tokens_of(2 * CHUNK, 2), random_kv(2 * CHUNK, 2)
@@ -65,7 +66,7 @@ def test_the_loader_loads_through_the_server(tmp_path):
         for i in (0, 1):
             payload = engine.new_payload()
             payload.kv.copy_(kv[:, :, :, i * CHUNK:(i + 1) * CHUNK, :])
-            assert engine.store_chunk(keys[i], payload)
+            assert engine.store_chunks([(keys[i], payload)]) == [True]
         heads, dim = kv.shape[2], kv.shape[4]
         layers = [CpuPagedLayer(torch.zeros(2 * CHUNK // block, heads, block, 2 * dim, dtype=kv.dtype), block)
                   for _ in range(LAYOUT.num_layers)]

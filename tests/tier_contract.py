@@ -20,15 +20,15 @@ import pytest
 
 from kvfabric.codec.format import parse
 from kvfabric.codec.raw import RawCodec
-from kvfabric.layout import KVLayout
-from kvfabric.pages import Scratch
+from kvfabric.host.pages import Scratch
+from kvfabric.kv.layout import KVLayout
 from kvfabric.tiers.stack import TierStack
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16")
 DECLARATIONS = ("is_trusted", "is_read_only", "is_persistent", "is_shared", "honors_capacity", "honors_pins",
                 "is_zero_copy")
-METHODS = ("contains_many", "get", "get_into", "prefetch", "premap", "new_blob", "file_of", "put", "delete", "keys",
-           "usage", "pin", "unpin", "clear", "close")
+METHODS = ("contains_many", "get", "get_into", "prefetch", "premap", "pause_premap", "new_blob", "file_of", "put",
+           "delete", "keys", "usage", "pin", "unpin", "clear", "close")
 
 
 def make_blob(key: bytes, num_tokens: int = 16, seed: int = 0) -> bytes:
@@ -100,8 +100,9 @@ class TierContract:
     def test_premap_then_new_blob(self, tier):
         # The vLLM worker names its chunk size to the first writable tier of any kind (a P/D pool is shm only).
         tier.premap(4096)
-        tier.premap(4096, is_paused=True)
-        tier.premap(4096, is_paused=False)
+        tier.pause_premap(True)
+        tier.premap(4096)
+        tier.pause_premap(False)
         blob = tier.new_blob(4096)
         assert len(blob) == 4096
         memoryview(blob)[:1] = b"x"

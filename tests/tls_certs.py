@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvfabric.tls import TLSFiles
+from kvfabric.net.tls import TLSFiles
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Public names: `CacheEngine` (lookup / store / retrieve KV by token prefix), `Config` (typed configuration),
 `KVLayout` (a model's KV shape and dtype). They are imported on first use, so that entry points can set the
-OpenMP environment before torch loads (see kvfabric.cli).
+OpenMP environment before torch loads (see kvfabric.apps.cli).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 __all__ = ["CacheEngine", "Config", "KVLayout"]
 __version__ = "0.1.0"
-_HOMES = {"CacheEngine": "kvfabric.engine", "Config": "kvfabric.config", "KVLayout": "kvfabric.layout"}
+_HOMES = {"CacheEngine": "kvfabric.cache.engine", "Config": "kvfabric.config", "KVLayout": "kvfabric.kv.layout"}
 
 
 def __getattr__(name: str) -> Any:

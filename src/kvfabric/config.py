@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -24,7 +22,8 @@ from typing import Any, Literal
 import yaml
 
 from kvfabric.codec.registry import CodecSpecError, parse_codec
-from kvfabric.permissions import parse_mode
+from kvfabric.config_types import ByteSize, ByteSizeOrZero, ConfigError, build, env_overrides, merge
+from kvfabric.host.permissions import parse_mode
 
 ENV_PREFIX = "KVFABRIC_"
 RESERVED_ENV = {"KVFABRIC_HOME", "KVFABRIC_CONFIG"}
@@ -37,34 +36,9 @@ AdmissionName = Literal["always", "second", "tinylfu"]
 PlacementMode = Literal["write-through", "exclusive"]
 
 
-class ConfigError(ValueError):
-    pass
-
-
 def kvfabric_home() -> Path:
     """Root for kvfabric's own files: $KVFABRIC_HOME or ~/.cache/kvfabric."""
     return Path(os.environ.get("KVFABRIC_HOME") or "~/.cache/kvfabric").expanduser()
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: Any, key: str, allow_zero: bool = False) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ConfigError(f"{key}: expected a byte size like 4GiB or 512MB, got {value!r}")
-        number = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if number < 0 or (number == 0 and not allow_zero):
-        raise ConfigError(f"{key}: must be {'0 or more' if allow_zero else 'positive'}, got {value!r}")
-    return number
-
-
-ByteSize = typing.Annotated[int, "bytes"]
-ByteSizeOrZero = typing.Annotated[int, "bytes or 0"]
 
 
 def _check_codec(spec: str, key: str) -> None:
@@ -150,6 +124,8 @@ class PlacementConfig:
     promote_after: int = 1  # a chunk read from a slower tier is copied up on its k-th read there
     max_slow_reads: int = 0  # reads in flight from the tiers below the first; 0 = no cap
     slow_read_wait_s: float = 0.0  # a read waits this long for a slot, then is a miss (recompute)
+    # off by default: a connector copies what it reads by key into its engine's own cache, which then holds it
+    promote_chunk_reads: bool = False  # reads by key (read_chunk, open_chunk, read_many) promote too, as retrieve does
 
     def __post_init__(self) -> None:
         if self.promote_after < 1:
@@ -186,7 +162,7 @@ SEALABLE_TIERS = ("redis", "mooncake", "disk", "shm")
 
 @dataclass(frozen=True, slots=True)
 class SealConfig:
-    """Chunks sealed (AES-256-GCM, the chunk key as associated data: kvfabric.seal) before they reach the tiers
+    """Chunks sealed (AES-256-GCM, the chunk key as associated data: kvfabric.tiers.seal) before they reach the tiers
     named here; off while no key is set. Needs the `security` extra."""
     keys: str = ""  # base64 32-byte keys, comma-separated: the first seals, all open (set it: KVFABRIC_SEAL__KEYS)
     tiers: tuple[str, ...] = ("redis", "mooncake")  # the tiers that store sealed chunks (of redis, mooncake, disk, shm)
@@ -199,7 +175,7 @@ class SealConfig:
 
 @dataclass(frozen=True, slots=True)
 class TLSConfig:
-    """TLS of the P2P server and its clients and of the calls to the controller (kvfabric.tls); no cert: plain."""
+    """TLS of the P2P server and its clients and of the calls to the controller (kvfabric.net.tls); no cert: plain."""
     cert: str = ""  # PEM certificate this instance presents (as a P2P server, and as a client where mTLS is on)
     key: str = ""  # its private key (PEM)
     ca: str = ""  # PEM CA bundle that peers' and the controller's certificates are checked against ("" = system's)
@@ -284,7 +260,7 @@ class ServerConfig:
 
 @dataclass(frozen=True, slots=True)
 class MetricsConfig:
-    """Prometheus metrics of this process (kvfabric.metrics): off unless a port is set."""
+    """Prometheus metrics of this process (kvfabric.observe.metrics): off unless a port is set."""
     port: int = 0  # 0 = no endpoint; e.g. 9464 serves http://127.0.0.1:9464/metrics
     host: str = "127.0.0.1"  # the endpoint's address (beyond loopback: anyone on the network reads the metrics)
 
@@ -295,7 +271,7 @@ class MetricsConfig:
 
 @dataclass(frozen=True, slots=True)
 class KVEventsConfig:
-    """Chunk stored / removed events for KV-aware routers, in vLLM's wire format (kvfabric.events)."""
+    """Chunk stored / removed events for KV-aware routers, in vLLM's wire format (kvfabric.observe.events)."""
     enabled: bool = False  # track stored / removed chunks and publish them
     endpoint: str = "tcp://127.0.0.1:5557"  # ZMQ PUB; "" = collect only (the vLLM connector hands them to vLLM)
     replay_endpoint: str = ""  # ZMQ ROUTER answering replay requests from a sequence number
@@ -350,7 +326,7 @@ class Config:
     # ---- loading -----------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
-        return _build(cls, data, "")
+        return build(cls, data, "")
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> Config:
@@ -376,92 +352,11 @@ class Config:
                 raise ConfigError(f"{source}{path}: not valid YAML: {problem}{where}") from None
             if not isinstance(data, dict):
                 raise ConfigError(f"{source}{path}: the top level must be a mapping")
-        return cls.from_dict(_merge(data, env_overrides(environ)))
+        return cls.from_dict(merge(data, env_overrides(environ, ENV_PREFIX, RESERVED_ENV, RESERVED_ENV_PREFIXES)))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def merged(self, data: dict[str, Any]) -> Config:
         """This config with the keys of `data` (nested sections merged key by key) set on top, checked as usual."""
-        return Config.from_dict(_merge(self.to_dict(), data))
-
-
-def env_overrides(environ: dict[str, str]) -> dict[str, Any]:
-    """KVFABRIC_A__B=v -> {"a": {"b": "v"}} (values stay strings; _build converts and checks them)."""
-    out: dict[str, Any] = {}
-    for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES):
-            continue
-        path = name[len(ENV_PREFIX):].lower().split("__")
-        node = out
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{name}: conflicts with another variable")
-        node[path[-1]] = value
-    return out
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls, include_extras=True)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if key not in fields:
-            raise ConfigError(f"unknown config key {name!r}; allowed here: {', '.join(sorted(fields))}")
-        kwargs[key] = _convert(hints[key], value, name)
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _convert(hint: Any, value: Any, name: str) -> Any:
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, name + ".")
-    if typing.get_origin(hint) is typing.Annotated:
-        return parse_bytes(value, name, allow_zero=hint.__metadata__[0] == "bytes or 0")
-    if typing.get_origin(hint) is Literal:
-        choices = typing.get_args(hint)
-        if value not in choices:
-            raise ConfigError(f"{name}: {value!r} is not one of {', '.join(map(str, choices))}")
-        return value
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("1", "true", "yes", "on"):
-            return True
-        if str(value).lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{name}: expected true or false, got {value!r}")
-    if hint in (int, float):
-        try:
-            if isinstance(value, bool) or (hint is int and isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            return hint(value)
-        except (TypeError, ValueError):
-            kind = "an integer" if hint is int else "a number"
-            raise ConfigError(f"{name}: expected {kind}, got {value!r}") from None
-    if hint is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{name}: expected a string, got {value!r}")
-        return str(value)
-    if typing.get_origin(hint) is tuple:
-        items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)):
-            raise ConfigError(f"{name}: expected a list, got {value!r}")
-        return tuple(str(item).strip() for item in items if str(item).strip())
-    raise ConfigError(f"{name}: unsupported field type {hint}")  # pragma: no cover
+        return Config.from_dict(merge(self.to_dict(), data))

@@ -44,11 +44,11 @@ def main() -> None:
     import torch
 
     from kvfabric import Config
-    from kvfabric.builder import build_engine
+    from kvfabric.cache.builder import build_engine
     from kvfabric.config import ClusterConfig, CpuTierConfig, DiskTierConfig
     from kvfabric.engines.hf import HFEngine
-    from kvfabric.engines.runtime import layout_for
     from kvfabric.engines.model import ensure_model, load_model
+    from kvfabric.engines.runtime import layout_for
 
     torch.set_num_threads(1)  # two engines share two cores
     token = Path(args.token_file).read_text().strip()

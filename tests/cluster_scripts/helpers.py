@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from kvfabric.codec.raw import RawCodec
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
 

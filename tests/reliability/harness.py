@@ -1,5 +1,5 @@
 """Shared pieces of the reliability suite: a load thread whose every call is timed against a deadline and whose
-every retrieved chunk is checked (kvfabric.node.Workload), recovery timing, and the figure each test reports.
+every retrieved chunk is checked (kvfabric.engines.synthetic.Workload), recovery timing, and the figure each test reports.
 
 Each fault test prints one line `RELIABILITY {json}` (run pytest with -s to see them) and, when
 $KVFABRIC_TEST_RELIABILITY_REPORT names a file, appends the same JSON there: the README's reliability table is
@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvfabric.engine import CacheEngine
-from kvfabric.node import Workload
+from kvfabric.cache.engine import CacheEngine
+from kvfabric.engines.synthetic import Workload
 
 
 class Load:

@@ -7,10 +7,10 @@ import argparse
 import sys
 import threading
 
-from kvfabric.builder import build_engine
+from kvfabric.cache.builder import build_engine
 from kvfabric.config import Config
-from kvfabric.layout import KVLayout
-from kvfabric.node import MODEL_ID, SMALL_LAYOUT, Workload
+from kvfabric.engines.synthetic import MODEL_ID, SMALL_LAYOUT, Workload
+from kvfabric.kv.layout import KVLayout
 
 BIG_LAYOUT = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, dtype="float16")  # 512 KiB per 64-token chunk
 

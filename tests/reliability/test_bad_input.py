@@ -20,12 +20,12 @@ import time
 
 import pytest
 
-from kvfabric.builder import build_engine
+from kvfabric.cache.builder import build_engine
 from kvfabric.cluster import protocol as p
 from kvfabric.cluster.p2p_client import PeerClient
 from kvfabric.cluster.p2p_server import PeerServer
 from kvfabric.config import Config
-from kvfabric.node import MODEL_ID, SMALL_LAYOUT
+from kvfabric.engines.synthetic import MODEL_ID, SMALL_LAYOUT
 from kvfabric.tiers.cpu import CpuTier
 from tests.cluster_scripts.helpers import key, make_blob
 from tests.redis_fixtures import needs_redis, redis_server  # noqa: F401 - fixtures
@@ -145,7 +145,7 @@ import json, resource, struct, sys, random
 import torch
 from kvfabric.codec.cachegen import CacheGenCodec
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, parse, write_blob
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16")
 key = bytes(range(32))

@@ -7,15 +7,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from kvfabric.builder import build_engine
+from kvfabric.cache.builder import build_engine
 from kvfabric.cluster.client import ControllerClient
 from kvfabric.config import Config
-from kvfabric.node import MODEL_ID, SMALL_LAYOUT, Workload
+from kvfabric.engines.synthetic import MODEL_ID, SMALL_LAYOUT, Workload
 from tests.cluster_scripts.helpers import free_port, wait_for
 from tests.redis_fixtures import needs_redis, redis_server  # noqa: F401 - fixtures
 from tests.reliability.harness import Load, assert_clean, controller_healthy, report, time_until

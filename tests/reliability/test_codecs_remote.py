@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvfabric import Config, KVLayout
-from kvfabric.builder import build_engine
+from kvfabric.cache.builder import build_engine
 from kvfabric.codec.format import parse
 from kvfabric.codec.registry import parse_codec
 from kvfabric.config import ClusterConfig, CpuTierConfig, RedisTierConfig, ShmTierConfig

@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
+from kvfabric.cache.engine import CacheEngine
 from kvfabric.config import Config
-from kvfabric.engine import CacheEngine
-from kvfabric.node import MODEL_ID, SMALL_LAYOUT
+from kvfabric.engines.synthetic import MODEL_ID, SMALL_LAYOUT
 from tests.reliability.harness import Load, assert_clean, report, time_until
 
 pytestmark = pytest.mark.slow

@@ -11,14 +11,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from kvfabric.builder import build_engine
+from kvfabric.cache.builder import build_engine
 from kvfabric.cluster.client import ControllerClient
 from kvfabric.cluster.controller_app import create_app
 from kvfabric.config import Config
-from kvfabric.node import MODEL_ID, Workload
+from kvfabric.engines.synthetic import MODEL_ID, Workload
 from kvfabric.tiers.shm import ShmTier
 from tests.cluster_scripts.helpers import ControllerThread, free_port, wait_for
 from tests.reliability.harness import Load, assert_clean, controller_healthy, report, time_until
@@ -98,7 +97,6 @@ def test_peer_killed_mid_transfer(controller):
             load = Load(b, deadline_s=10.0, num_prompts=120).start()
             time_until(lambda: b.stats().counters.get("hit.peer", 0) > 20, 120)
             kill(a)  # b is fetching from a nearly all the time
-            killed = time.monotonic()
             dropped_s = time_until(lambda: all(i["instance_id"] != "a" for i in api.instances()), 60)
             ops_after = load.ops_after(3)
             load.stop()
@@ -144,7 +142,6 @@ def test_controller_killed_and_restarted(tmp_path):
                 tokens = writer.prompt(i)
                 a.store(tokens, writer.kv_for(tokens, 0))
             ctl = start_controller()  # same port, an empty in-memory index
-            restarted = time.monotonic()
             late = writer.prompt(119)
             recovery_s = time_until(lambda: b.lookup(late) == len(late) // 64 * 64, 60)
             load.stop()

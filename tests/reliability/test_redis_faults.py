@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvfabric.cache.engine import CacheEngine
 from kvfabric.config import Config
-from kvfabric.engine import CacheEngine
-from kvfabric.node import MODEL_ID, SMALL_LAYOUT
+from kvfabric.engines.synthetic import MODEL_ID, SMALL_LAYOUT
 from tests.redis_fixtures import needs_redis, redis_server, redis_server_factory  # noqa: F401 - fixtures
 from tests.reliability.harness import Load, assert_clean, report, time_until
 

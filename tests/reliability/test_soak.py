@@ -22,7 +22,7 @@ DURATION_S = int(os.environ.get("KVFABRIC_TEST_SOAK_S", "60"))
 def test_soak(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     plot = tmp_path / "soak.png"
-    done = subprocess.run([sys.executable, "-m", "kvfabric.cli", "bench", "soak", "--duration", str(DURATION_S),
+    done = subprocess.run([sys.executable, "-m", "kvfabric.apps.cli", "bench", "soak", "--duration", str(DURATION_S),
                            "--json", "--plot", str(plot)], env=env, capture_output=True, text=True,
                           timeout=DURATION_S + 600)
     result = json.loads(done.stdout.strip().splitlines()[-1])

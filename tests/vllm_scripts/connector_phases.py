@@ -146,7 +146,7 @@ def wait_for_chunks(cache: str, expected: int, timeout: float = 60.0) -> int:
 def model_layout(model: str):
     from transformers import AutoConfig
 
-    from kvfabric.layout import KVLayout
+    from kvfabric.kv.layout import KVLayout
 
     cfg = AutoConfig.from_pretrained(model)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -154,7 +154,7 @@ def model_layout(model: str):
 
 
 def chunk_key(model: str, tokens: list[int], index: int) -> bytes:
-    from kvfabric.hashing import chunk_keys, root_key
+    from kvfabric.kv.hashing import chunk_keys, root_key
 
     return chunk_keys(tokens, root_key(MODEL_ID, model_layout(model), CHUNK), CHUNK)[index]
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -60,6 +59,7 @@ def compare_with_hf(model: str, cache: str, tokens: list[int]) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
     from kvfabric import CacheEngine, Config
+    from kvfabric.cache.protocol import ChunkHit
     from kvfabric.config import DiskTierConfig
     from kvfabric.engines.runtime import layout_for
 
@@ -67,10 +67,14 @@ def compare_with_hf(model: str, cache: str, tokens: list[int]) -> dict:
     engine = CacheEngine(Config(chunk_size=CHUNK, tiers=("disk",), disk=DiskTierConfig(path=cache)), layout, MODEL_ID)
     # every whole chunk, both parts (retrieve would zero the window rows a continuation no longer reads); under a
     # layout without Gemma's groups the keys differ: a miss
-    hits = [engine.read_chunk(key) for key in engine.keys(tokens)[:len(tokens) // CHUNK]]
+    parts = []
+    for key in engine.keys(tokens)[:len(tokens) // CHUNK]:
+        out = torch.empty(layout.shape(CHUNK), dtype=layout.torch_dtype)
+        if not isinstance(engine.read_into(key, out), ChunkHit):
+            break
+        parts.append(out)
     engine.close()
-    hits = hits[:next((i for i, hit in enumerate(hits) if not hasattr(hit, "kv")), len(hits))]
-    stored = torch.cat([hit.kv for hit in hits], dim=3)  # [L, 2, H, T, D]
+    stored = torch.cat(parts, dim=3)  # [L, 2, H, T, D]
     num = stored.shape[3]
     torch.set_num_threads(2)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()

@@ -13,7 +13,7 @@ controller `move` of a 4k-token prompt's chunks.
 - move: POST /v1/move of a 4096-token prompt's chunks from instance A's cpu tier to instance B's cpu or disk
   tier (controller, two nodes, all on loopback); time, bytes and GB/s, beside the raw socket time of the bytes.
 - with `--tls`: the same fetches (cpu tier, and disk tier: TLS has no sendfile) over TLS (a throw-away
-  self-signed certificate, kvfabric.tls), paired with the plain P2P fetch of the same chunks in the same run: rows
+  self-signed certificate, kvfabric.net.tls), paired with the plain P2P fetch of the same chunks in the same run: rows
   with `tls: true` carry `ratio_vs_plain` (TLS throughput / plain P2P throughput; target >= 0.8).
 """
 from __future__ import annotations
@@ -31,13 +31,13 @@ import torch
 
 from kvfabric.bench.common import emit, paired, threads_note, timed
 from kvfabric.bench.vllm_server import free_port
-from kvfabric.builder import build_engine
+from kvfabric.cache.builder import build_engine
+from kvfabric.cache.engine import CacheEngine
 from kvfabric.cluster.p2p_client import PeerClient, new_buffer
 from kvfabric.cluster.p2p_server import PeerServer
 from kvfabric.codec.raw import RawCodec
 from kvfabric.config import ClusterConfig, Config, CpuTierConfig, DiskTierConfig
-from kvfabric.engine import CacheEngine
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
 
@@ -155,7 +155,7 @@ def bench_fetch(num_chunks: int, repeats: int, root: Path) -> list[dict]:
 
 def bench_fetch_tls(num_chunks: int, repeats: int, root: Path) -> list[dict]:
     """P2P fetch over TLS vs plain P2P, cpu and disk tiers, alternated in the same run."""
-    from kvfabric.tls import client_context, self_signed, server_context
+    from kvfabric.net.tls import client_context, self_signed, server_context
 
     files = self_signed(root)
     keys, blobs, cpu, disk = _served(num_chunks, root / "served-tls")

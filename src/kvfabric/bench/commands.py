@@ -1,4 +1,4 @@
-"""`kvfabric bench ...`: the benchmark commands (registered by kvfabric.cli).
+"""`kvfabric bench ...`: the benchmark commands (registered by kvfabric.apps.cli).
 
 Each prints a table by default and one JSON object per line with `--json`; every speed is reported beside a
 baseline measured in the same run. Heavy imports (models, vLLM, Redis) happen inside each command.
@@ -12,7 +12,7 @@ import click
 from kvfabric.config import Config
 from kvfabric.data.genres import TEXTS
 
-# `kvfabric --config` as the other commands take it (kvfabric.cli): the same file, the same environment
+# `kvfabric --config` as the other commands take it (kvfabric.apps.cli): the same file, the same environment
 config_option = click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
                              help="YAML config file (default: $KVFABRIC_CONFIG, then built-in defaults).")
 

@@ -43,8 +43,8 @@ from kvfabric.droidspeak.family import DroidStore
 from kvfabric.droidspeak.pair import check_pair, load_examples, load_sibling, musique_prompt
 from kvfabric.droidspeak.runtime import Block, droid_prefill, sender_prefill
 from kvfabric.droidspeak.table import load_table
-from kvfabric.research.finetune import DERIVED, ensure_finetuned
 from kvfabric.research.droidspeak_profile import profile_pair
+from kvfabric.research.finetune import DERIVED, ensure_finetuned
 
 PAIRS = {"finetuned": ("smollm2-135m-instruct", "smollm2-135m-musique")}
 COLUMNS = ["pair", "method", "block", "questions", "ttft_s", "ttft_speedup", "model_kl", "kl", "gap_closed", "gap_ans", "top1",

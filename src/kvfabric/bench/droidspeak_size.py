@@ -45,8 +45,8 @@ def fit_pair(sender, receiver, examples: list[dict], passages: int, ridge: float
 def run(pair: str, as_json: bool = False, limit: int = 3, start: int = 110, passages: int = 2,
         data: str | None = None, answer_tokens: int = 8, max_new_tokens: int = 16, profile_prompts: int = 4,
         ridge: float = 1e-3, progress: bool = True) -> list[dict]:
-    from kvfabric.bench.droidspeak import COLUMNS, _finish, report_question, score, summarize
     from kvfabric.bench.common import emit, threads_note
+    from kvfabric.bench.droidspeak import COLUMNS, _finish, report_question, score, summarize
 
     sender_name, receiver_name = SIZE_PAIRS[pair]
     console = Console(stderr=True)

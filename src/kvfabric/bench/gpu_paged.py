@@ -26,8 +26,7 @@ from kvfabric import CacheEngine, Config, KVLayout
 from kvfabric.config import CpuTierConfig, DiskTierConfig
 from kvfabric.connectors.copy_stream import make_copy_stream
 from kvfabric.connectors.paged_mover import PagedMover
-from kvfabric.connectors.paged_views import (LAYOUTS, Content, PagedSpec, content_of, gather, layer_views,
-                                             layout_order)
+from kvfabric.connectors.paged_views import LAYOUTS, Content, PagedSpec, content_of, gather, layer_views, layout_order
 
 BLOCK, CHUNK = 16, 256
 

@@ -87,7 +87,7 @@ def _cpu_seconds(pid: int) -> float:
 def _start_server(config: dict[str, Any], path: Path, cpu: int | None) -> subprocess.Popen:
     path.write_text(yaml.safe_dump(config))
     pinned = ["--cpus", str(cpu)] if cpu is not None else []
-    proc = subprocess.Popen([sys.executable, "-m", "kvfabric.cli", "server", "--config", str(path), *pinned],
+    proc = subprocess.Popen([sys.executable, "-m", "kvfabric.apps.cli", "server", "--config", str(path), *pinned],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline() if proc.stdout else ""
     if "ready" not in line:

@@ -47,7 +47,7 @@ class Fetcher:
             from kvfabric.stream import Receiver
             self.rx = Receiver(layout, MODEL_ID, buf, None)
         else:
-            from kvfabric.remote import RemoteCache
+            from kvfabric.cache.remote import RemoteCache
             self.cache = RemoteCache(Config.from_dict(args["config"]), layout, MODEL_ID, name="bench-engine")
 
     def fetch(self) -> int:
@@ -191,8 +191,8 @@ def share(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def copy(args: dict[str, Any]) -> dict[str, Any]:
-    from kvfabric.layout import KVLayout
-    from kvfabric.remote import RemoteCache
+    from kvfabric.cache.remote import RemoteCache
+    from kvfabric.kv.layout import KVLayout
     _pin(args.get("cpu"))
     layout = KVLayout(30, 3, 64, "float16")  # SmolLM2-135M's KV
     num_tokens = args["tokens"]

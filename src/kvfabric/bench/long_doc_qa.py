@@ -15,7 +15,7 @@ written in the background) follows it and is reported on its own. Each hit is de
 limit measured in the same run: load = bytes loaded / memcpy bandwidth of the same bytes, plus the suffix's own
 forward time; `limit_ratio` = TTFT / (load + suffix). `load_frac`: the bytes a hit read over its whole KV's
 bytes (about 1 with the raw codec; less on models with sliding-window layers, whose chunks before the window are
-skipped: kvfabric.chunk_parts).
+skipped: kvfabric.kv.shapes).
 """
 from __future__ import annotations
 

@@ -32,8 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from kvfabric.bench.common import save_figure, subplots
-from kvfabric.bench.soak_load import (DISK_BYTES, OP_DEADLINE_S, REDIS_BYTES, SHM_BYTES, Totals, run_load,
-                                     soak_config)
+from kvfabric.bench.soak_load import DISK_BYTES, OP_DEADLINE_S, REDIS_BYTES, SHM_BYTES, Totals, run_load, soak_config
 from kvfabric.bench.vllm_server import free_port
 
 WARMUP_SHARE = 0.2

@@ -1,5 +1,5 @@
 """The load of `kvfabric bench soak`, run in both of its processes: `--threads` threads on one CacheEngine over
-cpu + shm + disk + redis, all on the same `Workload` prompts (kvfabric.node), so the processes hit each other's
+cpu + shm + disk + redis, all on the same `Workload` prompts (kvfabric.engines.synthetic), so the processes hit each other's
 chunks. Each operation is a lookup + retrieve of the hit + store of the rest, or (2 %) a delete; every retrieved
 chunk is compared with what its key must hold (`wrong`), and a watchdog counts the operations that run past
 `OP_DEADLINE_S` (`hangs`). `python -m kvfabric.bench.soak_load DIR SHM URL SECONDS THREADS` is the second process:
@@ -47,8 +47,8 @@ def soak_config(workdir: Path, shm_name: str, redis_url: str):
 def run_load(config, duration_s: float, num_threads: int, seed: int, totals: Totals,
              per_second: list[tuple[int, int]] | None = None, on_ready=None) -> None:
     """Drive the workload from `num_threads` threads for `duration_s` (one shared engine), adding into `totals`."""
-    from kvfabric.engine import CacheEngine
-    from kvfabric.node import MODEL_ID, SMALL_LAYOUT, Workload
+    from kvfabric.cache.engine import CacheEngine
+    from kvfabric.engines.synthetic import MODEL_ID, SMALL_LAYOUT, Workload
     lock = threading.Lock()
     started_at: dict[int, float] = {}
     idents: dict[int, int] = {}

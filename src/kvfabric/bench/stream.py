@@ -35,8 +35,16 @@ def run(as_json: bool = False, plot: str | None = None, prompt_tokens: int = 204
         levels: tuple[int, ...] = (1, 3, 5, 7, 9), repeats: int = 1, quick: bool = False, trace: bool = True,
         trace_only: bool = False, ladder: tuple[int, ...] = TRACE_LADDER, trace_s: float = 10.0) -> list[dict]:
     """The three links (unless trace_only), then the fluctuating trace (bench/stream_trace.py; unless not trace)."""
-    from kvfabric.stream import (AdaptivePolicy, FixedPolicy, Receiver, ThrottledSocket, TokenBucket,
-                                 loopback_pair, prepare, send_prompt)
+    from kvfabric.stream import (
+        AdaptivePolicy,
+        FixedPolicy,
+        Receiver,
+        ThrottledSocket,
+        TokenBucket,
+        loopback_pair,
+        prepare,
+        send_prompt,
+    )
     from kvfabric.stream.policy import RAW, RECOMPUTE
     if quick:
         prompt_tokens, trace_s = min(prompt_tokens, 1024), min(trace_s, 4.0)

@@ -50,9 +50,9 @@ def run_trace(model, layout, ids: list[int], kv: torch.Tensor, recompute, recomp
               ladder: tuple[int, ...], duration_s: float, model_id: str, chunk: int, repeats: int = 3) -> list[dict]:
     """ids: the prompt and the tokens that follow it (the quality check); kv: the prompt's KV [L, 2, H, n, D]."""
     from kvfabric.bench.codec import compare
-    from kvfabric.engines.runtime import next_logprobs
     from kvfabric.codec.base import codec_for_id
     from kvfabric.codec.format import parse
+    from kvfabric.engines.runtime import next_logprobs
     from kvfabric.stream import FixedPolicy, prepare
     from kvfabric.stream.policy import RAW, RECOMPUTE, ResolutionPolicy
     n = kv.shape[3]

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from kvfabric.bench.common import drop_page_cache, emit, paired, threads_note, timed
+from kvfabric.cache.engine import CacheEngine
 from kvfabric.config import Config, CpuTierConfig, DiskTierConfig
-from kvfabric.engine import CacheEngine
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 from kvfabric.tiers.cpu import CpuTier
 
 LAYOUTS = {"smollm2-135m": KVLayout(30, 3, 64, "float16"), "llama-8b": KVLayout(32, 8, 128, "float16")}

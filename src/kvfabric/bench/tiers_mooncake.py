@@ -181,7 +181,7 @@ def _medians(fns: list, repeats: int) -> list[float]:
 
 def _bench_size(tier, raw, name: str, size: int, repeats: int) -> list[dict]:
     from kvfabric.bench.cluster import RawClient, RawServer
-    from kvfabric.pages import Scratch
+    from kvfabric.host.pages import Scratch
 
     blob = _payload(size, seed=size)
     data = np.frombuffer(blob, dtype=np.uint8)

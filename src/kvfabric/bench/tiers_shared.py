@@ -116,8 +116,8 @@ def bench_redis(url: str, sizes: Mapping[str, int] | tuple | list | None = None,
 def _sealed_rows(url: str, is_cluster: bool, timeout_s: float, plain, key: bytes, blob: bytes, name: str,
                  repeats: int) -> list[dict]:
     """The sealed redis tier vs the plain one, same bytes, same server, alternated."""
-    from kvfabric.seal import Sealer
     from kvfabric.tiers.redis import RedisTier
+    from kvfabric.tiers.seal import Sealer
     from kvfabric.tiers.sealed import SealedTier
 
     sealed = SealedTier(RedisTier(url, is_cluster=is_cluster, timeout_s=timeout_s), Sealer([os.urandom(32)]))
@@ -150,7 +150,7 @@ def _sealed_rows(url: str, is_cluster: bool, timeout_s: float, plain, key: bytes
 # ---- shm ---------------------------------------------------------------------------------------------------
 def _shm_reader(pool: str, capacity: int, root: str, key: bytes, size: int, repeats: int, conn) -> None:
     """In another process: read the chunk from the pool vs memcpy of the same bytes, both warm."""
-    from kvfabric.pages import Scratch
+    from kvfabric.host.pages import Scratch
     from kvfabric.tiers.shm import ShmTier
 
     try:

@@ -30,8 +30,16 @@ from kvfabric.bench.common import emit, emit_summary
 from kvfabric.bench.trace_data import TRACE_FILES, Trace, load_trace
 from kvfabric.bench.trace_oracles import OracleAlive, OraclePopularity
 from kvfabric.bench.trace_replay import ReplayResult, ReplaySetup, TierSpec, replay, trace_keys
-from kvfabric.bench.trace_sim import (IndexFactory, SimResult, TierConfig, TraceRun, TTFTModel, request_metas,
-                                      simulate_one_tier, simulate_two_tiers)
+from kvfabric.bench.trace_sim import (
+    IndexFactory,
+    SimResult,
+    TierConfig,
+    TraceRun,
+    TTFTModel,
+    request_metas,
+    simulate_one_tier,
+    simulate_two_tiers,
+)
 from kvfabric.config import Config, PlacementConfig
 from kvfabric.research.belady import Belady, BeladyFuture
 from kvfabric.tiers.policies import PolicyIndex, make_admission, make_eviction

@@ -27,11 +27,11 @@ import torch
 
 from kvfabric.bench.trace_data import Trace
 from kvfabric.bench.trace_sim import TraceRun, TTFTModel, p99
+from kvfabric.cache.engine import CacheEngine
 from kvfabric.codec.format import HEADER_BYTES
 from kvfabric.config import Config, PlacementConfig
-from kvfabric.engine import CacheEngine
-from kvfabric.hashing import KeySpace
-from kvfabric.layout import KVLayout
+from kvfabric.kv.hashing import KeySpace
+from kvfabric.kv.layout import KVLayout
 from kvfabric.research.belady import Belady, BeladyFuture
 from kvfabric.tiers.base import Tier
 

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from kvfabric.bench.codec import CHUNK, compare, held_out_texts
-from kvfabric.engines.runtime import load_for_inference, next_logprobs, prefill
 from kvfabric.bench.common import emit, threads_note
+from kvfabric.engines.runtime import load_for_inference, next_logprobs, prefill
 
 KEY = bytes(32)
 
@@ -119,7 +119,7 @@ def probe_memory(setting: dict, blob_path: str, warm_path: str) -> dict:
     """In a fresh process: peak extra memory of decoding the chunk in `blob_path` into a preallocated fp16 buffer,
     after a warm-up decode of `warm_path`. Returns {"rss_mb", "traced_mb"}."""
     from kvfabric.codec.format import parse
-    from kvfabric.layout import KVLayout
+    from kvfabric.kv.layout import KVLayout
     s = Setting(**setting)
     codec = s.make()
 

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvfabric.cache.engine import CacheEngine
 from kvfabric.config import Config
-from kvfabric.engine import CacheEngine
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 from kvfabric.tiers.base import Tier
 
 TAG_SHIFT = 24

@@ -23,7 +23,7 @@ class ControllerError(Exception):
 class ControllerClient:
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 2.0,
                  tls: ssl.SSLContext | None = None) -> None:
-        """`tls`: the client context (kvfabric.tls.client_context) an https:// controller is checked with."""
+        """`tls`: the client context (kvfabric.net.tls.client_context) an https:// controller is checked with."""
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s, trust_env=False,

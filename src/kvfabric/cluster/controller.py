@@ -44,7 +44,7 @@ from kvfabric.cluster.controller_app import create_app
 from kvfabric.cluster.controller_models import MAX_BODY_BYTES
 from kvfabric.cluster.controller_tenants import TenantTokens
 from kvfabric.cluster.index import open_index
-from kvfabric.tls import TLSFiles, check_exposure, client_context, is_loopback, server_context
+from kvfabric.net.tls import TLSFiles, check_exposure, client_context, is_loopback, server_context
 
 DEFAULT_PORT = 8470
 
@@ -66,7 +66,7 @@ def run_controller(host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str
     the CA the workers' P2P servers are checked against. `tenant_tokens`: the tenants' tokens file."""
     import uvicorn
 
-    from kvfabric.metrics import MetricsEndpoint
+    from kvfabric.observe.metrics import MetricsEndpoint
     check_bind(host, token)
     check_exposure(host, tls.is_enabled, insecure, "the controller")
     server_context(tls)  # a missing or unreadable file: one line now, not a uvicorn traceback

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvfabric.hashing import HASH_NAMES
+from kvfabric.kv.hashing import HASH_NAMES
 
 MAX_BODY_BYTES = 4 << 20
 MAX_TOKENS = 262_144

@@ -26,7 +26,6 @@ from typing import Any
 from fastapi import HTTPException
 
 from kvfabric.cluster.controller_guard import Metrics
-from kvfabric.cluster.controller_tenants import Caller
 from kvfabric.cluster.controller_models import (
     ClearRequest,
     CommandResponse,
@@ -51,6 +50,7 @@ from kvfabric.cluster.controller_models import (
     Selection,
     TierModel,
 )
+from kvfabric.cluster.controller_tenants import Caller
 from kvfabric.cluster.index import ChunkIndex, InstanceInfo, Namespace, TierInfo
 from kvfabric.cluster.p2p_client import PeerError, PeerPool
 

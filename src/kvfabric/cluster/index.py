@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from kvfabric.hashing import KeySpace
+from kvfabric.kv.hashing import KeySpace
 
 
 @dataclass(frozen=True, slots=True)

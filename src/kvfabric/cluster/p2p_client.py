@@ -1,7 +1,7 @@
 """Peer-to-peer chunk transfer, client side: `PeerClient`, `PeerPool`, `PeerError`, the receive buffer allocator.
 
 Client (`PeerClient`): one per peer address, thread safe, keeps up to `pool_size` idle connections. With `tls`
-(an ssl client context from kvfabric.tls) each connection is TLS, the server's certificate checked against the
+(an ssl client context from kvfabric.net.tls) each connection is TLS, the server's certificate checked against the
 CA and the address; a refused handshake is a PeerError naming the reason ("certificate verify failed: ...").
 `fetch(keys)` streams (key, blob | None) in request order, each blob a memoryview of its own new buffer; any
 failure raises `PeerError` (after yielding what did arrive), never hangs past the timeouts.
@@ -20,8 +20,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from kvfabric.cluster import protocol as p
-from kvfabric.framing import no_delay, recv_into
-from kvfabric.tls import handshake_error
+from kvfabric.net.framing import no_delay, recv_into
+from kvfabric.net.tls import handshake_error
 
 
 def new_buffer(size: int) -> memoryview:

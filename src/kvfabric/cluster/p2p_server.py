@@ -2,7 +2,7 @@
 
 `PeerServer`:
 - Binds 127.0.0.1 unless told otherwise; binding elsewhere needs a token, and TLS (`tls`, an ssl server context
-  from kvfabric.tls) unless `insecure` (then a logged warning). With TLS every connection's handshake runs on its
+  from kvfabric.net.tls) unless `insecure` (then a logged warning). With TLS every connection's handshake runs on its
   own thread within `io_timeout_s`; a refused one (a client with the wrong CA or an expired certificate, a
   plain-text client) is one logged line and counted (`tls_refused`), and the server keeps serving. A chunk kept
   as a file goes out through TLS as read blocks, not sendfile. At most `max_connections`
@@ -34,10 +34,10 @@ from collections.abc import Callable, Sequence
 
 from kvfabric.cluster import protocol as p
 from kvfabric.codec.format import fill_checksums
-from kvfabric.framing import no_delay, recv_into, send_all
-from kvfabric.counters import Counters
+from kvfabric.net.framing import no_delay, recv_into, send_all
+from kvfabric.net.tls import check_exposure, handshake_error, is_loopback
+from kvfabric.observe.counters import Counters
 from kvfabric.tiers.base import Blob, Tier
-from kvfabric.tls import check_exposure, handshake_error, is_loopback
 
 log = logging.getLogger(__name__)
 FILE_BLOCK = 4 << 20  # a chunk file read and sent in blocks of this size through TLS (sendfile cannot encrypt)

@@ -30,14 +30,14 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvfabric.counters import Counters
-from kvfabric.breaker import CircuitBreaker
 from kvfabric.cluster.client import ControllerClient, ControllerError
 from kvfabric.cluster.p2p_client import PeerError, PeerPool
 from kvfabric.cluster.protocol import MAX_KEYS
 from kvfabric.config import ClusterConfig
+from kvfabric.net.breaker import CircuitBreaker
+from kvfabric.net.tls import TLSFiles, client_context
+from kvfabric.observe.counters import Counters
 from kvfabric.tiers.base import Blob, TierBase, TierUsage
-from kvfabric.tls import TLSFiles, client_context
 
 log = logging.getLogger(__name__)
 

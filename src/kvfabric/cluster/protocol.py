@@ -25,7 +25,7 @@ Exchanges (one at a time per connection; a connection is reused for many request
 
 Bounds: request bodies (GET, CONTROL) are at most `MAX_REQUEST_BYTES` and `MAX_KEYS` keys; a CHUNK body is at
 most the receiver's `max_frame_bytes`; every read has a timeout. Token check: hmac.compare_digest.
-Exact reads, scatter-gather sends and the error types come from kvfabric.framing (shared with the KV stream).
+Exact reads, scatter-gather sends and the error types come from kvfabric.net.framing (shared with the KV stream).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import struct
 from collections.abc import Sequence
 from enum import IntEnum
 
-from kvfabric.framing import ProtocolError, recv_into
+from kvfabric.net.framing import ProtocolError, recv_into
 
 MAGIC = b"KVP2"
 VERSION = 1

@@ -30,9 +30,9 @@ from kvfabric.cluster.peer import PeerTier
 from kvfabric.cluster.worker_reporting import ObservedTier, Reporter
 from kvfabric.codec.format import ChunkFormatError, parse
 from kvfabric.config import ClusterConfig
-from kvfabric.hashing import KEY_BYTES
+from kvfabric.kv.hashing import KEY_BYTES
+from kvfabric.net.tls import TLSFiles, client_context, server_context
 from kvfabric.tiers.base import Blob, Tier
-from kvfabric.tls import TLSFiles, client_context, server_context
 
 
 def default_instance_id() -> str:

@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvfabric.cluster.client import ControllerClient, ControllerError
-from kvfabric.counters import Counters
-from kvfabric.pages import Scratch
+from kvfabric.host.pages import Scratch
+from kvfabric.observe.counters import Counters
 from kvfabric.tiers.base import Blob, Tier
 from kvfabric.tiers.policies import NO_META, AccessMeta
 

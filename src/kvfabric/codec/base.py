@@ -18,7 +18,7 @@ import torch
 from kvfabric.codec.format import ChunkFormatError, ChunkHeader
 from kvfabric.codec.raw import RawCodec, payload_bytes
 from kvfabric.codec.registry import CodecChoice, codec_for_id, entry, handles_latent
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 
 class Codec(Protocol):

@@ -11,7 +11,7 @@ Layout of a chunk blob (all integers little-endian):
     8      8     layout fingerprint
     16     20    decoded shape: 5 x uint32 [num_layers, 2, num_kv_heads, num_tokens, head_dim] (1 not 2: MLA latents)
     36     32    chunk key (so an entry stored or served under the wrong key is caught)
-    68     16    block layout of a raw payload (kvfabric.blocks.pack: all zero = token-major [L, 2, H, T, D])
+    68     16    block layout of a raw payload (kvfabric.kv.blocks.pack: all zero = token-major [L, 2, H, T, D])
     84     20    reserved (zero)
     104    8     payload length in bytes
     112    8     xxh3-64 of the payload
@@ -22,7 +22,7 @@ Version 1 blobs (before the block layouts) fail `parse` like any foreign blob: a
 again in this format.
 
 What the payload holds: the KV of the chunk's own tokens for every layer, sliding-window layers included (see
-`kvfabric.layout` for why and for which rows a load needs); the fingerprint names the layout's layer groups, so a
+`kvfabric.kv.layout` for why and for which rows a load needs); the fingerprint names the layout's layer groups, so a
 chunk of another group map is refused like one of another model.
 
 Contract: `parse` accepts a blob only if every field checks out (magic, version, lengths, both checksums, the
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from kvfabric.blocks import BlockLayout, BlockLayoutError, pack, unpack
+from kvfabric.kv.blocks import BlockLayout, BlockLayoutError, pack, unpack
 
 MAGIC = b"KVFC"
 VERSION = 2

@@ -16,13 +16,8 @@ import warnings
 
 import torch
 
-from kvfabric.codec.format import (
-    HEADER_BYTES,
-    ChunkFormatError,
-    ChunkHeader,
-    write_blob,
-)
-from kvfabric.layout import KVLayout
+from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, write_blob
+from kvfabric.kv.layout import KVLayout
 
 FP16_MAX = 65504.0
 

@@ -9,8 +9,8 @@ A caller that produces the KV itself (the vLLM connector gathers it from the pag
 A blob for process memory may be left unsealed (`with_checksums=False`: no hash on the store path; the tier
 stack fills the checksums in before the blob leaves the process, see codec.format).
 `view` is the zero-copy read: the checked payload of a blob as a tensor, valid while the blob is.
-Block layouts (kvfabric.blocks): a payload may instead hold a paged engine's blocks as they are (`blocks` in
-`new_payload` / `seal`, named in the header); `decode` converts it to [L, 2, H, T, D] (kvfabric.blocks.to_tokens,
+Block layouts (kvfabric.kv.blocks): a payload may instead hold a paged engine's blocks as they are (`blocks` in
+`new_payload` / `seal`, named in the header); `decode` converts it to [L, 2, H, T, D] (kvfabric.kv.blocks.to_tokens,
 the one conversion), and `view` of such a payload is `block_view` (the engine of that layout copies whole blocks).
 """
 from __future__ import annotations
@@ -21,11 +21,10 @@ import numpy as np
 import torch
 import xxhash
 
-from kvfabric.blocks import BlockLayout, to_tokens
-from kvfabric.codec.format import (HEADER_BYTES, ChunkFormatError, ChunkHeader, pack_header, pack_unsealed,
-                                   write_blob)
+from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, pack_header, pack_unsealed, write_blob
 from kvfabric.codec.stream_copy import copy_rows, is_streamed, rows
-from kvfabric.layout import KVLayout
+from kvfabric.kv.blocks import BlockLayout, to_tokens
+from kvfabric.kv.layout import KVLayout
 
 
 def payload_view(blob: bytearray | memoryview | bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

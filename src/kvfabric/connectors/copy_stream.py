@@ -42,7 +42,9 @@ class CopyDone(Protocol):
 class CopyStream(Protocol):
     device: torch.device
     is_staged: bool
-    num_over_budget: int
+
+    @property
+    def num_over_budget(self) -> int: ...
 
     def host_buffer(self, num_bytes: int) -> torch.Tensor: ...
 

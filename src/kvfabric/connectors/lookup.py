@@ -36,9 +36,9 @@ from pathlib import Path
 
 import msgpack
 
-from kvfabric.counters import Counters
-from kvfabric.framing import ProtocolError, recv_exact, send_all
-from kvfabric.kvcache import KeyLookup, KVCache
+from kvfabric.cache.protocol import KeyLookup, KVCache
+from kvfabric.net.framing import ProtocolError, recv_exact, send_all
+from kvfabric.observe.counters import Counters
 
 log = logging.getLogger(__name__)
 LENGTH = struct.Struct("<I")

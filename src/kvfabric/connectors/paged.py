@@ -14,11 +14,11 @@ Contract:
   segment (a partial block, or a run of whole blocks with consecutive ids) at a time straight between the two
   layouts (no temporary), and touch only the slots of tokens [start, end) - never the rest of a partially
   covered block.
-- Block layout (kvfabric.blocks): `layer.blocks` names the layer's own block layout; `save_blocks` copies the
+- Block layout (kvfabric.kv.blocks): `layer.blocks` names the layer's own block layout; `save_blocks` copies the
   blocks holding tokens [start, end) into a chunk payload slab [n, H, 2, B*D] as they are (one copy per run of
   consecutive blocks, no transpose), `load_blocks` copies such a slab back; only a partial block is copied
   slot by slot (its free slots are zero in the slab, and a load touches only the slots of [start, end)).
-- `populate(tensors)` maps every page of the tensors' memory now (`kvfabric.pages`), so
+- `populate(tensors)` maps every page of the tensors' memory now (`kvfabric.host.pages`), so
   that the first load into a block does not pay the page faults: vLLM's CPU KV cache is allocated but not
   touched until a forward writes it, and a load into a fresh engine would otherwise fault every page it writes.
 """
@@ -30,11 +30,11 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kvfabric import pages
-from kvfabric.blocks import BlockLayout, as_words, region_tokens
+from kvfabric.host import pages
+from kvfabric.kv.blocks import BlockLayout, as_words, region_tokens
 
 RegionLayout = Literal["td", "dt"]
-REGION_LAYOUTS: tuple[str, ...] = ("td", "dt")
+REGION_LAYOUTS: tuple[RegionLayout, ...] = ("td", "dt")
 
 
 class CpuPagedLayer:
@@ -170,7 +170,7 @@ def render_region(values: torch.Tensor, layout: RegionLayout) -> torch.Tensor:
 
 
 def populate(tensors: Sequence[torch.Tensor]) -> int:
-    """Map every page of the (CPU) tensors' storages for writing now, values unchanged (`kvfabric.pages`); a
+    """Map every page of the (CPU) tensors' storages for writing now, values unchanged (`kvfabric.host.pages`); a
     storage shared by several tensors once. Bytes populated."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type == "cpu"}
     for address, size in storages.items():

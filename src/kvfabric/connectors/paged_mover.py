@@ -12,19 +12,22 @@ Contract:
   CPU path's scheduler, saves only what the cache lacks).
 - `load(key, block_ids, start, end, first=, chunk_tokens=)` -> `LoadJob`, or None on a miss (the caller recomputes
   those tokens). The chunk holds chunk_tokens tokens from `first` (block-aligned); tokens [start, end) of it go
-  in. It is read and verified on the calling thread; its blocks
-  are copied into the layers on the copy stream. `job.done` is the copies' `CopyDone` (`hold_compute()`: the
-  engine's stream waits for them, the host does not); `job.finish()` waits and gives the staging back.
+  in. It is opened on the calling thread (`KVCache.open_chunk`); its blocks are copied into the layers on the copy
+  stream (through the staging buffer on a staged stream). A chunk that fails its check as it is copied
+  (`ChunkFailed` at the source's exit) is a miss: the copies already queued land, then the caller recomputes
+  those blocks. `job.done` is the copies' `CopyDone` (`hold_compute()`: the engine's stream waits for them, the
+  host does not); `job.finish()` waits and gives the staging back.
 - `load_layered(reads, block_ids)` -> `LayeredLoad` (a layer-wise load, within the step that computes the request):
-  every chunk of `reads` (each a `ChunkRead`, in prompt order, up to the first miss) is read, verified and
-  staged on the calling thread first, then the copies are queued layer by layer, so `layer_done[l]` (l's copies
-  of every chunk) lands before l + 1's: the forward's layer l waits for it alone (`hold_compute`).
+  every chunk of `reads` (each a `ChunkRead`, in prompt order, up to the first miss) is opened, copied into a
+  host buffer of the stream's pool and verified (the source's exit) on the calling thread first, then the copies
+  are queued layer by layer, so `layer_done[l]` (l's copies of every chunk) lands before l + 1's: the forward's
+  layer l waits for it alone (`hold_compute`).
 - vLLM's hybrid KV cache manager (several KV cache groups): `layer_groups` names each layer's group, and `save` /
   `load` take `group_tables` (one block table per group, each from token 0) in place of `block_ids`; a window
   layer (`window_layers`) loads only tokens from `window_from` on (vLLM holds no block of it before: its null
   block). `load_layered` moves one group only (the connector refuses layer-wise loads with several groups).
 - Whole runs of blocks are copied as they are when the chunk was written in this layout (`block_layout`), else
-  the chunk is converted once (kvfabric.blocks) and scattered token-major; chunks of any layout load.
+  the chunk is converted once (kvfabric.kv.blocks) and scattered token-major; chunks of any layout load.
 - On a CPU device the copies go straight between the layers and the chunk's payload. On a staged stream (CUDA)
   they go through pinned host buffers of the stream's pool (a copy between a device and pageable memory is not
   asynchronous), one host copy between that buffer and the chunk's payload, on the saver's or loader's thread.
@@ -33,14 +36,25 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from kvfabric.cache.protocol import BlockSource, ChunkFailed, ChunkMiss, ChunkPayload, KVCache, TokenSource
 from kvfabric.connectors.copy_stream import CopyDone, CopyStream
-from kvfabric.connectors.paged_views import (Content, block_layout, content_of, gather, load_blocks, physical_blocks,
-                                             save_blocks, scatter, zero_tail)
-from kvfabric.kvcache import ChunkHit, ChunkPayload, KVCache
-from kvfabric.pages import Scratch
+from kvfabric.connectors.paged_views import (
+    Blocks,
+    Content,
+    block_layout,
+    content_of,
+    gather,
+    load_blocks,
+    physical_blocks,
+    save_blocks,
+    scatter,
+    zero_tail,
+)
+from kvfabric.host.pages import Scratch
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +77,7 @@ class SaveJob:
             axis = self.mover.blocks[0].token_axis
             for layer in self.payload.kv:
                 zero_tail(layer, axis, self.payload.block_tokens)
-        return self.mover.engine.store_chunk(self.key, self.payload)
+        return self.mover.engine.store_chunks([(self.key, self.payload)])[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,21 +184,22 @@ class PagedMover:
         staged: list[tuple[ChunkRead, torch.Tensor, bool]] = []  # (read, its staging [L, ...], whole blocks?)
         by_tier: dict[str, int] = {}
         for read in reads:
-            hit = self.engine.read_chunk(read.key, num_tokens=read.chunk_tokens, scratch=self._scratch,
-                                         promote=False, blocks=self.block_layout)
-            if not isinstance(hit, ChunkHit):
+            source = self.engine.open_chunk(read.key, read.chunk_tokens, blocks=self.block_layout,
+                                            scratch=self._scratch)
+            if isinstance(source, ChunkMiss):
                 break
+            staging = None
             try:
-                staging = self._host_copy(hit, read)
-            finally:
-                hit.close()
-            if staging is None:  # the stored blob turned out short
+                with source:  # verified at the exit, before any of it reaches a layer
+                    staging = self._host_copy(source, read)
+            except ChunkFailed:
+                self.release(staging)  # taken when the copy ended before the check failed
                 break
-            staged.append((read, staging, hit.blocks is not None))
-            by_tier[hit.tier] = by_tier.get(hit.tier, 0) + hit.num_bytes
+            staged.append((read, staging, isinstance(source, BlockSource)))
+            by_tier[source.tier] = by_tier.get(source.tier, 0) + source.num_bytes
         layer_done = []
         for index, (view, blocks) in enumerate(zip(self.views, self.blocks)):
-            def copy(index: int = index, view: torch.Tensor = view, blocks=blocks) -> None:  # noqa: ANN001
+            def copy(index: int = index, view: torch.Tensor = view, blocks: Blocks = blocks) -> None:
                 for read, staging, is_blocks in staged:
                     if is_blocks:
                         load_blocks(blocks, block_ids, read.start, read.end, staging[index], read.first)
@@ -195,74 +210,82 @@ class PagedMover:
             layer_done.append(self.stream.record())
         return LayeredLoad(self, layer_done, [staging for _, staging, _ in staged], len(staged), by_tier)
 
-    def _host_copy(self, hit: ChunkHit, read: ChunkRead) -> torch.Tensor | None:
+    def _host_copy(self, source: TokenSource | BlockSource, read: ChunkRead) -> torch.Tensor:
         """The chunk's part in a host buffer of the stream's pool (kept until every layer's copies landed):
-        whole blocks [L, n, ...] as stored, or tokens [L, S, H, end - start, D]."""
+        whole blocks [L, n, ...] as stored, or tokens [L, S, H, end - start, D]; given back when a slab is short."""
         dtype = self.views[0].dtype
-        if hit.blocks is None:
-            source = hit.kv[:, :, :, read.start - read.first:read.end - read.first, :]
-            staging = self.stream.host_buffer(source.numel() * source.element_size()).view(dtype).view(source.shape)
-            staging.copy_(source)
+        if isinstance(source, TokenSource):
+            part = source.kv[:, :, :, read.start - read.first:read.end - read.first, :]
+            staging = self.stream.host_buffer(part.numel() * part.element_size()).view(dtype).view(part.shape)
+            staging.copy_(part)
             return staging
-        staging = None
-        for index in range(len(self.blocks)):
-            slab = hit.slab(index)
-            if slab is None:
-                self.release(staging)
-                return None
-            layer = torch.from_numpy(slab).view(dtype)
-            if staging is None:
-                whole = (len(self.blocks), *layer.shape)
-                staging = self.stream.host_buffer(layer.numel() * layer.element_size() * whole[0]).view(dtype)
-                staging = staging.view(whole)
-            staging[index].copy_(layer)
+        layer = torch.from_numpy(source.slab(0)).view(dtype)
+        staging = self.stream.host_buffer(layer.numel() * layer.element_size() * len(self.blocks)).view(dtype)
+        staging = staging.view(len(self.blocks), *layer.shape)
+        try:
+            staging[0].copy_(layer)
+            for index in range(1, len(self.blocks)):
+                staging[index].copy_(torch.from_numpy(source.slab(index)).view(dtype))
+        except ChunkFailed:
+            self.release(staging)
+            raise
         return staging
 
     def load(self, key: bytes, block_ids: Sequence[int], start: int, end: int, *, first: int, chunk_tokens: int,
              group_tables: Sequence[Sequence[int]] = (), window_from: int = 0) -> LoadJob | None:
         if not first <= start <= end <= first + chunk_tokens:
             raise ValueError(f"tokens [{start}, {end}) are not in the chunk's [{first}, {first + chunk_tokens})")
-        hit = self.engine.read_chunk(key, num_tokens=chunk_tokens, scratch=self._scratch, promote=False,
-                                     blocks=self.block_layout)
-        if not isinstance(hit, ChunkHit):
+        source = self.engine.open_chunk(key, chunk_tokens, blocks=self.block_layout, scratch=self._scratch)
+        if isinstance(source, ChunkMiss):
             return None
+        queued = _Queued()
         try:
-            dtype, staging = self.views[0].dtype, None
-            if hit.blocks is None:  # [L, S, H, T, D] from `first`: only [start, end) goes in
-                source = hit.kv[:, :, :, start - first:end - first, :]
-                staging = self._staging(source)
-                if staging is not None:
-                    staging.copy_(source)
-                    source = staging
-                chunk = source
+            with source:
+                self._queue_load(source, queued, block_ids, start, end, first, group_tables, window_from)
+        except ChunkFailed:  # what was queued lands, then the caller recomputes those blocks
+            self.stream.record().wait()
+            self.release(queued.staging)
+            return None
+        return LoadJob(self, queued.staging, self.stream.record(), source.tier, source.num_bytes)
 
-                def copy() -> None:
-                    for index, view in enumerate(self.views):
-                        lo = self._load_from(index, start, window_from)
-                        if lo < end:  # [S, H, T, D] from `start`: the layer's part from lo
-                            scatter(view, self.content, self._table(index, block_ids, group_tables), lo, end,
-                                    chunk[index][:, :, lo - start:])
+    def _queue_load(self, source: TokenSource | BlockSource, queued: _Queued, block_ids: Sequence[int], start: int,
+                    end: int, first: int, group_tables: Sequence[Sequence[int]], window_from: int) -> None:
+        """Queue the copies of tokens [start, end) of an open chunk into the layers (the staging buffer they read,
+        on a staged stream, goes into `queued` as soon as it is taken)."""
+        dtype = self.views[0].dtype
+        if isinstance(source, TokenSource):  # [L, S, H, T, D] from `first`: only [start, end) goes in
+            chunk = source.kv[:, :, :, start - first:end - first, :]
+            queued.staging = self._staging(chunk)
+            if queued.staging is not None:
+                queued.staging.copy_(chunk)
+                chunk = queued.staging
 
-                self.stream.run(copy)
-                return LoadJob(self, staging, self.stream.record(), hit.tier, hit.num_bytes)
-            # this layout's blocks, layer by layer (a slab read from a file is valid until the next one)
-            for index, blocks in enumerate(self.blocks):
-                lo = self._load_from(index, start, window_from)
-                if lo >= end:  # a window layer wholly before vLLM's first block of it: nothing to read
-                    continue
-                slab = hit.slab(index)
-                if slab is None:  # the stored blob turned out short: a miss (the caller recomputes)
-                    self.stream.record().wait()
-                    self.release(staging)
-                    return None
-                layer = torch.from_numpy(slab).view(dtype)
-                if self.stream.is_staged:
-                    if staging is None:
-                        staging = self._staging(layer.expand(len(self.blocks), *layer.shape))
-                    staging[index].copy_(layer)
-                    layer = staging[index]
-                table = self._table(index, block_ids, group_tables)
-                self.stream.run(lambda b=blocks, t=table, x=layer, lo=lo: load_blocks(b, t, lo, end, x, first))
-            return LoadJob(self, staging, self.stream.record(), hit.tier, hit.num_bytes)
-        finally:
-            hit.close()
+            def copy() -> None:
+                for index, view in enumerate(self.views):
+                    lo = self._load_from(index, start, window_from)
+                    if lo < end:  # [S, H, T, D] from `start`: the layer's part from lo
+                        scatter(view, self.content, self._table(index, block_ids, group_tables), lo, end,
+                                chunk[index][:, :, lo - start:])
+
+            self.stream.run(copy)
+            return
+        # this layout's blocks, layer by layer (a slab read from a file is valid until the next one)
+        for index, blocks in enumerate(self.blocks):
+            lo = self._load_from(index, start, window_from)
+            if lo >= end:  # a window layer wholly before vLLM's first block of it: nothing to copy
+                continue
+            layer = torch.from_numpy(source.slab(index)).view(dtype)
+            if self.stream.is_staged:
+                if queued.staging is None:
+                    queued.staging = self._staging(layer.expand(len(self.blocks), *layer.shape))
+                assert queued.staging is not None
+                queued.staging[index].copy_(layer)
+                layer = queued.staging[index]
+            self.stream.run(partial(load_blocks, blocks, self._table(index, block_ids, group_tables), lo, end, layer,
+                                    first))
+
+
+@dataclass
+class _Queued:
+    """A load's staging buffer (on a staged stream), known as soon as it is taken: given back if the load fails."""
+    staging: torch.Tensor | None = None

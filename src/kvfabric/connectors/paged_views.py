@@ -19,7 +19,7 @@ Contract:
   [B, H, N, C] or [B, N, H, C]): what a chunk in the writer's block layout stores per block. `save_blocks` /
   `load_blocks` copy runs of whole blocks of it as they are (no transpose); in a layer-compact, block-contiguous
   layout (LBHNC, LBNHC) a run is one contiguous range of memory. Such a payload is a chunk in
-  `block_layout(name, block_size)` (kvfabric.blocks family "vllm"): kvfabric.blocks converts it to any other
+  `block_layout(name, block_size)` (kvfabric.kv.blocks family "vllm"): kvfabric.kv.blocks converts it to any other
   layout, exactly, so a chunk saved in one layout loads into every other; an MLA latent (H = 1) the same way.
 """
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Literal
 
 import torch
 
-from kvfabric.blocks import BlockLayout
 from kvfabric.connectors.paged import segments
-from kvfabric.layout import KVLayout
+from kvfabric.kv.blocks import BlockLayout
+from kvfabric.kv.layout import KVLayout
 
 Content = Literal["kv", "latent"]
 LOGICAL_AXES = "LBHNC"

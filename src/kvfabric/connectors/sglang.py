@@ -6,7 +6,8 @@ path:
       "tiers": ["mooncake"], "mooncake": {"master": "10.0.0.1:50051", "metadata_url": "http://10.0.0.1:8080/metadata"}}'
 
 Contract:
-- The cache: a CacheEngine (kvfabric.builder.build_engine) made when SGLang hands over its host pool, whose
+- The cache: a cache with tiers in this process (kvfabric.cache.builder.build_engine; `LocalCache`: the KVCache
+  protocol and one tier by name) made when SGLang hands over its host pool, whose
   layout reads a page as one chunk: [1, 2, 1, page_size, elements per token / 2] in the pool's dtype, chunk_size
   = page_size, raw codec. So a page is a chunk blob like any other (codec.format: checksummed header + the page's
   bytes), checked, counted and dropped when damaged by the cache's tier stack, with its metrics and events.
@@ -15,7 +16,7 @@ Contract:
   shard (TP rank for MHA pools; MLA pages are shared by the TP ranks, as in SGLang's HiCacheFile; PP, attention-CP
   and DCP ranks) and the page format: pages of other models, shards or formats never share a key.
 - Calls: the v1 batch calls (`interface_v1: 1` in the extra config) move pages between the tier and SGLang's host
-  pool. `batch_get_v1` reads `SLOTS` pages per batch (`CacheEngine.read_chunks`: one tier batch call; with the
+  pool. `batch_get_v1` reads `SLOTS` pages per batch (`KVCache.read_many`: one tier batch call; with the
   mooncake tier, straight into registered scratch buffers) and copies each verified payload into its host page;
   `batch_set_v1` skips pages the tier holds (one batched check) and stores the rest (`store_chunks`), then waits
   for the writes and answers whether the tier holds each page. Without `interface_v1`
@@ -35,19 +36,18 @@ import dataclasses
 import hashlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from kvfabric.builder import build_engine
+from kvfabric.cache.builder import build_engine
+from kvfabric.cache.protocol import ChunkFailed, ChunkPayload, LocalCache, TokenSource
 from kvfabric.config import Config, ConfigError
-from kvfabric.counters import Counters
-from kvfabric.engine import CacheEngine
-from kvfabric.kvcache import ChunkHit, ChunkPayload
-from kvfabric.layout import DTYPES, KVLayout
-from kvfabric.pages import Scratch
+from kvfabric.host.pages import Scratch
+from kvfabric.kv.layout import DTYPES, KVLayout
+from kvfabric.observe.counters import Counters
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class KVFabricStorage(HiCacheStorage):
         self.config, options = backend_config(dict(storage_config.extra_config or {}))
         self.model_id = str(options.get("model_id") or storage_config.model_name or "")
         self.tier_name = self.config.tiers[0]
-        self.cache: CacheEngine | None = None  # made when the host pool fixes the page format
+        self.cache: LocalCache | None = None  # made when the host pool fixes the page format
         self.counters = Counters()
         self._local = threading.local()
         self._namespace = b""
@@ -98,8 +98,11 @@ class KVFabricStorage(HiCacheStorage):
         name = "|".join([self.model_id, self._shard(), page_format])
         self._namespace = hashlib.sha256(NAMESPACE + b"|" + name.encode()).digest()
         if self.cache is None or self.cache.layout != layout or self.cache.chunk_size != page_size:
-            old, self.cache = self.cache, build_engine(self.config.merged({"chunk_size": page_size}), layout,
-                                                       self.model_id, name="sglang")  # type: ignore[assignment]
+            cache = build_engine(self.config.merged({"chunk_size": page_size}), layout, self.model_id, name="sglang")
+            if not isinstance(cache, LocalCache):  # backend_config refuses `mode: server`: never here
+                cache.close()
+                raise ConfigError("the SGLang backend needs a cache with its tier in this process")
+            old, self.cache = self.cache, cache
             if old is not None:
                 old.close()
         self._numel = numel
@@ -118,27 +121,34 @@ class KVFabricStorage(HiCacheStorage):
             raise RuntimeError("KVFabricStorage: register_mem_pool_host must come first (it fixes the page format)")
         return hashlib.sha256(self._namespace + page_key.encode()).digest()
 
-    def _cache(self) -> CacheEngine:
+    def _cache(self) -> LocalCache:
         if self.cache is None:
             raise RuntimeError("KVFabricStorage: register_mem_pool_host must come first (it fixes the page format)")
         return self.cache
 
     # ---- batched page I/O -------------------------------------------------------------------------------
-    def _read_pages(self, page_keys: Sequence[str]) -> Iterator[torch.Tensor | None]:
-        """Each page's verified data (flat) or None, in order; a page is a view of this thread's scratch buffers,
-        valid until the next item is asked for (the next batch reuses them)."""
+    def _read_pages(self, page_keys: Sequence[str], use: Callable[[int, torch.Tensor], object]) -> list[bool]:
+        """Hand each page's verified data (flat: [1, 2, 1, page_size, D] of this thread's scratch buffers, valid only
+        during the call) to `use(i, page)`; whether each page was there and whole when its copy ended."""
         cache = self._cache()
         scratches = getattr(self._local, "scratches", None)
         if scratches is None:
             scratches = self._local.scratches = [Scratch() for _ in range(SLOTS)]
+        found: list[bool] = []
         for start in range(0, len(page_keys), SLOTS):
             keys = [self.chunk_key(page_key) for page_key in page_keys[start:start + SLOTS]]
-            for hit in cache.read_chunks(keys, scratches[:len(keys)]):
-                if not isinstance(hit, ChunkHit):
-                    self.counters.add("miss")
-                    yield None
-                    continue
-                yield hit.kv.reshape(-1)  # [1, 2, 1, page_size, D], a contiguous view of the scratch
+            for i, source in enumerate(cache.read_many(keys, scratches[:len(keys)]), start=start):
+                if isinstance(source, TokenSource):
+                    try:
+                        with source:
+                            use(i, source.kv.reshape(-1))
+                        found.append(True)
+                        continue
+                    except ChunkFailed:  # what `use` copied is not used: the page is reported missing
+                        pass
+                self.counters.add("miss")
+                found.append(False)
+        return found
 
     def _write_pages(self, page_keys: Sequence[str], page_of: Callable[[int], torch.Tensor]) -> list[bool]:
         """Store the pages the tier lacks, each key once (a page the tier holds is left as it is, as HiCacheFile
@@ -173,12 +183,8 @@ class KVFabricStorage(HiCacheStorage):
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         page_size = self.mem_pool_host.page_size
-        results = []
-        for i, page in enumerate(self._read_pages(keys)):
-            if page is not None:
-                self.mem_pool_host.set_from_flat_data_page(int(host_indices[i * page_size]), page)
-            results.append(page is not None)
-        return results
+        return self._read_pages(keys, lambda i, page: self.mem_pool_host.set_from_flat_data_page(
+            int(host_indices[i * page_size]), page))
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
@@ -192,16 +198,15 @@ class KVFabricStorage(HiCacheStorage):
 
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
-        out: list[torch.Tensor | None] = []
-        for page, target in zip(self._read_pages(keys), target_locations or [None] * len(keys)):
-            if page is None:
-                out.append(None)
-            elif target is None:
-                out.append(page.clone())
-            else:
-                target.copy_(page.view(target.shape))
-                out.append(target)
-        return out
+        targets = list(target_locations or [None] * len(keys))
+        out: list[torch.Tensor | None] = [None] * len(keys)
+
+        def use(i: int, page: torch.Tensor) -> None:
+            target = targets[i]
+            out[i] = page.clone() if target is None else target.copy_(page.view(target.shape))
+
+        found = self._read_pages(keys, use)
+        return [page if is_found else None for page, is_found in zip(out, found)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])

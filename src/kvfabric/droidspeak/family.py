@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
+from kvfabric.cache.engine import CacheEngine
 from kvfabric.config import Config
-from kvfabric.engine import CacheEngine
-from kvfabric.hashing import family_namespace
-from kvfabric.layout import KVLayout
+from kvfabric.kv.hashing import family_namespace
+from kvfabric.kv.layout import KVLayout
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -37,12 +37,12 @@ from typing import Any
 import torch
 
 from kvfabric import CacheEngine, Config
+from kvfabric.cache.builder import build_engine
+from kvfabric.cache.remote import RemoteCache
 from kvfabric.engines.flexicache import DecodeMemoryStats, paged_kv
 from kvfabric.engines.gguf import MARKER, ModelError
 from kvfabric.engines.model import DEFAULT_MODEL, load_model
 from kvfabric.engines.runtime import BufferCache, default_num_threads, layout_for, use_fast_attention
-from kvfabric.builder import build_engine
-from kvfabric.remote import RemoteCache
 
 PREFILL_PIECE = 512  # tokens per forward when the caller wants prefill progress
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvfabric.engines.model import DEFAULT_MODEL, ensure_model, load_model
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 
 class BufferLayer(CacheLayerMixin):

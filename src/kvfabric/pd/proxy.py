@@ -23,7 +23,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvfabric.counters import Counters
+from kvfabric.observe.counters import Counters
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 

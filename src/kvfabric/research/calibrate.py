@@ -22,7 +22,7 @@ from kvfabric.codec.cachegen import profile as P
 from kvfabric.data import genres as G
 from kvfabric.engines.model import DEFAULT_MODEL
 from kvfabric.engines.runtime import layout_for, load_for_inference, prefill
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 ALPHA1 = 2.5e-5  # level-1 step scale: step = sqrt(ALPHA1^2 / Fisher), see profile.build
 CHUNK = 256

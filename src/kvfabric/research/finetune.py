@@ -38,7 +38,6 @@ from rich.console import Console
 from kvfabric.data import find_shared_data
 from kvfabric.engines.model import DerivedModel, ensure_derived
 
-
 HELDOUT_WINDOWS = 8  # x seq_len tokens of held-out passages for the KL to the base
 
 

@@ -10,7 +10,7 @@ CPU core of its own; LMCache's separate cache process).
     namespaces.py  one CacheEngine per key namespace over the server's one set of tiers (and P2P node)
     metrics.py     Prometheus collectors (per client requests, bytes, hit tokens; decode and fetch time)
 
-The engine side (protocol, pool mapping, RemoteCache) is `kvfabric.remote`, a layer below: engines and connectors
+The engine side (protocol, pool mapping, RemoteCache) is `kvfabric.cache.remote`, a layer below: engines and connectors
 import that, never this package.
 """
 from kvfabric.server.main import parse_cpus, serve

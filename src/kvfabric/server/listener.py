@@ -26,9 +26,9 @@ import threading
 import time
 from pathlib import Path
 
+from kvfabric.cache.remote import wire as P
 from kvfabric.config import ServerConfig
-from kvfabric.framing import PeerClosed, ProtocolError
-from kvfabric.remote import protocol as P
+from kvfabric.net.framing import PeerClosed, ProtocolError
 from kvfabric.server.service import Client, Refusal, Service
 
 log = logging.getLogger("kvfabric.server")

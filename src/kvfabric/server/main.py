@@ -17,8 +17,8 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
+from kvfabric.cache.remote.pool import SlotPool
 from kvfabric.config import Config
-from kvfabric.remote.pool import SlotPool
 from kvfabric.server.listener import Listener
 from kvfabric.server.service import Service
 

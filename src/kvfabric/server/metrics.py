@@ -3,13 +3,13 @@
 Per client (the name it gave in its HELLO): requests by op, bytes moved through the pool (`out` to engines on
 retrieve, `in` from engines on store), hit tokens served. Server-wide: decode seconds (into pool slots), fetch
 seconds (a tier read, or a stream's whole receive), connected clients, slots referenced. Names start with
-`kvfabric_server_`; served by kvfabric.metrics.MetricsEndpoint like every other registry.
+`kvfabric_server_`; served by kvfabric.observe.metrics.MetricsEndpoint like every other registry.
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvfabric.metrics import MetricsEndpoint
+from kvfabric.observe.metrics import MetricsEndpoint
 
 TIME_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 

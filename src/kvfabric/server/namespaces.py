@@ -15,13 +15,13 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from kvfabric.cache.engine import CacheEngine
+from kvfabric.cache.remote import wire as P
 from kvfabric.codec.base import Decoders
 from kvfabric.config import Config, ConfigError
-from kvfabric.engine import CacheEngine
-from kvfabric.framing import ProtocolError
-from kvfabric.hashing import HASH_NAMES
-from kvfabric.layout import DTYPES, KVLayout
-from kvfabric.remote import protocol as P
+from kvfabric.kv.hashing import HASH_NAMES
+from kvfabric.kv.layout import DTYPES, KVLayout
+from kvfabric.net.framing import ProtocolError
 from kvfabric.tiers.base import Tier
 from kvfabric.tiers.factory import build_tiers
 

@@ -27,13 +27,11 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfabric.codec.base import WrongLayoutError
-from kvfabric.codec.format import ChunkFormatError
+from kvfabric.cache.protocol import ChunkHit, ChunkPayload
+from kvfabric.cache.remote import wire as P
+from kvfabric.cache.remote.pool import SlotPool
 from kvfabric.config import Config
-from kvfabric.counters import Counters, merged
-from kvfabric.kvcache import ChunkPayload
-from kvfabric.remote import protocol as P
-from kvfabric.remote.pool import SlotPool
+from kvfabric.observe.counters import Counters, merged
 from kvfabric.server.metrics import ServerMetrics
 from kvfabric.server.namespaces import Namespace, Namespaces
 from kvfabric.server.slots import Holder, SlotCapError, SlotTable
@@ -72,7 +70,7 @@ class Service:
             P.LOOKUP: self.lookup, P.RETRIEVE: self.retrieve, P.LEASE: self.lease, P.COMMIT: self.commit,
             P.PREFETCH: self.prefetch, P.PIN: self.pin, P.UNPIN: self.unpin, P.STATS: self.stats,
             P.FLUSH: self.flush, P.PING: lambda *_: {"ok": True}, P.RELEASE: lambda *_: {},
-            P.FETCH_STREAM: lambda c, b, d, s: fetch_stream(self, c, b, d)}
+            P.FETCH_STREAM: lambda c, b, d, s: fetch_stream(self, c, b, d), P.HOLDS: self.holds}
 
     # ---- sessions ----------------------------------------------------------------------------------------
     def connect(self, body: dict[str, Any], peer: str) -> tuple[Client, dict[str, Any]]:
@@ -87,8 +85,7 @@ class Service:
         reclaimed = self.slots.release_all(client.holder)
         self.counters.add("slots_reclaimed", reclaimed)
         if client.pins:
-            for tier in client.space.engine.stack.tiers:
-                tier.unpin(list(client.pins.elements()))
+            client.space.engine.unpin(list(client.pins.elements()))
         self.metrics.slots_referenced.set(self.slots.usage()["referenced"])
 
     def handle(self, client: Client, op: int, body: dict[str, Any], deadline: float, send: SendChunk) -> dict:
@@ -105,9 +102,14 @@ class Service:
         present = [self.slots.contains(key) for key in keys]
         missing = [i for i, hit in enumerate(present) if not hit]
         if missing:
-            for i, hit in zip(missing, client.space.engine.stack.contains_many([keys[i] for i in missing])):
+            for i, hit in zip(missing, client.space.engine.contains([keys[i] for i in missing])):
                 present[i] = hit
         return {"chunks": present.index(False) if False in present else len(keys)}
+
+    def holds(self, client: Client, body: dict, deadline: float, send: SendChunk) -> dict:
+        """Whether each chunk is held: committed to a slot, or in a writable tier of the namespace's engine."""
+        keys = P.keys_of(body)
+        return {"held": [hit or self.slots.contains(key) for hit, key in zip(client.space.engine.holds(keys), keys)]}
 
     def _counts(self, client: Client, body: dict, keys: list[bytes] | None) -> list[int]:
         """The token count of each chunk (`tokens`, parallel to `keys` when given); each must fit a slot."""
@@ -121,10 +123,10 @@ class Service:
     def retrieve(self, client: Client, body: dict, deadline: float, send: SendChunk) -> dict:
         keys = P.keys_of(body)
         counts = self._counts(client, body, keys)
-        stack = client.space.engine.stack
+        engine = client.space.engine
         num_sent, stop = 0, "done"
-        with stack.pinned(keys):
-            stack.prefetch([key for key in keys if not self.slots.contains(key)])
+        with engine.pinned(keys):
+            engine.prefetch([key for key in keys if not self.slots.contains(key)])
             for i, (key, num_tokens) in enumerate(zip(keys, counts)):
                 if time.monotonic() > deadline:
                     stop = "deadline"
@@ -159,25 +161,16 @@ class Service:
             self.counters.add("pool_full")
             return "pool_full"
         started = time.perf_counter()
-        found = space.engine.stack.get(key)
+        with self.cpu:  # the engine reads the chunk (every part of it), verifies it and decodes it into the slot
+            got = space.engine.read_into(key, self.pool.tensor(slot, space.layout, num_tokens))
         self.metrics.fetch_seconds.labels("tier").observe(time.perf_counter() - started)
-        reason = "missing"
-        if found is not None:
-            try:
-                with self.cpu:
-                    started = time.perf_counter()
-                    space.decoders.decode(found.header, found.blob, space.layout,
-                                          self.pool.tensor(slot, space.layout, num_tokens))
-                    self.metrics.decode_seconds.observe(time.perf_counter() - started)
-                self.slots.publish(slot, key)
-                self.counters.add(f"hit.{found.tier}")
-                return slot, found.tier, len(found.blob)
-            except ChunkFormatError as exc:
-                space.engine.stack.discard(key)
-                reason = "wrong_layout" if isinstance(exc, WrongLayoutError) else "corrupt"
+        if isinstance(got, ChunkHit):
+            self.slots.publish(slot, key)
+            self.counters.add(f"hit.{got.tier}")
+            return slot, got.tier, got.num_bytes
         self._drop(slot, holder)
-        self.counters.add(f"miss.{reason}")
-        return reason
+        self.counters.add(f"miss.{got.reason}")
+        return got.reason
 
     def _drop(self, slot: int, holder: Holder | None) -> None:
         if holder is None:
@@ -206,7 +199,7 @@ class Service:
         counts = self._counts(client, body, keys or None)
         present = [False] * len(counts)  # no keys: slots for payloads whose keys come at commit
         if keys:
-            held = client.space.engine.stack.contains_many(keys, writable_only=True)
+            held = client.space.engine.holds(keys)
             present = [hit or self.slots.contains(key) for hit, key in zip(held, keys)]
         slots: list[int | None] = []
         for is_present in present:
@@ -250,7 +243,7 @@ class Service:
         space = client.space
         try:
             with self.cpu:
-                space.engine.store_chunk(key, ChunkPayload(self.pool.tensor(slot, space.layout, num_tokens), None))
+                space.engine.store_chunks([(key, ChunkPayload(self.pool.tensor(slot, space.layout, num_tokens), None))])
             self.counters.add("chunks_persisted")
         finally:
             self.slots.unhold(slot)
@@ -273,15 +266,13 @@ class Service:
     # ---- pins and stats ----------------------------------------------------------------------------------
     def pin(self, client: Client, body: dict, deadline: float, send: SendChunk) -> dict:
         keys = P.keys_of(body)
-        for tier in client.space.engine.stack.tiers:
-            tier.pin(keys)
+        client.space.engine.pin(keys)
         client.pins.update(keys)
         return {"chunks": len(keys)}
 
     def unpin(self, client: Client, body: dict, deadline: float, send: SendChunk) -> dict:
         keys = [key for key in P.keys_of(body) if client.pins[key] > 0]
-        for tier in client.space.engine.stack.tiers:
-            tier.unpin(keys)
+        client.space.engine.unpin(keys)
         client.pins.subtract(keys)
         client.pins = +client.pins
         return {"chunks": len(keys)}

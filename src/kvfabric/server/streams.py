@@ -21,10 +21,10 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from kvfabric.cache.remote import wire as P
 from kvfabric.codec.format import ChunkFormatError, parse
-from kvfabric.framing import ProtocolError, recv_exact
-from kvfabric.layout import KVLayout
-from kvfabric.remote import protocol as P
+from kvfabric.kv.layout import KVLayout
+from kvfabric.net.framing import ProtocolError, recv_exact
 from kvfabric.stream import protocol as W
 from kvfabric.stream.sender import prompt_keys
 
@@ -129,5 +129,5 @@ def _take_chunk(service: Service, space: Namespace, key: bytes, blob: bytearray,
         return None
     finally:
         service.slots.unhold(slot)
-    space.engine.stack.put(key, blob)
+    space.engine.store_blob(key, blob)
     return took

@@ -12,7 +12,7 @@
 The receiver checks every header against what the stream already told it before reading a body: kind known,
 index in order, length within the bound for that kind (a KV body is at most twice the chunk's raw size plus
 1 MiB; TOKENS exactly 4 bytes a token). A violation raises ProtocolError and the connection is dropped.
-Reading exact byte counts and the error types come from kvfabric.framing (shared with the cluster protocol).
+Reading exact byte counts and the error types come from kvfabric.net.framing (shared with the cluster protocol).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from kvfabric.framing import ProtocolError, recv_exact
+from kvfabric.net.framing import ProtocolError, recv_exact
 
 MAGIC = b"KVST"
 FRAME = struct.Struct("<4sBBHIQ")

@@ -19,7 +19,7 @@ import torch
 
 from kvfabric.codec.base import Decoders
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, parse
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 from kvfabric.stream import protocol as W
 from kvfabric.stream.sender import prompt_keys
 

@@ -22,8 +22,8 @@ from kvfabric.codec.cachegen import CacheGenCodec
 from kvfabric.codec.format import parse
 from kvfabric.codec.raw import RawCodec
 from kvfabric.codec.registry import parse_codec
-from kvfabric.hashing import KeySpace
-from kvfabric.layout import KVLayout
+from kvfabric.kv.hashing import KeySpace
+from kvfabric.kv.layout import KVLayout
 from kvfabric.stream import protocol as W
 from kvfabric.stream.policy import RAW, RECOMPUTE, Choice
 

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from kvfabric.counters import Counters
+from kvfabric.host.pages import Scratch
+from kvfabric.observe.counters import Counters
 from kvfabric.tiers.policies import IndexStats, PolicyIndex
 
 Blob = bytes | bytearray | memoryview
@@ -74,9 +75,12 @@ class Tier(Protocol):
 
     def get(self, key: bytes) -> Blob | None: ...
 
-    def premap(self, size: int, is_paused: bool = False) -> None:
-        """Blobs of `size` bytes will be asked for (`new_blob`): map them ahead, off the caller's thread, unless
-        `is_paused` (the caller's hot work runs). By default nothing: only the cpu tier recycles its buffers."""
+    def premap(self, size: int) -> None:
+        """Blobs of `size` bytes will be asked for (`new_blob`): map them ahead, off the caller's thread (by default
+        nothing: only the cpu tier recycles its buffers)."""
+
+    def pause_premap(self, is_paused: bool) -> None:
+        """While paused, premapping waits (the caller's hot work runs)."""
 
     def get_into(self, key: bytes, scratch: Scratch) -> Blob | None: ...
 
@@ -161,8 +165,11 @@ class TierBase:
     def prefetch(self, keys: Sequence[bytes]) -> None:
         """A hint that `get` will soon ask for these keys; by default nothing to do."""
 
-    def premap(self, size: int, is_paused: bool = False) -> None:
+    def premap(self, size: int) -> None:
         """A hint that `new_blob(size)` will be asked for; by default nothing to map ahead (fresh memory)."""
+
+    def pause_premap(self, is_paused: bool) -> None:
+        """By default nothing is premapped, so nothing to pause."""
 
     def file_of(self, key: bytes) -> Path | None:
         """The immutable file holding this chunk, if the tier keeps chunks as files; by default None."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvfabric.codec.format import HEADER_BYTES
-from kvfabric.counters import Counters
+from kvfabric.observe.counters import Counters
 from kvfabric.tiers.base import Blob, PolicyTier
 from kvfabric.tiers.policies import NO_META, AccessMeta, EvictionPolicy, make_index
 from kvfabric.tiers.pool import BlobPool
@@ -43,10 +43,11 @@ class CpuTier(PolicyTier):
     def new_blob(self, size: int) -> memoryview:
         return self.pool.take(size)
 
-    def premap(self, size: int, is_paused: bool = False) -> None:
+    def premap(self, size: int) -> None:
+        self.pool.expect(size)
+
+    def pause_premap(self, is_paused: bool) -> None:
         self.pool.pause(is_paused)
-        if size:
-            self.pool.expect(size)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         blobs = self._blobs

@@ -20,7 +20,7 @@ Contract:
   write of the same bytes, the difference mostly faults on the engine's thread (docs/design/measurements.md).
 - A directory deleted while running is made again by the next put (the index starts over); a full file system
   makes puts fail (False, counted by the stack) until there is room again.
-- Modes (kvfabric.permissions): the directories it makes get `mode` (default 0700: only this user), chunk files
+- Modes (kvfabric.host.permissions): the directories it makes get `mode` (default 0700: only this user), chunk files
   `mode` without execute bits (0600); a root directory that grants more than `mode` is a warning at start, an
   error with `strict`. `disk.mode: "0770"` lets a group of service users share one cache directory.
 """
@@ -34,9 +34,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from kvfabric.codec.format import HEADER_BYTES
-from kvfabric.counters import Counters
-from kvfabric.pages import Scratch
-from kvfabric.permissions import PRIVATE_DIR, check_mode, create_file, file_mode, make_private_dir
+from kvfabric.host.pages import Scratch
+from kvfabric.host.permissions import PRIVATE_DIR, check_mode, create_file, file_mode, make_private_dir
+from kvfabric.observe.counters import Counters
 from kvfabric.tiers.base import Blob, PolicyTier
 from kvfabric.tiers.policies import NO_META, AccessMeta, EvictionPolicy, make_index
 from kvfabric.tiers.pool import BlobPool

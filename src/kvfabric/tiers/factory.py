@@ -63,9 +63,9 @@ def _sealer(config: Config) -> Any:
     if not config.seal.keys:
         return None
     try:
-        from kvfabric.seal import SealKeyError, Sealer, parse_keys
+        from kvfabric.tiers.seal import Sealer, SealKeyError, parse_keys
     except ModuleNotFoundError as exc:
-        from kvfabric.extras import missing_extra
+        from kvfabric.host.extras import missing_extra
         found = missing_extra(exc)
         if found is None:
             raise

@@ -18,84 +18,42 @@ Contract:
   only refuses a single larger blob, and pin/unpin are no-ops. `delete` and `clear` force removal past a lease;
   a read racing them gets bytes whose checksum fails upstream: a counted miss.
 - Not trusted: the stack verifies every blob read from here (chunk format checksums); a damaged object is a miss.
-- Faults never reach the caller and never hang it: every client call, the client's set-up included, runs on a
-  small pool of worker threads and is waited for at most `timeout_s`. An expired wait, an RPC or transfer failure
-  is a miss / False / [False, ...] and counts toward a circuit breaker (kvfabric.breaker), as in the Redis tier.
-  The client is set up lazily, so a master that is down at start costs misses, not an error; the Mooncake client
-  reconnects to a restarted master by itself. A read that gave up waiting may still land in its buffer later:
-  that scratch buffer is let go (`Scratch.discard`), never handed out again. Failed stores are dropped and counted.
+- Faults never reach the caller and never hang it: every call to the Mooncake client, its set-up included, is
+  made under a deadline (`timeout_s`) and a circuit breaker (kvfabric.net.breaker), as in the Redis tier, by
+  `MooncakeClient` (kvfabric.tiers.mooncake_client, whose docstring has the details); a call that fails or gives
+  up is a miss / False / [False, ...]. The client is set up lazily, so a master that is down at start costs
+  misses, not an error. A read that gave up waiting may still land in its buffer later: that scratch buffer is
+  let go (`Scratch.discard`), never handed out again. Failed stores are dropped and counted.
 - `keys()` and `usage()` ask the master's admin HTTP server (`metrics_url`: /get_all_keys, /metrics); when it
   cannot be reached they answer [] and zeros.
 - Network: the client is named `<local_host>:<free port>`; the transfer engine advertises the address in
   MC_TCP_BIND_ADDRESS, which the tier sets to `local_host` when unset (otherwise Mooncake advertises the machine's
   external interface). Mooncake's own sockets (the transfer engine's ports, the master's metadata server) listen
   on all interfaces whatever is set: see the README's security notes.
-- Thread safe: the Mooncake client is; the tier's own state has a lock.
+- Thread safe: the Mooncake client is; `MooncakeClient`'s own state has a lock. The tier's only state, the size
+  hint, needs none: a lost update costs a read again.
 """
 from __future__ import annotations
 
-import logging
-import os
 import re
-import socket
-import threading
-import time
 import urllib.request
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import contextmanager
-from typing import Any, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
-from kvfabric.breaker import CircuitBreaker
 from kvfabric.config import MooncakeTierConfig
-from kvfabric.counters import Counters
-from kvfabric.pages import Scratch
+from kvfabric.host.pages import Scratch
+from kvfabric.net.breaker import CircuitBreaker
+from kvfabric.observe.counters import Counters
 from kvfabric.tiers.base import Blob, TierBase, TierUsage
-
-log = logging.getLogger(__name__)
+from kvfabric.tiers.mooncake_client import BUFFER_TOO_SMALL, OBJECT_NOT_FOUND, MooncakeClient, address_of
 
 PREFIX = "kvf:"
-OBJECT_NOT_FOUND = -704
-BUFFER_TOO_SMALL = -600  # INVALID_PARAMS: what get_into answers when the object is larger than the buffer
-FAULTS = frozenset({-1, -800, -900})  # internal error, transfer failed, RPC failed: the master or a peer is gone
-MAX_REGISTERED = 8
-NUM_THREADS = 4
-CLOSE_TIMEOUT_S = 10.0  # the client's close takes seconds (it stops its heartbeat); unmounting must finish
-T = TypeVar("T")
-
-
-class _Unavailable(Exception):
-    """Internal: the call was not made or did not answer in time (breaker open, deadline passed, fault)."""
-
-
-class _Fault(Exception):
-    """Internal: the client answered with a code meaning the master or a peer could not be reached."""
 
 
 def object_key(key: bytes) -> str:
     return PREFIX + key.hex()
-
-
-def address_of(buf: Blob) -> int:
-    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
-
-
-def _checked(codes: T) -> T:
-    """The client's return code(s), unless one says the master or a peer could not be reached."""
-    for code in codes if isinstance(codes, list) else [codes]:
-        if code in FAULTS:
-            raise _Fault(code)
-    return codes
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class MooncakeTier(TierBase):
@@ -113,29 +71,17 @@ class MooncakeTier(TierBase):
                  capacity_bytes: int = 2**40, breaker_failures: int = 3, backoff_max_s: float = 30.0) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except ImportError as exc:
-            raise ImportError("the mooncake tier needs the Mooncake client: pip install 'kvfabric[mooncake]' "
-                              "(mooncake-transfer-engine-non-cuda) and Debian's libibverbs1") from exc
-        self._make_store = MooncakeDistributedStore
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_host)  # read by the transfer engine at client set-up
         self.master, self.metadata_url = master, metadata_url
         self.metrics_url = (metrics_url or f"http://{master.rsplit(':', 1)[0]}:9003").rstrip("/")
         self.protocol, self.rdma_devices, self.local_host = protocol, rdma_devices, local_host
         self.segment_bytes, self.buffer_bytes = segment_bytes, buffer_bytes
-        self.timeout_s = float(timeout_s)
         self.capacity_bytes = capacity_bytes
         self.counters = Counters()
-        self.breaker = CircuitBreaker(breaker_failures, backoff_max_s)
-        self._pool = ThreadPoolExecutor(NUM_THREADS, thread_name_prefix="kvfabric-mooncake")
-        self._lock = threading.Lock()
-        self._store: Any = None
-        self._setup: Future | None = None
-        self._registered: OrderedDict[int, bytearray] = OrderedDict()  # address -> the scratch buffer there
+        breaker = CircuitBreaker(breaker_failures, backoff_max_s)
+        self.client = MooncakeClient(master, metadata_url, protocol=protocol, rdma_devices=rdma_devices,
+                                     local_host=local_host, segment_bytes=segment_bytes, buffer_bytes=buffer_bytes,
+                                     timeout_s=float(timeout_s), breaker=breaker, counters=self.counters)
         self._size_hint = 0  # the largest object read so far: chunks of one tier are nearly all the same size
-        self._inflight: set[Future] = set()  # calls that may still be inside the client: close waits for them
-        self._closed = False
 
     @classmethod
     def from_config(cls, c: MooncakeTierConfig) -> MooncakeTier:
@@ -144,95 +90,23 @@ class MooncakeTier(TierBase):
                    buffer_bytes=c.buffer, timeout_s=c.timeout_s, capacity_bytes=c.capacity,
                    breaker_failures=c.breaker_failures, backoff_max_s=c.backoff_max_s)
 
-    # ---- the client, and calls to it under a deadline and the breaker -------------------------------------
-    def _submit(self, fn: Callable[..., T], *args: Any) -> Future:
-        future = self._pool.submit(fn, *args)
-        self._inflight.add(future)  # no lock: callers may hold self._lock; set.add and discard are atomic
-        future.add_done_callback(self._inflight.discard)
-        return future
+    # The deadline and the breaker live in the client, which reads them at each call: setting them here (as the
+    # tests do, and operators may) applies to the next call, as when they were the tier's own attributes.
+    @property
+    def timeout_s(self) -> float:
+        return self.client.timeout_s
 
-    def _connect(self) -> Any:
-        """Runs on a worker: make and set up the client (talks to the master; seconds to fail when it is down)."""
-        store = self._make_store()
-        hostname = f"{self.local_host}:{_free_port(self.local_host)}"
-        try:
-            code = store.setup(hostname, self.metadata_url, self.segment_bytes, self.buffer_bytes, self.protocol,
-                               self.rdma_devices, self.master)
-        except BaseException:
-            store.close()
-            raise
-        with self._lock:
-            if code == 0 and not self._closed:
-                self._store = store
-                return store
-        store.close()
-        raise _Fault(code)
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self.client.timeout_s = value
 
-    def _client(self, deadline: float) -> Any:
-        store = self._store
-        if store is not None:
-            return store
-        with self._lock:
-            if self._setup is None or self._setup.done():  # the first try, or the last one failed
-                self._setup = self._submit(self._connect)
-            setup = self._setup
-        return setup.result(timeout=max(0.0, deadline - time.monotonic()))
+    @property
+    def breaker(self) -> CircuitBreaker:
+        return self.client.breaker
 
-    def _call(self, op: str, fn: Callable[[Any], T]) -> T:
-        """fn(client) on a worker, waited for until the deadline; raise _Unavailable after counting a failure."""
-        if self._closed or not self.breaker.allow():
-            self.counters.add(f"{op}.skipped")
-            raise _Unavailable
-        deadline = time.monotonic() + self.timeout_s
-        future: Future | None = None
-        try:
-            future = self._submit(fn, self._client(deadline))
-            result = future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except (FutureTimeout, _Fault) as exc:
-            if future is not None:
-                future.cancel()  # still queued behind stuck calls: never run it
-            self.counters.add(f"{op}.{'timeouts' if isinstance(exc, FutureTimeout) else 'errors'}")
-            if self.breaker.failure():
-                self.counters.add("breaker.opened")
-                log.warning("mooncake master %s unreachable (%s %s); circuit open", self.master,
-                            type(exc).__name__, exc)
-            raise _Unavailable from exc
-        if self.breaker.success():
-            self.counters.add("breaker.closed")
-            log.warning("mooncake master %s reachable again; circuit closed", self.master)
-        return result
-
-    @contextmanager
-    def _transient(self, store: Any, addresses: Sequence[int], sizes: Sequence[int]) -> Iterator[None]:
-        """Buffers registered for one call where the transport needs it (RDMA); nothing to do over TCP."""
-        if self.protocol == "tcp":
-            yield
-            return
-        for address, size in zip(addresses, sizes):
-            store.register_buffer(address, size)
-        try:
-            yield
-        finally:
-            for address in addresses:
-                store.unregister_buffer(address)
-
-    def _scratch_buffers(self, scratches: Sequence[Scratch], size: int) -> tuple[list[bytearray], list[int], list[int],
-                                                                                 list[int]]:
-        """Each scratch's whole buffer (at least `size` bytes) and its address; the addresses to register with the
-        client (first seen) and to unregister (pushed out of the MAX_REGISTERED most recent)."""
-        bufs = [scratch.view(size).obj for scratch in scratches]
-        addresses = [address_of(buf) for buf in bufs]
-        new: list[int] = []
-        with self._lock:
-            for buf, address in zip(bufs, addresses):
-                if address in self._registered:
-                    self._registered.move_to_end(address)
-                else:
-                    self._registered[address] = buf
-                    new.append(address)
-                    self.counters.add("buffers.registered")
-            old = [self._registered.popitem(last=False)[0] for _ in range(len(self._registered) - MAX_REGISTERED)]
-        return bufs, addresses, new, old
+    @breaker.setter
+    def breaker(self, value: CircuitBreaker) -> None:
+        self.client.breaker = value
 
     # ---- Tier protocol -----------------------------------------------------------------------------------
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -240,7 +114,7 @@ class MooncakeTier(TierBase):
             return []
         names = [object_key(key) for key in keys]
         try:
-            return [code == 1 for code in self._call("contains", lambda s: _checked(s.batch_is_exist(names)))]
+            return [code == 1 for code in self.client.call("contains", lambda s: s.batch_is_exist(names))]
         except Exception:  # noqa: BLE001 - a fault is a miss, never an error for the caller
             return [False] * len(keys)
 
@@ -272,10 +146,10 @@ class MooncakeTier(TierBase):
         size = self._size_hint or next((n for n in map(self._size_of, names) if n > 0), -1)
         if size <= 0:
             return [None] * len(keys)
+        bufs = [scratch.view(size).obj for scratch in scratches]  # each scratch's whole buffer, >= size bytes
         if register:
-            bufs, addresses, new, old = self._scratch_buffers(scratches, size)
+            addresses, new, old = self.client.keep_registered(bufs)
         else:
-            bufs = [scratch.view(size).obj for scratch in scratches]
             addresses, new, old = [address_of(buf) for buf in bufs], [], []
         sizes = [len(buf) for buf in bufs]
 
@@ -286,12 +160,12 @@ class MooncakeTier(TierBase):
             for address in new:  # a failed registration is not fatal: TCP reads unregistered memory too
                 store.register_buffer(address, sizes[addresses.index(address)])
             if len(names) == 1 and (register or self.protocol == "tcp"):  # the single call, nothing to register
-                return _checked([store.get_into(names[0], addresses[0], sizes[0])])
-            with self._transient(store, [] if register else addresses, sizes):
-                return _checked(store.batch_get_into(names, addresses, sizes))
+                return [store.get_into(names[0], addresses[0], sizes[0])]
+            with self.client.transient(store, [] if register else addresses, sizes):
+                return store.batch_get_into(names, addresses, sizes)
 
         try:
-            codes = self._call("get", run)
+            codes = self.client.call("get", run)
         except Exception:  # noqa: BLE001
             for scratch in scratches:
                 scratch.discard()  # a transfer that did not answer in time may still land there
@@ -310,7 +184,7 @@ class MooncakeTier(TierBase):
 
     def _size_of(self, name: str) -> int:
         try:
-            size = self._call("size", lambda s: _checked(s.get_size(name)))
+            size = self.client.call("size", lambda s: s.get_size(name))
         except Exception:  # noqa: BLE001
             return -1
         if size > 0:
@@ -337,13 +211,13 @@ class MooncakeTier(TierBase):
 
         def run(store: Any) -> list[int]:
             addresses = [data.ctypes.data for data in arrays]
-            with self._transient(store, addresses, sizes):
+            with self.client.transient(store, addresses, sizes):
                 if len(names) == 1:
-                    return _checked([store.upsert_from(names[0], addresses[0], sizes[0])])
-                return _checked(store.batch_upsert_from(names, addresses, sizes))
+                    return [store.upsert_from(names[0], addresses[0], sizes[0])]
+                return store.batch_upsert_from(names, addresses, sizes)
 
         try:
-            codes = self._call("put", run)
+            codes = self.client.call("put", run)
         except Exception:  # noqa: BLE001 - dropped and counted, never retried
             self.counters.add("put.dropped", len(todo))
             return results
@@ -355,7 +229,7 @@ class MooncakeTier(TierBase):
 
     def delete(self, key: bytes) -> bool:
         try:
-            return self._call("delete", lambda s: _checked(s.remove(object_key(key), True))) == 0
+            return self.client.call("delete", lambda s: s.remove(object_key(key), True)) == 0
         except Exception:  # noqa: BLE001
             return False
 
@@ -396,32 +270,11 @@ class MooncakeTier(TierBase):
     def clear(self) -> None:
         """Remove every kvf: object; other objects in the store are left alone."""
         try:
-            self._call("clear", lambda s: _checked(s.remove_by_regex(f"^{PREFIX}", True)))
+            self.client.call("clear", lambda s: s.remove_by_regex(f"^{PREFIX}", True))
         except Exception:  # noqa: BLE001
             pass
 
     def close(self) -> None:
-        """Unmount this client's segment (its objects leave the store) and stop the workers. Calls that gave up
-        waiting may still be inside the client: closing it under them crashes the process (seen in CI), so close
-        first waits for them; if they are still stuck after the close timeout, the client is left open."""
-        with self._lock:
-            self._closed = True
-            store, self._store = self._store, None
-            registered, self._registered = list(self._registered), OrderedDict()
-            inflight = list(self._inflight)
-        timeout = max(self.timeout_s, CLOSE_TIMEOUT_S)
-        if store is not None and wait(inflight, timeout=timeout).not_done:
-            log.warning("mooncake calls still running after %.1f s; the client is left open", timeout)
-            store = None
-
-        def run() -> None:
-            for address in registered:
-                store.unregister_buffer(address)
-            store.close()
-
-        if store is not None:
-            try:
-                self._pool.submit(run).result(timeout=timeout)
-            except FutureTimeout:
-                log.warning("mooncake client did not close within %.1f s", timeout)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Unmount this client's segment (its objects leave the store) and stop the workers; calls still inside
+        the client are waited for first, up to a timeout (kvfabric.tiers.mooncake_client)."""
+        self.client.close()

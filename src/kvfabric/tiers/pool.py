@@ -7,7 +7,7 @@ buffers of chunks the tier dropped.
 Contract:
 - `take(size)` returns a writable `memoryview` of exactly `size` bytes (format "B"): a recycled buffer of that
   size when one is free, else fresh memory (a numpy array whose pages are mapped before it is handed out:
-  `kvfabric.pages`).
+  `kvfabric.host.pages`).
   Byte `align_offset` of the view (a blob's payload) sits on a 64-byte boundary: streaming stores into the
   payload then fill whole cache lines.
 - `give(blob)` is called when the tier lets go of a blob (evicted, deleted, replaced, cleared). The buffer is
@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvfabric.pages import populate, populated_empty
+from kvfabric.host.pages import populate, populated_empty
 from kvfabric.tiers.base import Blob
 
 

@@ -12,7 +12,7 @@ Contract:
 - Not trusted: the stack verifies every blob read from here, so a value damaged on the server is a counted miss.
 - Faults never reach the caller and never hang it: every socket operation has `timeout_s` (connect too); a
   failed call is a miss / False / [False, ...]. After `breaker_failures` consecutive connection failures a
-  circuit breaker (kvfabric.breaker) opens: calls answer at once without touching the network, and one probe
+  circuit breaker (kvfabric.net.breaker) opens: calls answer at once without touching the network, and one probe
   call is let through after a backoff (0.1 s, doubling, capped at `backoff_max_s`); its success closes it. redis-py
   reconnects by itself, so the tier recovers when the server comes back. Failed or skipped stores are dropped
   and counted in `counters`, never retried.
@@ -28,12 +28,12 @@ from typing import Any, TypeVar
 import redis
 import redis.cluster
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ClusterError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
-from kvfabric.counters import Counters
-from kvfabric.breaker import CircuitBreaker
+from kvfabric.net.breaker import CircuitBreaker
+from kvfabric.observe.counters import Counters
 from kvfabric.tiers.base import Blob, TierBase, TierUsage
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""SealedTier: a shared tier (Redis, Mooncake) that stores every chunk sealed (kvfabric.seal: AES-256-GCM, the chunk
+"""SealedTier: a shared tier (Redis, Mooncake) that stores every chunk sealed (kvfabric.tiers.seal: AES-256-GCM, the chunk
 key as associated data), so that whoever reads the server's memory or the wire reads no prompt.
 
 Contract:
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kvfabric.counters import Counters
-from kvfabric.pages import Scratch
-from kvfabric.seal import OVERHEAD, SealError, Sealer, opened_size, sealed_size
+from kvfabric.host.pages import Scratch
+from kvfabric.observe.counters import Counters
 from kvfabric.tiers.base import Blob, Tier, TierBase, TierUsage
 from kvfabric.tiers.pool import BlobPool
+from kvfabric.tiers.seal import OVERHEAD, Sealer, SealError, opened_size, sealed_size
 
 OPENED_POOL_BYTES = 256 << 20  # free opened-blob buffers kept for reuse
 

@@ -18,7 +18,8 @@ Contract:
 - `put(key, blob, per_level, meta)`: placement decides the tiers (`levels.store`: every writable tier, or the
   first one when exclusive); `per_level` gives some tiers (by index) their own encoding of the chunk (a
   per-tier codec); the others get `blob`. The first tier is written synchronously when it is trusted (process
-  memory, cheap); every other tier is written by one background thread from a bounded queue. A full queue drops
+  memory, cheap); every other tier is written by one background thread from a bounded queue
+  (tiers/write_behind.py). A full queue drops
   the write and counts it: the engine's step never waits for disk or network. `flush()` waits for queued
   writes. Exclusive: a chunk a tier refuses (admission) goes to the next one instead, and what a policy-driven
   tier evicts is queued for the next one unchanged (demotion: same blob, no re-encoding; a demoted blob keeps
@@ -39,18 +40,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
-import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, check_payload, fill_checksums, parse
 from kvfabric.config import PlacementConfig
-from kvfabric.counters import Counters
-from kvfabric.pages import Scratch
+from kvfabric.host.pages import Scratch
+from kvfabric.observe.counters import Counters
 from kvfabric.tiers.base import Blob, RangedBlob, Tier, TierView
 from kvfabric.tiers.placement import Levels, LoadPermit, PromotionCounter, SlowReads
 from kvfabric.tiers.policies import NO_META, AccessMeta
+from kvfabric.tiers.write_behind import Write, WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +70,6 @@ class StackHit:
     is_promoted: bool = False  # read with promote: `confirm` promotes an unverified hit once its payload checks
 
 
-@dataclass(frozen=True, slots=True)
-class _Write:
-    """One queued write: `levels` in order; `kind` names the counters ("stored", "promoted", "demoted")."""
-    key: bytes
-    blob: Blob
-    levels: tuple[int, ...]
-    kind: str
-    meta: AccessMeta = NO_META
-    per_level: dict[int, Blob] = field(default_factory=dict)
-
-
 class TierStack:
     def __init__(self, tiers: Sequence[Tier], write_queue_size: int = 64,
                  placement: PlacementConfig = PlacementConfig()) -> None:
@@ -93,22 +82,15 @@ class TierStack:
         self._takes_meta = tuple(tier.is_policy_driven for tier in self.tiers)
         self._promotions = PromotionCounter(placement.promote_after)
         self._slow_reads = SlowReads(placement.max_slow_reads, placement.slow_read_wait_s)
-        self._pending: dict[bytes, tuple[Blob, int]] = {}
-        self._cancelled: dict[bytes, int] = {}  # key -> queued items of it to skip (deleted while queued)
-        self._writing: bytes | None = None  # the key the writer thread is putting now
-        self._lock = threading.Lock()
-        self._written = threading.Condition(self._lock)  # notified when the writer finishes a key
-        self._queue: queue.Queue[_Write | None] = queue.Queue(write_queue_size)
+        self._writer = WriteBehind(write_queue_size, self._put_counted, self.levels.demote_to, self.counters)
         for level, tier in enumerate(self.tiers):
             down = self.levels.demote_to(level)
             if down is not None:
                 tier.set_evict_listener(lambda key, blob, down=down: self._write(key, blob, down, "demoted"))
-        self._writer = threading.Thread(target=self._write_loop, name="kvfabric-writer", daemon=True)
-        self._writer.start()
 
     # ---- reads -------------------------------------------------------------------------------------------
     def prefix_length(self, keys: Sequence[bytes]) -> int:
-        present = [key in self._pending for key in keys]
+        present = [self._writer.is_pending(key) for key in keys]
         for tier in self.tiers:
             first = present.index(False) if False in present else len(keys)
             if first == len(keys):
@@ -119,7 +101,7 @@ class TierStack:
 
     def contains_many(self, keys: Sequence[bytes], writable_only: bool = False) -> list[bool]:
         """Which keys some tier holds; `writable_only` ignores read-only tiers (a peer's chunk is not ours)."""
-        present = [key in self._pending for key in keys]
+        present = [self._writer.is_pending(key) for key in keys]
         for tier in self.tiers:
             if writable_only and tier.is_read_only:
                 continue
@@ -156,10 +138,10 @@ class TierStack:
             if level < from_level:
                 continue
             if level == int(self.tiers[0].is_trusted):  # right after process memory, before any slow tier
-                pending = self._pending.get(key)
+                pending = self._writer.pending(key)
                 if pending is not None:
                     self.counters.add("hit.pending")
-                    return StackHit(pending[0], parse(pending[0], key, is_trusted=True), "pending")
+                    return StackHit(pending, parse(pending, key, is_trusted=True), "pending")
             if level > 0 and permit is not None and not permit.allows():
                 self.counters.add("slow_read_refused")
                 break
@@ -193,9 +175,9 @@ class TierStack:
             for level, tier in enumerate(self.tiers):
                 if level == int(self.tiers[0].is_trusted):  # queued writes: where `get` looks for them
                     for i in missing:
-                        if (pending := self._pending.get(keys[i])) is not None:
+                        if (pending := self._writer.pending(keys[i])) is not None:
                             self.counters.add("hit.pending")
-                            found[i] = StackHit(pending[0], parse(pending[0], keys[i], is_trusted=True), "pending")
+                            found[i] = StackHit(pending, parse(pending, keys[i], is_trusted=True), "pending")
                     missing = [i for i in missing if found[i] is None]
                 if not missing:
                     break
@@ -220,9 +202,7 @@ class TierStack:
             if view is not None and not view.is_current():  # rewritten while we checked it: not damage
                 self.counters.add("view_reused")
                 return None
-            log.warning("dropping damaged chunk %s from tier %s: %s", key.hex()[:16], tier.name, exc)
-            self.counters.add(f"corrupt.{tier.name}")
-            tier.delete(key)
+            self._drop(tier, key, exc)
             return None
         self.counters.add(f"hit.{tier.name}")
         self.counters.add(f"bytes_read.{tier.name}", len(blob))
@@ -238,9 +218,7 @@ class TierStack:
         try:
             check_payload(hit.blob, hit.header)
         except ChunkFormatError as exc:
-            log.warning("dropping damaged chunk %s from tier %s: %s", key.hex()[:16], hit.tier, exc)
-            self.counters.add(f"corrupt.{hit.tier}")
-            self.tiers[hit.level].delete(key)
+            self._drop(self.tiers[hit.level], key, exc)
             return False
         if hit.level > 0 and hit.is_promoted:
             self._promote(hit.level, key, hit.blob, meta)
@@ -258,13 +236,17 @@ class TierStack:
             header = parse(head, key, verify_payload=False, is_trusted=False, blob_size=reader.size)
         except ChunkFormatError as exc:
             reader.close()
-            log.warning("dropping damaged chunk %s from tier %s: %s", key.hex()[:16], tier.name, exc)
-            self.counters.add(f"corrupt.{tier.name}")
-            tier.delete(key)
+            self._drop(tier, key, exc)
             return None
         self.counters.add(f"hit.{tier.name}")
         self.counters.add(f"bytes_read.{tier.name}", reader.size)
         return StackHit(head, header, tier.name, None, False, reader, level=self.tiers.index(tier))
+
+    def _drop(self, tier: Tier, key: bytes, exc: Exception) -> None:
+        """A blob that failed its checks: deleted from the tier that served it, counted as `corrupt.<tier>`."""
+        log.warning("dropping damaged chunk %s from tier %s: %s", key.hex()[:16], tier.name, exc)
+        self.counters.add(f"corrupt.{tier.name}")
+        tier.delete(key)
 
     def _read(self, level: int, tier: Tier, key: bytes, scratch: Scratch | None, meta: AccessMeta) -> Blob | None:
         if self._takes_meta[level]:
@@ -284,7 +266,7 @@ class TierStack:
     def is_in_memory(self, key: bytes) -> bool:
         """True if `get(key)` will be served from process memory (a queued write or a trusted first tier)."""
         tier = self.tiers[0]
-        return key in self._pending or (tier.is_trusted and tier.contains_many([key])[0])
+        return self._writer.is_pending(key) or (tier.is_trusted and tier.contains_many([key])[0])
 
     def prefetch(self, keys: Sequence[bytes]) -> None:
         """Hint each tier to start reading the keys it will serve (those the faster tiers lack). Only a hint:
@@ -320,10 +302,15 @@ class TierStack:
         """A buffer for a blob about to be `put` (the first writable tier's: process memory recycles them)."""
         return self.tiers[self.levels.store[0]].new_blob(size) if self.levels.store else bytearray(size)
 
-    def premap(self, size: int, is_paused: bool = False) -> None:
-        """Blobs of `size` will be asked for: the first writable tier maps them ahead unless paused (Tier.premap)."""
+    def premap(self, size: int) -> None:
+        """Blobs of `size` will be asked for: the first writable tier maps them ahead (Tier.premap)."""
         if self.levels.store:
-            self.tiers[self.levels.store[0]].premap(size, is_paused)
+            self.tiers[self.levels.store[0]].premap(size)
+
+    def pause_premap(self, is_paused: bool) -> None:
+        """Hold the first writable tier's premapping back (the caller's hot work runs), or let it go on."""
+        if self.levels.store:
+            self.tiers[self.levels.store[0]].pause_premap(is_paused)
 
     def put(self, key: bytes, blob: Blob, per_level: dict[int, Blob] | None = None,
             meta: AccessMeta = NO_META) -> None:
@@ -346,17 +333,8 @@ class TierStack:
             levels = levels[1:]
             if not is_placed and self.levels.is_exclusive and not levels and kind != "promoted":
                 levels = self.levels.demote_to(0) or ()  # refused above: placed one tier down instead
-        if not levels:
-            return is_placed
-        with self._lock:
-            if key in self._pending:
-                return is_placed
-            try:
-                self._queue.put_nowait(_Write(key, blob, levels, kind, meta, per_level))
-            except queue.Full:
-                self.counters.add("dropped_writes")
-                return is_placed
-            self._pending[key] = (blob, len(levels))
+        if levels:
+            self._writer.queue(Write(key, blob, levels, kind, meta, per_level))
         return is_placed
 
     def _put_counted(self, level: int, key: bytes, blob: Blob, kind: str, meta: AccessMeta) -> bool:
@@ -369,69 +347,28 @@ class TierStack:
             self.counters.add(f"bytes_{kind}.{name}", len(blob))
         return True
 
-    def _write_loop(self) -> None:
-        while (job := self._queue.get()) is not None:
-            with self._lock:
-                skip = self._cancelled.get(job.key, 0)
-                if skip:
-                    if skip == 1:
-                        del self._cancelled[job.key]
-                    else:
-                        self._cancelled[job.key] = skip - 1
-                else:
-                    self._writing = job.key
-            if skip:
-                self._queue.task_done()
-                continue
-            try:
-                levels = list(job.levels)
-                for level in levels:
-                    if self._put_counted(level, job.key, job.per_level.get(level, job.blob), job.kind, job.meta):
-                        continue
-                    down = self.levels.demote_to(level) if job.kind != "promoted" else None
-                    if down is not None and level == levels[-1]:
-                        levels.extend(down)  # exclusive: refused here, placed one tier down instead
-            except Exception:  # a tier bug must not kill the writer thread
-                log.exception("background write of %s failed", job.key.hex()[:16])
-                self.counters.add("failed_writes")
-            finally:
-                with self._lock:
-                    self._pending.pop(job.key, None)
-                    self._writing = None
-                    self._written.notify_all()
-                self._queue.task_done()
-        self._queue.task_done()
-
     def delete(self, keys: Sequence[bytes]) -> list[bytes]:
         """Remove `keys` from every tier (queued writes of them cancelled); returns the keys some tier held."""
-        queued = set()
-        with self._lock:
-            for key in keys:
-                if self._writing is not None and key == self._writing:
-                    self._written.wait_for(lambda k=key: self._writing != k)
-                if self._pending.pop(key, None) is not None:
-                    self._cancelled[key] = self._cancelled.get(key, 0) + 1
-                    queued.add(key)
+        queued = self._writer.cancel(keys)
         return [key for key in keys if any([tier.delete(key) for tier in self.tiers]) or key in queued]
 
     @property
     def queue_depth(self) -> int:
         """Writes waiting for the background writer (a metric)."""
-        return self._queue.qsize()
+        return self._writer.depth
 
     @property
     def queue_capacity(self) -> int:
-        return self._queue.maxsize
+        return self._writer.capacity
 
     def flush(self) -> None:
-        self._queue.join()
+        self._writer.flush()
 
     def close(self) -> None:
-        if self._writer.is_alive():
-            self.flush()
+        if self._writer.is_running:
+            self._writer.flush()
             self._write_back()
-            self._queue.put(None)
-            self._writer.join()
+            self._writer.close()
         for tier in self.tiers:
             tier.close()
 

@@ -82,13 +82,8 @@ from kvfabric.codec.cachegen.wire import (
     pad4,
     round_to_layout,
 )
-from kvfabric.codec.format import (
-    HEADER_BYTES,
-    ChunkFormatError,
-    ChunkHeader,
-    write_blob,
-)
-from kvfabric.layout import KVLayout
+from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, write_blob
+from kvfabric.kv.layout import KVLayout
 
 
 def default_threads() -> int:

@@ -30,7 +30,7 @@ from kvfabric.codec.cachegen.wire import (
     pad4,
 )
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 
 def decode_lossy(rd: Reader, kinds: np.ndarray, lengths: np.ndarray, layout: KVLayout, o5: np.ndarray,

@@ -8,17 +8,9 @@ import torch
 
 from kvfabric.codec.cachegen.planes import decode_bytes, encode_bytes, slots_for, table_from_counts
 from kvfabric.codec.cachegen.rans import PB
-from kvfabric.codec.cachegen.wire import (
-    SEG_BYTES,
-    SEG_RAW,
-    Reader,
-    as_out,
-    bits_to_f32,
-    dtype_bits,
-    round_to_layout,
-)
+from kvfabric.codec.cachegen.wire import SEG_BYTES, SEG_RAW, Reader, as_out, bits_to_f32, dtype_bits, round_to_layout
 from kvfabric.codec.format import ChunkFormatError
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 
 def encode_lossless(kv: torch.Tensor, layout: KVLayout, out: np.ndarray) -> list[np.ndarray]:

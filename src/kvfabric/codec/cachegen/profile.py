@@ -33,7 +33,7 @@ import xxhash
 
 from kvfabric.codec.cachegen.family import NUM_SCALES
 from kvfabric.codec.cachegen.wire import DEFAULT_LEVEL, MAX_LEVEL
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 TABLES = Path(__file__).with_name("tables")
 PROFILE_VERSION = 1
@@ -152,7 +152,7 @@ def with_default_level(p: Profile, level: int) -> Profile:
 
 @lru_cache(maxsize=64)
 def _part_profile(layout: KVLayout) -> Profile | None:
-    """A part layout's profile (a chunk's window layers, kvfabric.chunk_parts): its layers' rows of the parent
+    """A part layout's profile (a chunk's window layers, kvfabric.kv.shapes): its layers' rows of the parent
     layout's shipped profile, named by the part's fingerprint."""
     parent = shipped().get(layout.part_of.parent)  # type: ignore[union-attr]
     rows = [2 * layer + kv for layer in layout.part_of.layers for kv in (0, 1)]  # type: ignore[union-attr]

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvfabric.codec.format import ChunkFormatError
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 CODEC_ID = 2
 MAGIC = b"KVCG"

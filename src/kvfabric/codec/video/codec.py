@@ -23,17 +23,17 @@ from kvfabric.codec.video.frames import Geometry, Target, balanced_tile, layout_
 from kvfabric.codec.video.stream import (
     CODEC_ID,
     FLAG_PROFILE,
+    MAGIC,
     MAX_LEVEL,
     MODE_LOSSLESS,
     MODE_NEAR,
     PRELUDE,
-    MAGIC,
     STREAM_VERSION,
     Stream,
     counted,
     write_payload,
 )
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 DEFAULT_LEVEL = 6
 

@@ -26,7 +26,7 @@ from kvfabric.codec.format import ChunkFormatError, ChunkHeader
 from kvfabric.codec.video import backends as B
 from kvfabric.codec.video.frames import Geometry, bits_to_f32
 from kvfabric.codec.video.planes import level_exponents
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 CODEC_ID = 3
 MAGIC = b"KVVD"

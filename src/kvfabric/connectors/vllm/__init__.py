@@ -25,9 +25,9 @@ Design (vLLM 0.32, CPU backend; LLM, scheduler (EngineCore) and worker are three
     scheduler  lookups by key (asking the worker's cache: ../lookup.py), per-request state, the per-step loads
                and saves
     worker     the step on the worker: starts loads, per-layer gather for saves, load errors for recompute
-    loads      background loads: chunk reads (CacheEngine.read_chunk) into pre-touched staging buffers and their
-               scatter into the paged cache; asynchronous (WAITING_FOR_REMOTE_KVS) or layer-wise within a step
-    saver      gathered chunk payloads -> CacheEngine.store_chunk on a background thread: the step never waits
+    loads      background loads: chunks opened in the cache (KVCache.open_chunk / read_chunk: verified sources) and
+               copied into the paged cache; asynchronous (WAITING_FOR_REMOTE_KVS) or layer-wise within a step
+    saver      gathered chunk payloads -> KVCache.store_chunks on a background thread: the step never waits
                for checksums, disk or network
     connector  KVFabricConnector: vLLM's hooks, delegated to the scheduler or worker side
 

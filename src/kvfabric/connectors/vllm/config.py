@@ -68,10 +68,10 @@ import torch
 from vllm.logger import init_logger
 
 from kvfabric.config import ENV_PREFIX, RESERVED_ENV, Config, ConfigError
-from kvfabric.connectors.paged import REGION_LAYOUTS, render_region
+from kvfabric.connectors.paged import REGION_LAYOUTS, RegionLayout, render_region
 from kvfabric.connectors.paged_views import LAYOUTS
 from kvfabric.engines.runtime import layout_for
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -120,13 +120,6 @@ def kv_transfer_config(extra: dict[str, Any] | None = None, kv_role: str = "kv_b
     }
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def resolve_config(extra: dict[str, Any] | None) -> tuple[Config, dict[str, Any]]:
     """Split ``kv_connector_extra_config`` into (kvfabric Config, connector options); see the module doc."""
     extra = dict(extra or {})
@@ -149,7 +142,7 @@ def resolve_config(extra: dict[str, Any] | None) -> tuple[Config, dict[str, Any]
         raise ConfigError(f"pinned_bytes: {pinned!r} is not a byte count (an integer >= 0)")
     options["kv_cache_layout"] = kv_cache_layout_option(options)
     base = Config.load(options.get("config_file"), environ=_config_environ())  # YAML + KVFABRIC_* env
-    return Config.from_dict(_merge(base.to_dict(), extra)), options
+    return base.merged(extra), options
 
 
 def kv_cache_layout_option(extra: dict[str, Any] | None) -> str:
@@ -319,7 +312,7 @@ def model_id_from_vllm(vllm_config: VllmConfig, options: dict[str, Any]) -> str:
 
 
 def detect_cpu_kv_layout(num_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                         kv_cache_dtype: str = "auto") -> tuple[str, str]:
+                         kv_cache_dtype: str = "auto") -> tuple[RegionLayout, RegionLayout]:
     """(K, V) region layouts ("td" token-major or "dt" dim-major) of vLLM's CPU attention cache, measured by
     letting the attention kernel write known keys and values into a scratch one-block cache."""
     from vllm import _custom_ops as ops
@@ -334,7 +327,7 @@ def detect_cpu_kv_layout(num_heads: int, head_dim: int, block_size: int, dtype: 
     ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(block_size, dtype=torch.int64),
                                    isa, kv_cache_dtype=kv_cache_dtype)
     regions = cache.view(num_heads, 2, block_size * head_dim)  # per head: K region, then V region
-    found = []
+    found: list[RegionLayout] = []
     for which, values in ((0, key), (1, value)):
         match = [layout for layout in REGION_LAYOUTS
                  if all(torch.equal(regions[h, which], render_region(values[:, h, :], layout))

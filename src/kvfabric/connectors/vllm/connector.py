@@ -64,6 +64,7 @@ from kvfabric.connectors.vllm.config import (
     resolve_config,
     role_of,
 )
+from kvfabric.connectors.vllm.device import DeviceWorkerSide
 from kvfabric.connectors.vllm.metrics import (
     EngineStatsSource,
     KVFabricKVEvents,
@@ -73,7 +74,6 @@ from kvfabric.connectors.vllm.metrics import (
     SchedulerEvents,
     worker_events,
 )
-from kvfabric.connectors.vllm.device import DeviceWorkerSide
 from kvfabric.connectors.vllm.scheduler import SchedulerSide, allocated_blocks
 from kvfabric.connectors.vllm.worker import WorkerSide
 

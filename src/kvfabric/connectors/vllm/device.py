@@ -36,22 +36,23 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from vllm.logger import init_logger
 
+from kvfabric.cache.protocol import KVCache
 from kvfabric.connectors.copy_stream import CopyDone, make_copy_stream
 from kvfabric.connectors.paged import blocks_of
 from kvfabric.connectors.paged_mover import ChunkRead, LayeredLoad, LoadJob, PagedMover, SaveJob
 from kvfabric.connectors.vllm.config import DEFAULT_PINNED_BYTES
-from kvfabric.connectors.vllm.loads import LoadOutcome
+from kvfabric.connectors.vllm.load_jobs import LoadOutcome, LoadState
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, LoadSpec, RequestStats
 from kvfabric.connectors.vllm.threads import release
 from kvfabric.connectors.vllm.worker import WorkerSide
-from kvfabric.counters import Counters
-from kvfabric.kvcache import KVCache
+from kvfabric.observe.counters import Counters
 
 logger = init_logger(__name__)
 
@@ -67,7 +68,7 @@ class _Copy:
 class DeviceSave:
     """One request's chunks of a step, their copies out of the device still landing (the Saver's `Save`)."""
     req_id: str
-    keys: list[bytes]
+    keys: Sequence[bytes]
     jobs: list[SaveJob]
     num_bytes: int
 
@@ -77,13 +78,8 @@ class DeviceSave:
 
 def chunk_reads(spec: LoadSpec, chunk_size: int) -> list[ChunkRead]:
     """The load's part of each of its chunks (the last may be a prompt's partial chunk)."""
-    reads = []
-    for i, key in enumerate(spec.keys):
-        first = (spec.start // chunk_size + i) * chunk_size
-        prompt = spec.num_prompt_tokens or first + chunk_size
-        reads.append(ChunkRead(key, first, max(spec.start, first), min(spec.end, first + chunk_size),
-                               max(1, min(chunk_size, prompt - first))))
-    return reads
+    state = LoadState(spec, chunk_size)
+    return [ChunkRead(key, *state.chunk_span(i), state.chunk_tokens(i)) for i, key in enumerate(spec.keys)]
 
 
 @dataclass
@@ -104,7 +100,7 @@ class _Load:
 
 
 class DeviceLoads:
-    """Asynchronous loads on one thread (PagedMover reads into one scratch buffer), and the step's layer-wise
+    """`Loads` on a device: asynchronous loads on one thread (PagedMover reads into one scratch buffer), and the step's layer-wise
     loads on the worker's thread (`load_mode` makes every load one or the other, so they never share the
     mover's scratch buffer)."""
 
@@ -161,7 +157,7 @@ class DeviceLoads:
             self._cond.notify_all()
 
     # ---- layer-wise (load_mode: layerwise): within the step, on the worker's thread ----
-    def start_layered(self, specs: list[LoadSpec]) -> None:
+    def start_layered(self, specs: Sequence[LoadSpec]) -> None:
         """Read every chunk of the step's loads and queue their copies layer by layer (`PagedMover.load_layered`)."""
         assert self.mover is not None
         for spec in specs:
@@ -246,6 +242,7 @@ class DeviceWorkerSide(WorkerSide):
         window = layout.window_layers if self.groups.is_hybrid else ()
         self.mover = PagedMover(self.engine, views, layout_name, make_copy_stream(devices[0], self.pinned_bytes),
                                 groups, window)
+        assert isinstance(self.loader, DeviceLoads)
         self.loader.bind(self.mover)
         self.engine.premap(self.chunk_size, self.mover.block_layout)
         logger.info("kvfabric: %d layers on %s in layout %s (pinned host pool %d MB)", len(views), devices[0],
@@ -287,7 +284,7 @@ class DeviceWorkerSide(WorkerSide):
             self.engine.flush(to_peers=True)
         if self.stats_path and self.meta.loads:
             self.write_stats()
-        self.engine.premap(0, is_paused=False)
+        self.step.close()  # the step's pause of the cache's premapping ends
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose blocks may be freed now: ended and every copy out of them landed, requests whose

@@ -21,6 +21,7 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,7 @@ class _Tables:
 @dataclass(frozen=True, slots=True)
 class LoadSpec(_Tables):
     req_id: str
-    keys: list[bytes]  # keys of the chunks covering [start, end), the first one holding token `start`
+    keys: Sequence[bytes]  # keys of the chunks covering [start, end), the first one holding token `start`
     start: int  # load tokens [start, end) into the request's slots
     end: int
     block_ids: list[int]  # block table from token 0, covering `end`
@@ -53,7 +54,7 @@ class LoadSpec(_Tables):
 @dataclass(frozen=True, slots=True)
 class SaveSpec(_Tables):
     req_id: str
-    keys: list[bytes]  # keys of the chunks [start, end)
+    keys: Sequence[bytes]  # keys of the chunks [start, end)
     start: int  # chunk-aligned
     end: int  # chunk-aligned, or the prompt's end (its partial last chunk, with save_partial_chunk)
     block_ids: list[int]

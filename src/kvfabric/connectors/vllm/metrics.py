@@ -2,11 +2,11 @@
 
 Metrics: the worker's engine (and the scheduler's lookups) produce `KVFabricStats` every step
 (`get_kv_connector_stats`): counter deltas, gauge values and raw latency observations under the names of
-kvfabric.metrics.METRICS. vLLM carries them to its front-end process, which calls `KVFabricPromMetrics.observe`:
+kvfabric.observe.metrics.METRICS. vLLM carries them to its front-end process, which calls `KVFabricPromMetrics.observe`:
 the metrics are made there with vLLM's own metric classes and registry (multiprocess-safe, with vLLM's
 model_name and engine labels), so `vllm serve`'s /metrics shows them beside vllm:*.
 
-KV events (`--kv-events-config`): the worker's engine tracks stored and vanished chunks (kvfabric.events) by key;
+KV events (`--kv-events-config`): the worker's engine tracks stored and vanished chunks (kvfabric.observe.events) by key;
 `get_kv_connector_kv_cache_events` hands them to the scheduler (`KVFabricKVEvents`), which knows each saved
 chunk's tokens and parent (`SchedulerEvents.planned`), turns them into vLLM's BlockStored / BlockRemoved, and
 yields them from `take_events`: vLLM's publisher sends them with its own.
@@ -14,16 +14,16 @@ yields them from `take_events`: vLLM's publisher sends them with its own.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvfabric.events import ChunkEvents
-from kvfabric.kvcache import KVCache
-from kvfabric.metrics import METRICS, engine_families
+from kvfabric.cache.protocol import KVCache
+from kvfabric.observe.events import ChunkEvents
+from kvfabric.observe.metrics import METRICS, engine_families
 
 SEP = "\x1f"  # between a metric name and its label values in a stats key
 
@@ -42,7 +42,7 @@ class KVFabricStats(KVConnectorStats):
             self.data.setdefault(part, {})
 
     def reset(self) -> None:
-        self.data = {"counters": {}, "gauges": {}, "observations": {}}
+        self.data: dict[str, Any] = {"counters": {}, "gauges": {}, "observations": {}}
 
     def is_empty(self) -> bool:
         return not (self.data["counters"] or self.data["gauges"] or self.data["observations"])
@@ -132,7 +132,7 @@ class KVFabricPromMetrics(KVConnectorPromMetrics):
                 self._metrics[name] = self._gauge_cls(name=name, documentation=spec.help, labelnames=labels,
                                                       multiprocess_mode="mostrecent")
             else:
-                from kvfabric.metrics import LATENCY_BUCKETS_S
+                from kvfabric.observe.metrics import LATENCY_BUCKETS_S
                 self._metrics[name] = self._histogram_cls(name=name, documentation=spec.help, labelnames=labels,
                                                           buckets=list(LATENCY_BUCKETS_S))
 
@@ -198,7 +198,7 @@ class SchedulerEvents:
         self._planned: dict[bytes, tuple[list[int], bytes | None]] = {}
         self._pending: list[KVCacheEvent] = []
 
-    def remember(self, req_id: str, tokens: list[int], keys: list[bytes]) -> None:
+    def remember(self, req_id: str, tokens: list[int], keys: Sequence[bytes]) -> None:
         self._requests[req_id] = (list(tokens), [bytes(k) for k in keys])
 
     def forget(self, req_id: str) -> None:

@@ -8,7 +8,7 @@ Contract:
   ``ActiveSave`` of the CPU path, a ``device.DeviceSave`` whose copies are still landing) to the thread, or
   returns False (the caller counts the drop) when the
   gathered bytes waiting would exceed `max_bytes`: the step never waits for checksums, disk or network.
-- The thread calls the save's `store()`: each chunk goes through ``CacheEngine.store_chunk`` (header and checksums, or the codec's encoding;
+- The thread calls the save's `store()`: each chunk goes through ``KVCache.store_chunks`` (header and checksums, or the codec's encoding;
   a chunk already held is skipped; slow tiers are written by the engine's own writer thread). A failing save is
   logged and counted (``save_errors``), never fatal.
 - `join()` waits until every submitted save is stored; `stop()` ends the thread after the saves queued so far.
@@ -18,16 +18,16 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from vllm.logger import init_logger
 
+from kvfabric.cache.protocol import ChunkPayload, KVCache
 from kvfabric.connectors.vllm.metadata import SaveSpec
 from kvfabric.connectors.vllm.threads import release
-from kvfabric.counters import Counters
-from kvfabric.kvcache import ChunkPayload, KVCache
+from kvfabric.observe.counters import Counters
 
 logger = init_logger(__name__)
 
@@ -43,7 +43,7 @@ class ActiveSave:
         return self.spec.req_id
 
     @property
-    def keys(self) -> list[bytes]:
+    def keys(self) -> Sequence[bytes]:
         return self.spec.keys
 
     @property
@@ -52,13 +52,16 @@ class ActiveSave:
 
     def store(self, engine: KVCache) -> int:
         """Store every chunk; the number stored (a chunk the cache held already is not)."""
-        return sum(engine.store_chunk(key, chunk) for key, chunk in zip(self.spec.keys, self.chunks))
+        return sum(engine.store_chunks(list(zip(self.spec.keys, self.chunks))))
 
 
 class Save(Protocol):
-    req_id: str
-    keys: list[bytes]
-    num_bytes: int
+    @property
+    def req_id(self) -> str: ...
+    @property
+    def keys(self) -> Sequence[bytes]: ...
+    @property
+    def num_bytes(self) -> int: ...
 
     def store(self, engine: KVCache) -> int: ...
 

@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvfabric.cache.protocol import KeyLookup
 from kvfabric.config import Config, ConfigError
 from kvfabric.connectors.lookup import LookupClient
 from kvfabric.connectors.vllm.config import PARAMS_KEY, KVGroups, Role, role_of
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, RequestStats, SaveSpec
-from kvfabric.hashing import ChunkKey, KeySpace
-from kvfabric.kvcache import KeyLookup
-from kvfabric.layout import KVLayout
+from kvfabric.kv.hashing import ChunkKey, KeySpace
+from kvfabric.kv.layout import KVLayout
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -278,6 +278,7 @@ class SchedulerSide:
 
     def _emit_load(self, meta: KVFabricMetadata, req_id: str, state: _ReqState, is_async: bool) -> None:
         cs = self.chunk_size
+        assert state.load is not None  # called only for a request with a load to emit
         start, end = state.load.start, state.load.end
         state.load = None
         state.async_end = end if is_async else 0

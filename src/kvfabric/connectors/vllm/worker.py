@@ -41,26 +41,28 @@ import os
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.logger import init_logger
 
-from kvfabric.blocks import as_words
-from kvfabric.builder import build_engine
+from kvfabric.cache.builder import build_engine
 from kvfabric.config import Config
 from kvfabric.connectors.lookup import start_lookup_service
-from kvfabric.connectors.paged import CpuPagedLayer, gather, populate, save_blocks
+from kvfabric.connectors.paged import CpuPagedLayer, RegionLayout, gather, populate, save_blocks
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE, DEFAULT_LOAD_THREADS, KVGroups, detect_cpu_kv_layout
-from kvfabric.connectors.vllm.loads import Loader, LoadOutcome
+from kvfabric.connectors.vllm.load_jobs import LoadOutcome, Loads
+from kvfabric.connectors.vllm.loads import Loader
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, RequestStats
 from kvfabric.connectors.vllm.saver import ActiveSave, Saver
 from kvfabric.connectors.vllm.threads import on_released
-from kvfabric.counters import Counters
-from kvfabric.events import ChunkEvents
-from kvfabric.layout import KVLayout
-from kvfabric.permissions import PRIVATE_FILE, create_file
+from kvfabric.host.permissions import PRIVATE_FILE, create_file
+from kvfabric.kv.blocks import as_words
+from kvfabric.kv.layout import KVLayout
+from kvfabric.observe.counters import Counters
+from kvfabric.observe.events import ChunkEvents
 
 # The worker process's GIL switch interval once the connector is attached (CPython's default: 5 ms). A load
 # thread's Python steps (a chunk's lookup, open and header checks before the native copy) each wait up to one
@@ -93,9 +95,9 @@ class WorkerSide:
         # released thread: the cache's own threads (writer, premap) inherit its placement, not the forward's core
         self.engine = on_released(lambda: build_engine(config, layout, model_id, name=f"vllm-worker-{os.getpid()}",
                                                        events=events))
-        self.layers: dict[str, tuple[int, CpuPagedLayer]] = {}
+        self.layers: dict[str, tuple[int, Any]] = {}  # name -> (layer index, CpuPagedLayer; a device's: its view)
         self.group_of: dict[int, int] = {}  # layer index -> its KV cache group (0 with one group)
-        self.region_layouts: tuple[str, str] | None = None  # (K, V), measured on first use
+        self.region_layouts: tuple[RegionLayout, RegionLayout] | None = None  # (K, V), measured on first use
         self.counters = Counters()
         self.stats_path = options.get("stats_path")
         self.options = options
@@ -112,10 +114,11 @@ class WorkerSide:
         self.step_stats: dict[str, RequestStats] = {}
         self.invalid_blocks: set[int] = set()
         self.failed_loads: set[str] = set()  # several groups: requests whose load failed (a failed receive)
+        self.step = ExitStack()  # what lasts from `bind` to `end_step` (a pause of the cache's premapping)
         self._closed = False
         atexit.register(self.close)
 
-    def _new_loader(self, options: dict[str, Any]) -> Any:
+    def _new_loader(self, options: dict[str, Any]) -> Loads:
         """The load threads (a subclass for another device brings its own)."""
         return Loader(self.engine, self.counters, self.block_size, options.get("load_threads", DEFAULT_LOAD_THREADS),
                       options.get("load_nice", DEFAULT_LOAD_NICE))
@@ -151,6 +154,7 @@ class WorkerSide:
         started = time.perf_counter()
         num_bytes = populate(list(kv_caches.values()))  # a load into a fresh engine must not fault every page
         logger.info("kvfabric: KV cache mapped (%.0f MB in %.2f s)", num_bytes / 1e6, time.perf_counter() - started)
+        assert isinstance(self.loader, Loader)  # the CPU backend's: the layers are bound here
         self.loader.bind([layer for _, layer in sorted(self.layers.values(), key=lambda item: item[0])],
                          [self.group_of[i] for i in indices], window)
         if some is not None:  # the blobs of full chunks, as `layer_save` asks for them, mapped ahead from now
@@ -174,7 +178,9 @@ class WorkerSide:
         if self.meta is None:
             return
         # the forward fills both cores on a CPU engine: mapping cache memory ahead waits until the step ends
-        self.engine.premap(0, is_paused=not self.meta.is_idle)
+        self.step.close()
+        if not self.meta.is_idle:
+            self.step.enter_context(self.engine.paused())
         for spec in self.meta.loads:
             if spec.is_async:
                 self.loader.start_async(spec)
@@ -272,7 +278,7 @@ class WorkerSide:
         if self.stats_path and self.meta is not None and self.meta.loads:
             self.write_stats()
         self.saves = []
-        self.engine.premap(0, is_paused=False)
+        self.step.close()  # the step's pause of the cache's premapping ends
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose blocks may be freed now: none, a save here never outlives its step; requests whose
@@ -314,6 +320,7 @@ class WorkerSide:
                 "tiers": [dataclasses.asdict(usage) for usage in engine.tiers]}
 
     def write_stats(self) -> None:
+        assert self.stats_path is not None
         path = Path(self.stats_path)
         # one temp file per writing thread: the saver thread and the engine thread both write (an exclusive create)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")

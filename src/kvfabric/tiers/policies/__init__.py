@@ -20,8 +20,15 @@ from kvfabric.tiers.policies.keyhash import key_hash64
 from kvfabric.tiers.policies.lfu import LFU
 from kvfabric.tiers.policies.lru import LRU
 from kvfabric.tiers.policies.s3fifo import S3FIFO
-from kvfabric.tiers.policies.types import (NO_META, AccessMeta, AdmissionPolicy, EvictionPolicy, IndexStats, Key,
-                                          prefill_cost_s)
+from kvfabric.tiers.policies.types import (
+    NO_META,
+    AccessMeta,
+    AdmissionPolicy,
+    EvictionPolicy,
+    IndexStats,
+    Key,
+    prefill_cost_s,
+)
 
 EVICTION_NAMES = ("heat", "lru", "lfu", "s3fifo", "arc")
 ADMISSION_NAMES = ("always", "second", "tinylfu")

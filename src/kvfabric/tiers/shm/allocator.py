@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from kvfabric.counters import Counters
+from kvfabric.observe.counters import Counters
 from kvfabric.tiers.shm.index import Index
 from kvfabric.tiers.shm.layout import extent_bytes
 

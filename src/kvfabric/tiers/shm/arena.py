@@ -35,9 +35,9 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvfabric.counters import Counters
-from kvfabric.pages import Scratch
-from kvfabric.permissions import PRIVATE_FILE, check_mode
+from kvfabric.host.pages import Scratch
+from kvfabric.host.permissions import PRIVATE_FILE, check_mode
+from kvfabric.observe.counters import Counters
 from kvfabric.tiers.base import Blob
 from kvfabric.tiers.pool import BlobPool
 from kvfabric.tiers.shm.coherence import CacheOps

@@ -27,11 +27,29 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from kvfabric.counters import Counters
+from kvfabric.observe.counters import Counters
 from kvfabric.tiers.shm.coherence import CacheOps
-from kvfabric.tiers.shm.layout import (ALIGN, ATIME_AT, EMPTY, ENTRY, ENTRY_BYTES, ENTRY_DTYPE, FIELDS, KEY_AT,
-                                       MAX_KEY_BYTES, READY, SEQ, STATE, STATS, STATS_AT, TOMBSTONE, U64, Geometry,
-                                       entry_sum, extent_bytes)
+from kvfabric.tiers.shm.layout import (
+    ALIGN,
+    ATIME_AT,
+    EMPTY,
+    ENTRY,
+    ENTRY_BYTES,
+    ENTRY_DTYPE,
+    FIELDS,
+    KEY_AT,
+    MAX_KEY_BYTES,
+    READY,
+    SEQ,
+    STATE,
+    STATS,
+    STATS_AT,
+    TOMBSTONE,
+    U64,
+    Geometry,
+    entry_sum,
+    extent_bytes,
+)
 
 SEQ_SPINS = 50
 

@@ -23,8 +23,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 
 from kvfabric.config import ShmTierConfig
-from kvfabric.counters import Counters
-from kvfabric.pages import Scratch
+from kvfabric.host.pages import Scratch
+from kvfabric.observe.counters import Counters
 from kvfabric.tiers.base import Blob, TierBase, TierUsage, TierView
 from kvfabric.tiers.shm.allocator import Allocator
 from kvfabric.tiers.shm.arena import DEFAULT_ROOT, Arena, ShmLockTimeout

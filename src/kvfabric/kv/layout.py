@@ -21,7 +21,7 @@ them (`stale_rows`) but must leave finite values there (zeros), because the mask
 
 Parts (`LayoutPart`, `KVLayout.part`): a layout of some of another layout's layers, as one stored part of a chunk
 (the engine stores a window layout's chunk as its full-attention layers and, under a derived key, its window
-layers: kvfabric.chunk_parts). A part's fingerprint names its parent's and the layers it holds, so a codec's
+layers: kvfabric.kv.shapes). A part's fingerprint names its parent's and the layers it holds, so a codec's
 per-model tables can be sliced to it and a part is never mistaken for a whole layout of the same shape.
 """
 from __future__ import annotations

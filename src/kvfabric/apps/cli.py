@@ -24,7 +24,7 @@ from kvfabric import __version__  # noqa: E402
 from kvfabric.bench.commands import bench  # noqa: E402
 from kvfabric.config import Config, ConfigError  # noqa: E402
 from kvfabric.data.genres import CALIBRATION_GENRES  # noqa: E402
-from kvfabric.extras import missing_extra  # noqa: E402
+from kvfabric.host.extras import missing_extra  # noqa: E402
 
 
 def _load(config_path: str | None) -> Config:
@@ -46,10 +46,10 @@ def user_error(exc: BaseException) -> str | None:
     models = sys.modules.get("kvfabric.engines.gguf")  # not imported: the error cannot be one of its (ModelError)
     if models is not None and isinstance(exc, models.ModelError):
         return str(exc)
-    tls = sys.modules.get("kvfabric.tls")  # a missing or unreadable certificate, plain text beyond loopback
+    tls = sys.modules.get("kvfabric.net.tls")  # a missing or unreadable certificate, plain text beyond loopback
     if tls is not None and isinstance(exc, tls.TLSConfigError):
         return f"TLS: {exc}"
-    permissions = sys.modules.get("kvfabric.permissions")  # strict_permissions met a folder others may read
+    permissions = sys.modules.get("kvfabric.host.permissions")  # strict_permissions met a folder others may read
     if permissions is not None and isinstance(exc, permissions.PermissionsError):
         return str(exc)
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.ENOTDIR) \
@@ -167,10 +167,10 @@ def demo(keep_cache: bool, plot: str | None, rag: bool) -> None:
     if rag:
         if keep_cache or plot:
             raise click.UsageError("--rag takes neither --keep-cache nor --plot")
-        from kvfabric.demo_rag import run as run_rag
+        from kvfabric.apps.demo_rag import run as run_rag
         run_rag()
         return
-    from kvfabric.demo import run
+    from kvfabric.apps.demo import run
     run(keep_cache=keep_cache, plot=plot)
 
 
@@ -192,7 +192,7 @@ def controller(ctx: click.Context) -> None:
               "server.metrics_port; 0 = off).")
 def server_cmd(config_path: str | None, socket_path: str | None, cpus: str | None, metrics_port: int | None) -> None:
     """Run the host's cache process: tiers, codecs and streaming receives for every engine with `mode: server`."""
-    from kvfabric.remote.pool import PoolError
+    from kvfabric.cache.remote.pool import PoolError
     from kvfabric.server import serve
     from kvfabric.server.listener import ServerError
     config = _load(config_path)
@@ -221,7 +221,7 @@ def pd_proxy(prefill_url: str, decode_url: str, port: int) -> None:
 def node(config_path: str | None, load_ops: float, duration: float, seed: int) -> None:
     """Run a cache instance: the configured tiers, /metrics (metrics.port), KV events (kv_events), the cluster
     (tier peer); --load drives a synthetic workload on it (a demo instance for dashboards)."""
-    from kvfabric.node import run_node
+    from kvfabric.apps.node import run_node
     totals = run_node(_load(config_path), load_ops=load_ops, duration_s=duration, seed=seed,
                       on_ready=lambda line: click.echo(line, err=True))
     click.echo(json.dumps(totals))
@@ -241,7 +241,7 @@ def stats(urls: tuple[str, ...], config_path: str | None, watch: bool, interval:
     URLs default to this config's metrics endpoint (metrics.port)."""
     from rich.console import Console
 
-    from kvfabric import statsview
+    from kvfabric.apps import statsview
     if not urls:
         config = _load(config_path)
         if not config.metrics.port:

@@ -6,11 +6,11 @@
     client.py      RemoteCache: CacheEngine's public seam (lookup / store / retrieve / read_chunk / store_chunk)
                    over the server; faults become misses
 
-`kvfabric.builder.build_engine(config, layout, model_id)` is how engines pick their cache: a RemoteCache with
+`kvfabric.cache.builder.build_engine(config, layout, model_id)` is how engines pick their cache: a RemoteCache with
 `mode: server`, else an in-process CacheEngine (the default). The server itself is `kvfabric.server`, a layer above.
 """
 from __future__ import annotations
 
-from kvfabric.remote.client import RemoteCache, StreamFetch
+from kvfabric.cache.remote.client import RemoteCache, StreamFetch
 
 __all__ = ["RemoteCache", "StreamFetch"]

@@ -23,7 +23,7 @@ from typing import Any
 
 import msgpack
 
-from kvfabric.framing import ProtocolError, recv_exact, send_all
+from kvfabric.net.framing import ProtocolError, recv_exact, send_all
 
 MAGIC = b"KVSV"
 VERSION = 1
@@ -33,14 +33,15 @@ MAX_KEY_BYTES = 64
 MAX_ITEMS = 1 << 16  # keys in one request: a 16M-token prompt at chunk size 256
 
 # requests
-HELLO, LOOKUP, RETRIEVE, LEASE, COMMIT, RELEASE, PREFETCH, PIN, UNPIN, STATS, FLUSH, FETCH_STREAM, PING = range(1, 14)
-REQUESTS = frozenset(range(HELLO, PING + 1))
+(HELLO, LOOKUP, RETRIEVE, LEASE, COMMIT, RELEASE, PREFETCH, PIN, UNPIN, STATS, FLUSH, FETCH_STREAM, PING,
+ HOLDS) = range(1, 15)
+REQUESTS = frozenset(range(HELLO, HOLDS + 1))
 # answers
 REPLY, CHUNK, ERROR = 0x81, 0x82, 0x83
 ANSWERS = frozenset((REPLY, CHUNK, ERROR))
 OP_NAMES = {HELLO: "hello", LOOKUP: "lookup", RETRIEVE: "retrieve", LEASE: "lease", COMMIT: "commit",
             RELEASE: "release", PREFETCH: "prefetch", PIN: "pin", UNPIN: "unpin", STATS: "stats", FLUSH: "flush",
-            FETCH_STREAM: "fetch_stream", PING: "ping"}
+            FETCH_STREAM: "fetch_stream", PING: "ping", HOLDS: "holds"}
 
 NO_REPLY = 1  # flag: a one-way request
 

@@ -1,12 +1,6 @@
-"""`kvfabric node`: a long-running cache instance (a server-style process), and the synthetic workload it (and the
-soak benchmark) can drive.
+"""The synthetic workload: a cache driven without a model, every chunk's KV a pure function of its key.
 
-A node is a CacheEngine over the configured tiers with no model: with tier "peer" it joins the cluster (serves
-its chunks to peers, reports to the controller), with `metrics.port` it serves /metrics, with `kv_events` it
-publishes KV events. `--load OPS` runs a `Workload` on it, so that dashboards and `kvfabric stats` have
-something to show.
-
-`Workload` (the contract the soak benchmark relies on):
+Contract (the node command, the soak benchmark and the reliability tests rely on it):
 - Prompts come from a fixed tree: `num_bases` shared prefixes, each prompt a base prefix (1..`max_chunks`-1
   chunks) plus its own suffix; prompt ids are drawn Zipf-like, so some prefixes are hot.
 - The KV of every chunk is a pure function of its chunk key (`chunk_kv`), so any process can check any chunk it
@@ -16,18 +10,13 @@ something to show.
 """
 from __future__ import annotations
 
-import signal
-import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvfabric.builder import build_engine
-from kvfabric.config import Config
-from kvfabric.engine import CacheEngine
-from kvfabric.layout import KVLayout
+from kvfabric.cache.engine import CacheEngine
+from kvfabric.kv.layout import KVLayout
 
 SMALL_LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, dtype="float16")  # 16 KiB per 32-token chunk
 MODEL_ID = "kvfabric-synthetic"
@@ -104,34 +93,3 @@ class Workload:
         if loaded < len(tokens):
             self.engine.store(tokens, self.kv_for(tokens, loaded), start=loaded)
         return StepResult("request", len(tokens), hit, loaded, checked, wrong)
-
-
-def run_node(config: Config, *, load_ops: float = 0.0, duration_s: float = 0.0, seed: int = 0,
-             layout: KVLayout = SMALL_LAYOUT, on_ready=print) -> dict:
-    """Serve until SIGINT / SIGTERM (or `duration_s`); with `load_ops` > 0 run the workload at about that many
-    operations per second. Returns the workload's totals."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    totals = {"ops": 0, "wrong": 0, "checked": 0}
-    with build_engine(config, layout, MODEL_ID) as engine:
-        parts = [f"kvfabric node: tiers {','.join(config.tiers)}"]
-        if engine.metrics_endpoint is not None:
-            parts.append(f"metrics {engine.metrics_endpoint.url}")
-        if engine.node is not None:
-            parts.append(f"p2p 127.0.0.1:{engine.node.server.port} instance {engine.node.instance_id}")
-        on_ready("; ".join(parts))
-        workload = Workload(engine, seed=seed) if load_ops > 0 else None
-        rng = np.random.default_rng(seed)
-        deadline = time.monotonic() + duration_s if duration_s > 0 else float("inf")
-        while not stop.is_set() and time.monotonic() < deadline:
-            if workload is None:
-                stop.wait(min(1.0, max(0.0, deadline - time.monotonic())))
-                continue
-            started = time.monotonic()
-            result = workload.step(rng)
-            totals["ops"] += 1
-            totals["wrong"] += result.num_wrong
-            totals["checked"] += result.num_checked
-            stop.wait(max(0.0, 1.0 / load_ops - (time.monotonic() - started)))
-    return totals

@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvfabric.cache.remote import wire as P
 from kvfabric.config import ServerConfig
-from kvfabric.framing import ProtocolError
-from kvfabric.remote import protocol as P
+from kvfabric.net.framing import ProtocolError
 
 
 class Refused(ProtocolError):

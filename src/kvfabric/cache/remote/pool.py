@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 MAGIC = b"KVFSRVP1"
 HEADER = struct.Struct("<8sQQ16s")

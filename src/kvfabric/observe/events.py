@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvfabric.counters import Counters
+from kvfabric.observe.counters import Counters
 
 log = logging.getLogger(__name__)
 

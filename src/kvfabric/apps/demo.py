@@ -107,7 +107,7 @@ def run(keep_cache: bool = False, plot: str | None = None) -> None:
     engine.close()
     console.print("\nrestarting in a fresh process (empty memory; the KV comes from disk)...")
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "kvfabric.demo", "--child"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "kvfabric.apps.demo", "--child"], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONHASHSEED="random"))
     if proc.returncode != 0:
         console.print(proc.stderr[-2000:])

@@ -36,7 +36,7 @@ import blake3
 import numpy as np
 import torch
 
-from kvfabric.layout import KVLayout
+from kvfabric.kv.layout import KVLayout
 
 ChunkKey = NewType("ChunkKey", bytes)
 HashName = Literal["sha256", "blake3"]

@@ -1,4 +1,4 @@
-"""`kvfabric stats [--watch] [URL...]`: a terminal view of kvfabric instances' /metrics (kvfabric.metrics names).
+"""`kvfabric stats [--watch] [URL...]`: a terminal view of kvfabric instances' /metrics (kvfabric.observe.metrics names).
 
 Contract:
 - `scrape(url)` reads one /metrics page (bearer token optional) into an `InstanceStats`; an unreachable or

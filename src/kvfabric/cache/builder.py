@@ -3,7 +3,7 @@
 Contract:
 - `build_engine(config, layout, model_id)` returns what an engine process uses as its KV cache (`KVCache`): with
   `mode: server`, a RemoteCache to the host's `kvfabric server`; else a CacheEngine over the configured tiers,
-  composed here with what the config asks for around it (both satisfy `kvfabric.kvcache.KVCache`):
+  composed here with what the config asks for around it (both satisfy `kvfabric.cache.protocol.KVCache`):
   - tier "peer": a cluster node (kvfabric.cluster) that serves the local tiers to peers and reports them to the
     controller under this engine's key namespace; the peer tier is last in the stack;
   - `kv_events.enabled`: the engine's event queue (or the caller's `events`), with `kv_events.endpoint` published
@@ -17,14 +17,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from kvfabric.cache.engine import CacheEngine
+from kvfabric.cache.protocol import KVCache
+from kvfabric.cache.remote.client import RemoteCache
 from kvfabric.config import Config
-from kvfabric.engine import CacheEngine
-from kvfabric.events import ChunkEvents, EventPublisher
-from kvfabric.hashing import KeySpace
-from kvfabric.kvcache import KVCache
-from kvfabric.layout import KVLayout
-from kvfabric.metrics import EngineCollector, MetricsEndpoint, engine_registry
-from kvfabric.remote.client import RemoteCache
+from kvfabric.kv.hashing import KeySpace
+from kvfabric.kv.layout import KVLayout
+from kvfabric.observe.events import ChunkEvents, EventPublisher
+from kvfabric.observe.metrics import EngineCollector, MetricsEndpoint, engine_registry
 from kvfabric.tiers.base import Tier
 from kvfabric.tiers.factory import build_tiers
 

@@ -1,0 +1,180 @@
+"""CacheEngine's writes: `store` (a prompt's KV by tokens) and `new_payload` + `store_chunks` (chunks by key).
+
+Contract:
+- A chunk is stored in every part of its shape (kvfabric.kv.shapes) and encoded once per codec its tiers ask for
+  (the engine's codec, and another where a tier's config names one). With the raw codec the blob is written into a
+  buffer of the first tier (process memory recycles them: no page faults) and left unsealed: the stack fills its
+  checksums in only if it is written beyond process memory.
+- A chunk is skipped when a writable tier already holds every part of it (one whose window part is gone is stored
+  again, else its hits would stay short).
+- `new_payload(num_tokens, blocks)`: with the raw codec and chunks stored whole, the payload region of the blob
+  that will be stored (uninitialized), in the block layout `blocks` when given; else a tensor that is encoded at
+  `store_chunks`. The payload belongs to the engine once stored: the caller must not write into it again.
+- `premap` asks the first tier to map payload buffers ahead, off the caller's thread; `paused()` holds that back
+  while the caller's hot work runs (a vLLM forward); pauses nest.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from kvfabric.cache.core import EngineCore
+from kvfabric.cache.protocol import ChunkPayload, Tokens, chunks_to_store
+from kvfabric.codec.base import Codec
+from kvfabric.codec.format import HEADER_BYTES, parse
+from kvfabric.codec.raw import RawCodec, new_payload, payload_bytes, seal
+from kvfabric.kv.blocks import BlockLayout
+from kvfabric.kv.hashing import ChunkKey, KeySpace
+from kvfabric.kv.layout import KVLayout
+from kvfabric.observe.events import ChunkEvents
+from kvfabric.tiers.base import Blob
+from kvfabric.tiers.policies import NO_META, AccessMeta
+
+
+class Writes:
+    def __init__(self, core: EngineCore, key_space: KeySpace, codec: Codec, tier_codecs: dict[int, Codec],
+                 events: ChunkEvents | None) -> None:
+        self.core = core
+        self.key_space = key_space
+        self.codec = codec
+        self.tier_codecs = tier_codecs  # stack level -> its codec, where not the engine's
+        self.events = events
+        self._is_raw_whole = isinstance(codec, RawCodec) and core.shape.is_whole
+        self._lock = threading.Lock()
+        self._num_paused = 0
+
+    def store(self, tokens: Tokens, kv: torch.Tensor, start: int = 0) -> int:
+        c = self.core
+        num_tokens = len(tokens)
+        started = time.perf_counter()
+        keys = self.key_space.keys(tokens)
+        wanted = chunks_to_store(c.layout, c.chunk_size, num_tokens, len(keys), kv, start)
+        end = start + kv.shape[3]
+        stored: list[int] = []
+        for i, is_held in zip(wanted, self.held([keys[i] for i in wanted])):
+            if is_held:
+                continue
+            s, e = c.span(i, num_tokens)
+            self._put(keys[i], kv[:, :, :, s - start:e - start, :], meta=c.meta(i, len(keys), s, e))
+            stored.append(i)
+        c.histograms.observe("kvfabric_store_seconds", time.perf_counter() - started, "store")
+        num_tokens_stored = sum(e - s for s, e in (c.span(i, num_tokens) for i in stored))
+        for name, n in (("stores", 1), ("store_tokens", end - start), ("store_chunks", len(wanted)),
+                        ("chunks_stored", len(stored)), ("tokens_stored", num_tokens_stored)):
+            c.counters.add(name, n)
+        if self.events is not None and stored:
+            self._announce(tokens, keys, stored)
+        return len(stored)
+
+    def _announce(self, tokens: Tokens, keys: list[ChunkKey], stored: list[int]) -> None:
+        """KV events for newly stored chunks, one BlockStored per run of consecutive chunks."""
+        assert self.events is not None
+        ids = tokens.tolist() if isinstance(tokens, (torch.Tensor, np.ndarray)) else list(tokens)
+        span = self.core.span
+        run: list[int] = []
+        for i in [*stored, -1]:
+            if run and i != run[-1] + 1:
+                first, last = run[0], run[-1]
+                self.events.stored([keys[j] for j in run], keys[first - 1] if first else None,
+                                   ids[span(first, len(ids))[0]:span(last, len(ids))[1]])
+                run = []
+            run.append(i)
+
+    def held(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether a writable tier holds every part of each chunk."""
+        stack = self.core.stack
+        present = [stack.contains_many([part.key(k) for k in keys], writable_only=True) for part in
+                   self.core.shape.parts]
+        return [all(parts) for parts in zip(*present)]
+
+    def _put(self, key: bytes, kv: torch.Tensor, blob: Blob | None = None, meta: AccessMeta = NO_META) -> None:
+        """Store one chunk's KV [L, 2, H, C, D] under `key`, each part of its shape under the part's key (`blob`: the
+        engine's encoding of a whole chunk, made by the caller)."""
+        shape = self.core.shape
+        for part, part_kv in zip(shape.parts, shape.split(kv)):
+            self._put_part(part.key(key), part_kv, blob if shape.is_whole else None, meta, part.layout)
+
+    def _put_part(self, key: bytes, kv: torch.Tensor, blob: Blob | None, meta: AccessMeta, layout: KVLayout) -> None:
+        """Store kv [L', 2, H, C, D] of `layout` under `key`: encoded once with the engine's codec (or `blob`, that
+        encoding made by the caller) and once more for each other codec a tier the chunk goes to asks for."""
+        stack = self.core.stack
+        if blob is None:
+            if isinstance(self.codec, RawCodec):
+                out = stack.new_blob(HEADER_BYTES + layout.num_bytes(kv.shape[3]))
+                blob = self._encode(self.codec, kv, key, layout, out=out, with_checksums=False)
+            else:
+                blob = self._encode(self.codec, kv, key, layout)
+        encoded: dict[int, Blob] = {}  # id(codec) -> blob: tiers sharing a codec share one encoding
+        per_level: dict[int, Blob] = {}
+        for level, codec in self.tier_codecs.items():
+            if level not in stack.levels.store:
+                continue  # exclusive placement: this tier only gets chunks demoted to it (as they are)
+            if id(codec) not in encoded:
+                encoded[id(codec)] = self._encode(codec, kv, key, layout)
+            per_level[level] = encoded[id(codec)]
+        stack.put(key, blob, per_level, meta)
+
+    def _encode(self, codec: Codec, kv: torch.Tensor, key: bytes, layout: KVLayout, **options: object) -> Blob:
+        started = time.perf_counter()
+        blob = codec.encode(kv, key, layout, **options)
+        self.core.histograms.observe("kvfabric_codec_encode_seconds", time.perf_counter() - started, codec.name)
+        return blob
+
+    def _blob_size(self, num_tokens: int | None, blocks: BlockLayout | None) -> int:
+        c = self.core
+        return HEADER_BYTES + payload_bytes(c.layout, num_tokens or c.chunk_size, blocks)
+
+    def new_payload(self, num_tokens: int | None = None, blocks: BlockLayout | None = None) -> ChunkPayload:
+        c = self.core
+        num_tokens = num_tokens or c.chunk_size
+        if self._is_raw_whole:
+            blob, kv = new_payload(c.layout, num_tokens, memoryview(c.stack.new_blob(self._blob_size(num_tokens, blocks))),
+                                   blocks)
+            return ChunkPayload(kv, blob, blocks, num_tokens if blocks is not None else 0)
+        return ChunkPayload(torch.empty(c.layout.shape(num_tokens), dtype=c.layout.torch_dtype), None)
+
+    def premap(self, num_tokens: int | None = None, blocks: BlockLayout | None = None) -> None:
+        if self._is_raw_whole:
+            self.core.stack.premap(self._blob_size(num_tokens, blocks))
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        with self._lock:
+            self._num_paused += 1
+            if self._num_paused == 1:
+                self.core.stack.pause_premap(True)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._num_paused -= 1
+                if self._num_paused == 0:
+                    self.core.stack.pause_premap(False)
+
+    def store_chunks(self, items: Sequence[tuple[bytes, ChunkPayload]]) -> list[bool]:
+        held = self.held([key for key, _ in items])
+        return [not is_held and self._store_new(key, payload) for (key, payload), is_held in zip(items, held)]
+
+    def _store_new(self, key: bytes, payload: ChunkPayload) -> bool:
+        c = self.core
+        started = time.perf_counter()
+        num_tokens = payload.num_tokens
+        if payload.blob is not None:  # the stack seals it if it leaves memory
+            seal(payload.blob, key, c.layout, False, num_tokens, payload.blocks)
+        kv = payload.kv
+        if payload.blocks is not None and self.tier_codecs:  # another codec encodes [L, 2, H, T, D]
+            assert payload.blob is not None
+            kv = c.decoders.view(parse(payload.blob, key, is_trusted=True), payload.blob, c.layout, num_tokens)
+        self._put(key, kv, payload.blob)
+        c.histograms.observe("kvfabric_store_seconds", time.perf_counter() - started, "store_chunk")
+        for name, n in (("chunks_stored", 1), ("tokens_stored", num_tokens), ("store_chunks", 1),
+                        ("store_tokens", num_tokens)):
+            c.counters.add(name, n)
+        if self.events is not None:
+            self.events.stored([key], None, [])  # the caller knows the key only
+        return True

@@ -1,0 +1,74 @@
+"""What a load is, on any device: a load's job (its chunks' spans, claims and failures), its outcome, and the
+`Loads` protocol the worker side asks of its loaders (connectors.vllm.loads: the CPU backend's `Loader`;
+connectors.vllm.device: `DeviceLoads`, GPU backends and MLA latents).
+
+Contract:
+- `LoadState(spec, chunk_size)` (a load's job): chunk i of the load holds `chunk_tokens(i)` tokens (a prompt's partial last chunk
+  fewer) from its first token; `chunk_span(i)` is its part of the load's tokens. `first_bad` is the first chunk that
+  failed: the load's `outcome` ends there, and the blocks from there to the load's end are `bad_blocks` (vLLM
+  recomputes them).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvfabric.connectors.paged import blocks_of
+from kvfabric.connectors.vllm.metadata import LoadSpec, RequestStats
+from kvfabric.observe.counters import Counters
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOutcome:
+    req_id: str
+    end: int  # tokens [spec.start, end) are in place
+    bad_blocks: tuple[int, ...]  # blocks holding tokens [end, spec.end): to recompute
+    stats: RequestStats
+
+
+class Loads(Protocol):
+    """What the worker side asks of its loads, on any device: this module's `Loader` (vLLM's CPU backend) and
+    connectors.vllm.device's `DeviceLoads` (GPU backends, MLA latents). Each binds to the KV cache its own way."""
+    counters: Counters
+
+    def start_async(self, spec: LoadSpec) -> None: ...
+    def help(self, budget_s: float) -> int: ...
+    def wait_finished(self, timeout: float) -> None: ...
+    def take_finished(self) -> list[LoadOutcome]: ...
+    def start_layered(self, specs: Sequence[LoadSpec]) -> None: ...
+    def wait_layer(self, index: int) -> None: ...
+    def finish_layered(self) -> list[LoadOutcome]: ...
+    def stop(self) -> None: ...
+
+
+@dataclass
+class LoadState:
+    spec: LoadSpec
+    chunk_size: int
+    started: float = field(default_factory=time.perf_counter)
+    num_left: int = 0
+    num_claimed: int = 0  # chunks [0, num_claimed) taken by a thread (the loader's or, on idle steps, the worker's)
+    first_bad: int | None = None  # index of the first chunk that failed
+    by_tier: dict[str, int] = field(default_factory=dict)
+
+    def chunk_span(self, i: int) -> tuple[int, int, int]:
+        """(first token of chunk i, lo, hi): chunk i's part [lo, hi) of the load's tokens."""
+        first = (self.spec.start // self.chunk_size + i) * self.chunk_size
+        return first, max(self.spec.start, first), min(self.spec.end, first + self.chunk_size)
+
+    def chunk_tokens(self, i: int) -> int:
+        """Tokens chunk i holds: chunk_size, or fewer for a partial last chunk (it ends with the prompt)."""
+        first = (self.spec.start // self.chunk_size + i) * self.chunk_size
+        prompt = self.spec.num_prompt_tokens or first + self.chunk_size
+        return max(1, min(self.chunk_size, prompt - first))
+
+    def outcome(self, block_size: int) -> LoadOutcome:
+        spec = self.spec
+        end = spec.end if self.first_bad is None else self.chunk_span(self.first_bad)[1]
+        bad = blocks_of(spec.block_ids, block_size, end, spec.end)
+        stats = RequestStats(loaded_tokens=end - spec.start, failed_tokens=spec.end - end,
+                             load_read_s=time.perf_counter() - self.started,
+                             bytes_loaded=tuple(sorted(self.by_tier.items())))
+        return LoadOutcome(spec.req_id, end, tuple(bad), stats)
