@@ -19,7 +19,7 @@ from kvfabric.cache.protocol import BlockSource, ChunkFailed, ChunkMiss, TokenSo
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, parse, write_blob
 from kvfabric.codec.raw import RawCodec
 from kvfabric.config import DiskTierConfig, ShmTierConfig
-from kvfabric.connectors.paged import CpuPagedLayer, gather, load_blocks, save_blocks, scatter
+from kvfabric.connectors.paged import CpuPagedLayer
 from kvfabric.host.pages import Scratch
 from kvfabric.kv.blocks import BlockLayout, BlockLayoutError, as_words, from_tokens, pack, to_tokens, unpack
 from kvfabric.tiers.shm import ShmTier
@@ -38,13 +38,13 @@ def paged(orders: tuple[str, str], block_size: int, num_blocks: int = 24, dtype=
 
 def fill(layers: list[CpuPagedLayer], block_ids: list[int], kv: torch.Tensor) -> None:
     for index, layer in enumerate(layers):
-        scatter(layer, block_ids, 0, kv.shape[3], kv[index].to(layer.dtype))
+        layer.scatter(block_ids, 0, kv.shape[3], kv[index].to(layer.dtype))
 
 
 def read_back(layers: list[CpuPagedLayer], block_ids: list[int], start: int, end: int) -> torch.Tensor:
     out = torch.empty(len(layers), 2, layers[0].num_heads, end - start, layers[0].head_dim, dtype=layers[0].dtype)
     for index, layer in enumerate(layers):
-        gather(layer, block_ids, start, end, out[index])
+        layer.gather(block_ids, start, end, out[index])
     return out
 
 
@@ -140,7 +140,7 @@ def test_every_layout_pair_loads_exactly(tmp_path, src, dst, dtype):
             payload = engine.new_payload(last - first, source[0].blocks)
             assert payload.blocks == source[0].blocks and tuple(payload.kv.shape[:2]) == (3, -(-(last - first) // 8))
             for index, layer in enumerate(source):
-                save_blocks(layer, table, first, last, as_words(payload.kv[index]))
+                layer.save_blocks(table, first, last, as_words(payload.kv[index]))
             assert engine.store_chunks([(key, payload)]) == [True]
     target = paged(dst, block_size, dtype=dtype, layout=layout)
     sentinel = [layer.block_array.copy() for layer in target]
@@ -158,9 +158,9 @@ def test_every_layout_pair_loads_exactly(tmp_path, src, dst, dtype):
                         assert hit.blocks == target[0].blocks and hit.is_checked_on_exit
                         slab = hit.slab(index)
                         digest.update(slab)
-                        load_blocks(layer, dst_table, lo, last, slab, first)
+                        layer.load_blocks(dst_table, lo, last, slab, first)
                     else:
-                        scatter(layer, dst_table, lo, last, hit.kv[index, :, :, lo - first:, :])
+                        layer.scatter(dst_table, lo, last, hit.kv[index, :, :, lo - first:, :])
             if isinstance(hit, BlockSource):  # the slabs handed out are the payload as stored, every byte
                 stored = engine.stack.tiers[0].path(key).read_bytes()
                 assert parse(stored, key).payload_sum == digest.intdigest()
@@ -182,7 +182,7 @@ def store_blocks(engine: CacheEngine, layers: list[CpuPagedLayer], table: list[i
         first, last = i * CHUNK, min(num_tokens, (i + 1) * CHUNK)
         payload = engine.new_payload(last - first, layers[0].blocks)
         for index, layer in enumerate(layers):
-            save_blocks(layer, table, first, last, as_words(payload.kv[index]))
+            layer.save_blocks(table, first, last, as_words(payload.kv[index]))
         assert engine.store_chunks([(key, payload)]) == [True]
     engine.flush()
     return keys
@@ -199,7 +199,7 @@ def flipped_load(engine: CacheEngine, key: bytes, layers: list[CpuPagedLayer], t
     try:
         with hit:
             for index, layer in enumerate(layers):
-                load_blocks(layer, table, 0, CHUNK, hit.slab(index), 0)
+                layer.load_blocks(table, 0, CHUNK, hit.slab(index), 0)
     except ChunkFailed as exc:
         assert exc.miss == ChunkMiss("corrupt")
         return False

@@ -14,7 +14,7 @@ from kvfabric.cache.protocol import BlockSource
 from kvfabric.config import DiskTierConfig
 from kvfabric.connectors.copy_stream import CpuCopyStream
 from kvfabric.connectors.paged_mover import ChunkRead, PagedMover
-from kvfabric.connectors.paged_views import LAYOUTS, PagedSpec, gather, layer_views
+from kvfabric.connectors.paged_views import LAYOUTS, DeviceLayer, PagedSpec, layer_views
 
 BLOCK, CHUNK = 16, 48
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
@@ -36,7 +36,8 @@ def tokens_of(views: list[torch.Tensor], block_ids: list[int], start: int, end: 
               kv: KVLayout = LAYOUT) -> torch.Tensor:
     out = torch.empty(kv.shape(end - start), dtype=torch.bfloat16)
     for index, view in enumerate(views):
-        gather(view, "latent" if kv.is_latent else "kv", block_ids, start, end, out[index])
+        # tokens only: a copy of tokens reads the logical view, whatever the layout's block order
+        DeviceLayer.of(view, "LBHNC", "latent" if kv.is_latent else "kv").gather(block_ids, start, end, out[index])
     return out
 
 
@@ -168,7 +169,7 @@ def test_stale_slots_past_a_partial_chunk_are_never_stored(layout, staged):
         assert mover.save(key, [4, 5], 0, 20).finish()
         hit = engine.read_chunk(key, num_tokens=20, scratch=Scratch(), blocks=mover.block_layout)
         assert isinstance(hit, BlockSource) and hit.blocks == mover.block_layout
-        axis = mover.blocks[0].token_axis
+        axis = mover.layers[0].blocks.token_axis
         with hit:
             for index in range(LAYOUT.num_layers):
                 last = torch.from_numpy(hit.slab(index)).view(torch.bfloat16)[-1]

@@ -16,16 +16,12 @@ from kvfabric.config import DiskTierConfig
 from kvfabric.connectors.copy_stream import CpuCopyStream, make_copy_stream
 from kvfabric.connectors.paged_views import (
     LAYOUTS,
+    DeviceLayer,
     PagedSpec,
     block_layout,
-    gather,
     is_cross_layer,
     layer_views,
     layout_order,
-    load_blocks,
-    physical_blocks,
-    save_blocks,
-    scatter,
     strides,
     zero_tail,
 )
@@ -96,13 +92,14 @@ def test_gather_and_scatter_follow_the_slot_mapping_exactly(layout, content, sta
     block_ids = [7, 8, 9, 2, 3, 11]  # a run of consecutive ids, then a jump, then another run
     values = token_values(spec, end - start, seed=2)
     write_by_slots(view, spec, block_ids, start, values)
+    layer = DeviceLayer.of(view, layout, content)
     out = torch.empty_like(values)
-    gather(view, content, block_ids, start, end, out)
+    layer.gather(block_ids, start, end, out)
     assert torch.equal(out, values)
 
     before = view.clone()
     new = token_values(spec, end - start, seed=3)
-    scatter(view, content, block_ids, start, end, new)
+    layer.scatter(block_ids, start, end, new)
     assert torch.equal(read_by_slots(view, spec, block_ids, start, end), new)
     touched = torch.zeros(view.shape[:3], dtype=torch.bool)
     for p in range(start, end):
@@ -116,17 +113,18 @@ def test_blocks_saved_as_they_are_load_into_other_blocks(layout, content):
     view = make_cache(spec, seed=4)[2]
     src_ids, dst_ids = [1, 2, 3, 6], [9, 10, 4, 5]
     num_tokens = 3 * BLOCK + 5  # a partial last block
-    blocks = physical_blocks(view, layout)
+    layer = DeviceLayer.of(view, layout, content)
+    blocks = layer.blocks
     out = torch.empty((4, *blocks.tensor.shape[1:]), dtype=spec.dtype)
-    save_blocks(blocks, src_ids, 0, num_tokens, out)
+    layer.save_blocks(src_ids, 0, num_tokens, out)
     zero_tail(out, blocks.token_axis, num_tokens)
     tail = out[3].narrow(blocks.token_axis, 5, BLOCK - 5)
     assert not tail.any()  # another request's stale KV past the end is never stored
-    load_blocks(blocks, dst_ids, 0, num_tokens, out, first=0)
+    layer.load_blocks(dst_ids, 0, num_tokens, out, first=0)
     expect, got = (torch.empty((spec.num_states, spec.num_heads, num_tokens, spec.head_dim), dtype=spec.dtype)
                    for _ in range(2))
-    gather(view, content, src_ids, 0, num_tokens, expect)
-    gather(view, content, dst_ids, 0, num_tokens, got)
+    layer.gather(src_ids, 0, num_tokens, expect)
+    layer.gather(dst_ids, 0, num_tokens, got)
     assert torch.equal(got, expect)
 
 
@@ -147,9 +145,9 @@ def test_a_chunk_saved_in_one_layout_loads_exactly_into_every_other(tmp_path, so
         (key,) = engine.keys(tokens)
         payload = engine.new_payload(num_tokens, block_layout(source, BLOCK))
         for index, view in enumerate(views_a):
-            blocks = physical_blocks(view, source)
-            save_blocks(blocks, ids_a, 0, num_tokens, payload.kv[index])
-            zero_tail(payload.kv[index], blocks.token_axis, num_tokens)
+            layer = DeviceLayer.of(view, source)
+            layer.save_blocks(ids_a, 0, num_tokens, payload.kv[index])
+            zero_tail(payload.kv[index], layer.blocks.token_axis, num_tokens)
         assert engine.store_chunks([(key, payload)]) == [True]
     wanted = block_layout(target, BLOCK)
     with CacheEngine(config, layout, "m") as engine:
@@ -160,9 +158,9 @@ def test_a_chunk_saved_in_one_layout_loads_exactly_into_every_other(tmp_path, so
                 if isinstance(hit, BlockSource):
                     assert hit.blocks == wanted
                     slab = torch.from_numpy(hit.slab(index)).view(spec_b.dtype)
-                    load_blocks(physical_blocks(view, target), ids_b, 0, num_tokens, slab, first=0)
+                    DeviceLayer.of(view, target).load_blocks(ids_b, 0, num_tokens, slab, first=0)
                 else:
-                    scatter(view, "kv", ids_b, 0, num_tokens, hit.kv[index])
+                    DeviceLayer.of(view, target).scatter(ids_b, 0, num_tokens, hit.kv[index])
     for view_a, view_b in zip(views_a, views_b):
         assert torch.equal(read_by_slots(view_b, spec_b, ids_b, 0, num_tokens),
                            read_by_slots(view_a, spec_a, ids_a, 0, num_tokens))
@@ -175,8 +173,8 @@ def test_latent_caches_move_between_layouts_exactly(source, target):
     view_a, view_b = make_cache(spec_a, seed=7)[0], make_cache(spec_b, seed=8)[0]
     num_tokens = 2 * BLOCK + 7
     moved = torch.empty((1, 1, num_tokens, spec_a.head_dim), dtype=spec_a.dtype)
-    gather(view_a, "latent", [2, 3, 4], 0, num_tokens, moved)
-    scatter(view_b, "latent", [10, 0, 1], 0, num_tokens, moved)
+    DeviceLayer.of(view_a, source, "latent").gather([2, 3, 4], 0, num_tokens, moved)
+    DeviceLayer.of(view_b, target, "latent").scatter([10, 0, 1], 0, num_tokens, moved)
     assert torch.equal(read_by_slots(view_b, spec_b, [10, 0, 1], 0, num_tokens),
                        read_by_slots(view_a, spec_a, [2, 3, 4], 0, num_tokens))
 

@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from kvfabric.cache.builder import build_engine
-from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, gather, render_region, scatter, segments
+from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, render_region, segments
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).parent / "vllm_scripts" / "connector_phases.py"
@@ -74,7 +74,7 @@ def test_gather_reads_what_the_kernel_wrote(layouts, block_ids):
     layer = CpuPagedLayer(cache, block_size, *layouts)
     for start, end in [(0, 20), (3, 17), (8, 16), (5, 6)]:
         out = torch.empty(2, heads, end - start, dim)
-        gather(layer, block_ids, start, end, out)
+        layer.gather(block_ids, start, end, out)
         assert torch.equal(out, kv[:, :, start:end])
 
 
@@ -86,15 +86,15 @@ def test_scatter_round_trip_touches_only_its_slots(block_size, block_ids, dtype)
     before = cache.clone()
     layer = CpuPagedLayer(cache, block_size)
     src = torch.randn(2, heads, 13, dim).to(dtype)
-    scatter(layer, block_ids, 5, 18, src)  # partial first and last blocks
+    layer.scatter(block_ids, 5, 18, src)  # partial first and last blocks
     out = torch.empty_like(src)
-    gather(layer, block_ids, 5, 18, out)
+    layer.gather(block_ids, 5, 18, out)
     assert torch.equal(out, src)
     # tokens outside [5, 18) of the same blocks are untouched
     rest = torch.empty(2, heads, 5, dim)
-    gather(CpuPagedLayer(before, block_size), block_ids, 0, 5, rest)
+    CpuPagedLayer(before, block_size).gather(block_ids, 0, 5, rest)
     again = torch.empty_like(rest)
-    gather(layer, block_ids, 0, 5, again)
+    layer.gather(block_ids, 0, 5, again)
     assert torch.equal(rest, again)
     assert torch.equal(cache[1], before[1]) and torch.equal(cache[4], before[4])  # blocks not in the table
 

@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 from kvfabric import CacheEngine, Config, KVLayout  # noqa: E402
 from kvfabric.connectors.copy_stream import CpuCopyStream  # noqa: E402
-from kvfabric.connectors.paged_views import PagedSpec, gather, layer_views  # noqa: E402
+from kvfabric.connectors.paged_views import DeviceLayer, PagedSpec, layer_views  # noqa: E402
 from kvfabric.connectors.vllm.config import KVGroups  # noqa: E402
 from kvfabric.connectors.vllm.device import DeviceWorkerSide  # noqa: E402
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, LoadSpec, SaveSpec  # noqa: E402
@@ -56,7 +56,7 @@ def caches(layout: str, seed: int) -> dict[str, torch.Tensor]:
 def tokens_of(kv: dict[str, torch.Tensor], block_ids: list[int], start: int, end: int) -> torch.Tensor:
     out = torch.empty(LAYOUT.shape(end - start), dtype=torch.float16)
     for index, view in enumerate(kv.values()):
-        gather(view, "kv", block_ids, start, end, out[index])
+        DeviceLayer.of(view, "LBHNC").gather(block_ids, start, end, out[index])  # tokens: any block order
     return out
 
 
@@ -189,7 +189,7 @@ def hybrid_groups() -> KVGroups:
 
 def layer_tokens(view: torch.Tensor, table: list[int], start: int, end: int) -> torch.Tensor:
     out = torch.empty(HYBRID.shape(end - start)[1:], dtype=torch.float16)
-    gather(view, "kv", table, start, end, out)
+    DeviceLayer.of(view, "LBHNC").gather(table, start, end, out)  # tokens: any block order
     return out
 
 

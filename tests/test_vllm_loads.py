@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("vllm")
 
 from kvfabric import CacheEngine, Config, KVLayout  # noqa: E402
-from kvfabric.connectors.paged import CpuPagedLayer, gather  # noqa: E402
+from kvfabric.connectors.paged import CpuPagedLayer  # noqa: E402
 from kvfabric.connectors.vllm.loads import Loader  # noqa: E402
 from kvfabric.connectors.vllm.metadata import LoadSpec  # noqa: E402
 from kvfabric.observe.counters import Counters  # noqa: E402
@@ -41,7 +41,7 @@ def setup(tmp_path):
 def _paged_kv(layers, block_ids, start, end):
     out = torch.empty(LAYOUT.shape(end - start))
     for index, layer in enumerate(layers):
-        gather(layer, block_ids, start, end, out[index])
+        layer.gather(block_ids, start, end, out[index])
     return out
 
 
@@ -128,7 +128,7 @@ def test_layered_load_waits_per_layer_and_reports_a_missing_chunk(setup):
     for index in range(LAYOUT.num_layers):
         loader.wait_layer(index)
         got = torch.empty(2, 2, 2 * CHUNK, 8)
-        gather(layers[index], good.block_ids, 0, 2 * CHUNK, got)
+        layers[index].gather(good.block_ids, 0, 2 * CHUNK, got)
         assert torch.equal(got, kv[index, :, :, :2 * CHUNK])  # layer `index` is in place once its wait returns
     outcomes = {o.req_id: o for o in loader.finish_layered()}
     assert outcomes["a"].end == 2 * CHUNK and not outcomes["a"].bad_blocks
@@ -172,7 +172,6 @@ def test_async_load_from_the_shm_pool_is_in_place_and_a_slot_reused_mid_scatter_
     producer that rewrites chunk 1's slot while the loader scatters it makes the load stop there (torn)."""
     import uuid
 
-    from kvfabric.connectors.vllm import loads
     from kvfabric.tiers.shm import ShmTier
 
     name = f"test-loads-{uuid.uuid4().hex[:8]}"
@@ -195,7 +194,7 @@ def test_async_load_from_the_shm_pool_is_in_place_and_a_slot_reused_mid_scatter_
             assert torch.equal(_paged_kv(layers, block_ids, 0, 4 * CHUNK), kv)
             assert loader.counters["load_torn_chunks"] == 0
             calls = []
-            real_scatter = loads.scatter
+            real_scatter = CpuPagedLayer.scatter
 
             def scatter_while_a_writer_reuses_chunk_1(layer, block_ids, lo, hi, src):
                 calls.append(lo)
@@ -203,7 +202,7 @@ def test_async_load_from_the_shm_pool_is_in_place_and_a_slot_reused_mid_scatter_
                     assert producer.put(keys[1], bytes(producer.get(keys[1])))
                 real_scatter(layer, block_ids, lo, hi, src)
 
-            monkeypatch.setattr(loads, "scatter", scatter_while_a_writer_reuses_chunk_1)
+            monkeypatch.setattr(CpuPagedLayer, "scatter", scatter_while_a_writer_reuses_chunk_1)
             loader.start_async(LoadSpec("b", keys, 0, 4 * CHUNK, block_ids, is_async=True))
             (torn,) = _wait_async(loader)
             loader.stop()
@@ -244,11 +243,11 @@ def test_hybrid_manager_load_uses_each_groups_table_and_window_layers_only_from_
         loader.stop()
     assert outcome.end == end and not outcome.bad_blocks
     got = torch.empty(2, 2, end, 8)
-    gather(layers[2], tables[2], 0, end, got)
+    layers[2].gather(tables[2], 0, end, got)
     assert torch.equal(got, kv[2, :, :, :end])  # the full layer: every row, through its own table
     for index in (0, 1):
         got = torch.empty(2, 2, end - window_from, 8)
-        gather(layers[index], tables[index], window_from, end, got)
+        layers[index].gather(tables[index], window_from, end, got)
         assert torch.equal(got, kv[index, :, :, window_from:end])
         assert not layers[index].arrays[0][0].any() and not layers[index].arrays[1][0].any()  # null block untouched
     read = dict(outcome.stats.bytes_loaded)["disk"]
@@ -257,7 +256,6 @@ def test_hybrid_manager_load_uses_each_groups_table_and_window_layers_only_from_
 
 
 def _store_blocks(config, source, table, tokens):
-    from kvfabric.connectors.paged import save_blocks
     from kvfabric.kv.blocks import as_words
 
     with CacheEngine(config, LAYOUT, "m") as writer:
@@ -265,7 +263,7 @@ def _store_blocks(config, source, table, tokens):
         for i, key in enumerate(keys):
             payload = writer.new_payload(CHUNK, source[0].blocks)
             for index, layer in enumerate(source):
-                save_blocks(layer, table, i * CHUNK, (i + 1) * CHUNK, as_words(payload.kv[index]))
+                layer.save_blocks(table, i * CHUNK, (i + 1) * CHUNK, as_words(payload.kv[index]))
             assert writer.store_chunks([(key, payload)]) == [True]
     return keys
 

@@ -53,7 +53,7 @@ def test_the_loader_loads_through_the_server(tmp_path):
     """The worker's background loads (connectors.vllm.loads) with mode: server: every keyword the loader passes
     to open_chunk is accepted, and the KV lands in the paged cache."""
     pytest.importorskip("vllm")
-    from kvfabric.connectors.paged import CpuPagedLayer, gather
+    from kvfabric.connectors.paged import CpuPagedLayer
     from kvfabric.connectors.vllm.loads import Loader
     from kvfabric.connectors.vllm.metadata import LoadSpec
     from kvfabric.observe.counters import Counters
@@ -83,5 +83,5 @@ def test_the_loader_loads_through_the_server(tmp_path):
     assert outcome.end == 2 * CHUNK and not outcome.bad_blocks and loader.counters["load_missing_chunks"] == 0
     for index, layer in enumerate(layers):
         got = torch.empty(2, heads, 2 * CHUNK, dim, dtype=kv.dtype)
-        gather(layer, block_ids, 0, 2 * CHUNK, got)
+        layer.gather(block_ids, 0, 2 * CHUNK, got)
         assert torch.equal(got, kv[index]), index

@@ -65,8 +65,10 @@ def make_prompts() -> dict[str, list[int]]:
 def make_llm(model: str, cache: str | None, phase: str):
     from vllm import LLM
 
+    # CPU_MLA by name: on a CPU with AMX tiles vLLM prefers its AMX_MLA backend, whose kernels take 16-bit weights
+    # only (float32 here: an exact comparison with the run without kvfabric)
     kwargs = dict(model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=2048,
-                  max_num_seqs=4, kv_cache_memory_bytes=KV_BYTES, seed=0)
+                  max_num_seqs=4, kv_cache_memory_bytes=KV_BYTES, seed=0, attention_backend="CPU_MLA")
     if cache is not None:
         from kvfabric.connectors.vllm import kv_transfer_config
 

@@ -26,7 +26,15 @@ from kvfabric import CacheEngine, Config, KVLayout
 from kvfabric.config import CpuTierConfig, DiskTierConfig
 from kvfabric.connectors.copy_stream import make_copy_stream
 from kvfabric.connectors.paged_mover import PagedMover
-from kvfabric.connectors.paged_views import LAYOUTS, Content, PagedSpec, content_of, gather, layer_views, layout_order
+from kvfabric.connectors.paged_views import (
+    LAYOUTS,
+    Content,
+    DeviceLayer,
+    PagedSpec,
+    content_of,
+    layer_views,
+    layout_order,
+)
 
 BLOCK, CHUNK = 16, 256
 
@@ -50,10 +58,11 @@ def _copy_seconds(num_bytes: int, device: torch.device, to_host: bool, repeats: 
     return sorted(times)[repeats // 2]
 
 
-def _tokens(views: list[torch.Tensor], layout: KVLayout, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+def _tokens(views: list[torch.Tensor], name: str, layout: KVLayout, block_ids: list[int],
+            num_tokens: int) -> torch.Tensor:
     out = torch.empty(layout.shape(num_tokens), dtype=views[0].dtype, device=views[0].device)
     for index, view in enumerate(views):
-        gather(view, content_of(layout), block_ids, 0, num_tokens, out[index])
+        DeviceLayer.of(view, name, content_of(layout)).gather(block_ids, 0, num_tokens, out[index])
     return out
 
 
@@ -92,7 +101,7 @@ def run_layout(name: str, num_tokens: int, device: torch.device, root: Path, num
     spans = [(i, min(num_tokens, i + CHUNK)) for i in range(0, num_tokens, CHUNK)]
     stream = make_copy_stream(device, pinned_bytes=2 * num_bytes)
     rows = []
-    expect = _tokens(views, layout, src_ids, num_tokens)
+    expect = _tokens(views, name, layout, src_ids, num_tokens)
     with CacheEngine(config, layout, "gpu-check") as engine:
         mover = PagedMover(engine, views, name, stream)
         keys = engine.keys(list(range(num_tokens)))
@@ -124,9 +133,9 @@ def _load_row(mover: PagedMover, keys, spans, dst_ids, views, expect, op: str, n
         if job is not None:
             job.finish()
     seconds = time.perf_counter() - started
-    loaded = _tokens(views, mover.engine.layout, dst_ids, expect.shape[3])
+    loaded = _tokens(views, mover.layout, mover.engine.layout, dst_ids, expect.shape[3])
     exact = all(job is not None for job in jobs) and torch.equal(loaded, expect)
-    return _row(mover.layout, mover.content, expect.shape[3], op, num_bytes, seconds,
+    return _row(mover.layout, mover.layers[0].content, expect.shape[3], op, num_bytes, seconds,
                 _copy_seconds(num_bytes, device, False), exact, None)
 
 

@@ -9,15 +9,17 @@ Contract:
   n's vector is row n) or dim-major ("dt": [D, B], token n's vector is column n). vLLM 0.32's "vec" ISA (x86
   without AMX, fp32) stores K dim-major and V token-major; the connector measures this at start-up by letting
   the attention kernel write known values (see `kvfabric.connectors.vllm.config.detect_cpu_kv_layout`).
-- `gather(layer, block_ids, start, end, out)` copies tokens [start, end) into out [2, H, end-start, D];
-  `scatter(layer, block_ids, start, end, src)` copies src [2, H, end-start, D] into the cache. Both copy one
+- `layer.gather(block_ids, start, end, out)` copies tokens [start, end) into out [2, H, end-start, D];
+  `layer.scatter(block_ids, start, end, src)` copies src [2, H, end-start, D] into the cache. Both copy one
   segment (a partial block, or a run of whole blocks with consecutive ids) at a time straight between the two
   layouts (no temporary), and touch only the slots of tokens [start, end) - never the rest of a partially
   covered block.
-- Block layout (kvfabric.kv.blocks): `layer.blocks` names the layer's own block layout; `save_blocks` copies the
+- Block layout (kvfabric.kv.blocks): `layer.blocks` names the layer's own block layout; `layer.save_blocks` copies the
   blocks holding tokens [start, end) into a chunk payload slab [n, H, 2, B*D] as they are (one copy per run of
-  consecutive blocks, no transpose), `load_blocks` copies such a slab back; only a partial block is copied
+  consecutive blocks, no transpose), `layer.load_blocks` copies such a slab back; only a partial block is copied
   slot by slot (its free slots are zero in the slab, and a load touches only the slots of [start, end)).
+- The same four calls, with the same arguments, copy a GPU backend's layer (connectors.paged_views.DeviceLayer): a
+  connector moves KV with one set of names whatever the device.
 - `populate(tensors)` maps every page of the tensors' memory now (`kvfabric.host.pages`), so
   that the first load into a block does not pay the page faults: vLLM's CPU KV cache is allocated but not
   touched until a forward writes it, and a load into a fresh engine would otherwise fault every page it writes.
@@ -66,6 +68,72 @@ class CpuPagedLayer:
         self.blocks = BlockLayout(block_size, key_layout == "dt", value_layout == "dt")
         self.block_array = as_words(regions)  # [num_blocks, H, 2, B*D]: whole blocks, as they are
 
+    def gather(self, block_ids: Sequence[int], start: int, end: int, out: torch.Tensor) -> None:
+        """Copy the KV of tokens [start, end) of one layer into out [2, H, end-start, D].
+
+        By numpy, for the reason `scatter` gives: the save path gathers on the engine's own thread right after each
+        layer's attention, and torch's copy_ of a segment this large forks its intra-op OpenMP team, whose join
+        waits for a core another process or thread holds (on the loaded 2-core machine the save gathers of `bench
+        serve` ran many times slower than numpy in one thread, which also beats torch's one-thread copy: see
+        docs/design/measurements.md).
+        An `out` of another float dtype gets the values converted (through a buffer of the cache's dtype)."""
+        if out.dtype != self.dtype:
+            same = torch.empty(out.shape, dtype=self.dtype)
+            self.gather(block_ids, start, end, same)
+            out.copy_(same)
+            return
+        kv = as_words(out)
+        num_heads, head_dim = kv.shape[1], kv.shape[3]
+        for block, n, lo, hi, at in segments(block_ids, self.block_size, start, end):
+            num_tokens = hi - lo
+            for which in (0, 1):  # [H, n*m, D] viewed as [n, H, m, D] (tokens are contiguous rows)
+                part = kv[which, :, at:at + n * num_tokens, :].reshape(num_heads, n, num_tokens, head_dim)
+                np.copyto(part.transpose(1, 0, 2, 3), self.arrays[which][block:block + n, :, lo:hi, :])
+
+    def scatter(self, block_ids: Sequence[int], start: int, end: int, src: torch.Tensor) -> None:
+        """Copy src [2, H, end-start, D] (KV of tokens [start, end)) into the layer's slots.
+
+        By numpy, not torch: loads scatter on background threads, where torch's copy_ of a segment over 32k values
+        starts an OpenMP team of its own that competes with the engine's forward for the same cores (and took
+        an order of magnitude longer on a busy machine); numpy copies in the calling thread, releases the GIL, moved
+        the transposed K regions faster, and its views cost a fraction of torch's (less time holding the GIL, which
+        the forward of the other requests needs). Figures: docs/design/measurements.md."""
+        kv = as_words(src)
+        num_heads, head_dim = kv.shape[1], kv.shape[3]
+        for block, n, lo, hi, at in segments(block_ids, self.block_size, start, end):
+            num_tokens = hi - lo
+            for which in (0, 1):  # [H, n*m, D] -> [n, H, m, D]: a view (tokens are contiguous rows)
+                part = kv[which, :, at:at + n * num_tokens, :].reshape(num_heads, n, num_tokens, head_dim)
+                np.copyto(self.arrays[which][block:block + n, :, lo:hi, :], part.transpose(1, 0, 2, 3))
+
+    def save_blocks(self, block_ids: Sequence[int], start: int, end: int, out: np.ndarray) -> None:
+        """Copy the blocks holding tokens [start, end) (start block-aligned) into out [n, H, 2, B*D] (an integer view
+        of a payload slab in `self.blocks`): whole runs as they are; a partial last block whole, its slots from
+        `end` on zeroed (they may hold another request's stale KV)."""
+        size = self.block_size
+        if start % size:
+            raise ValueError(f"a block-layout save starts at a block boundary, got token {start}")
+        for block, n, lo, hi, at in segments(block_ids, size, start, end):
+            j = at // size
+            np.copyto(out[j:j + n], self.block_array[block:block + n])
+            if hi < size:
+                for which, is_dt in enumerate((self.blocks.key_dt, self.blocks.value_dt)):
+                    region_tokens(out[j, :, which], size, is_dt)[:, hi:, :] = 0
+
+    def load_blocks(self, block_ids: Sequence[int], start: int, end: int, src: np.ndarray,
+                    first: int) -> None:
+        """Copy tokens [start, end) out of src [n, H, 2, B*D] (a payload slab in `self.blocks` holding tokens from
+        `first`, block-aligned) into the layer: runs of whole blocks as they are, a partial block slot by slot."""
+        size = self.block_size
+        for block, n, lo, hi, at in segments(block_ids, size, start, end):
+            j = (start + at - lo - first) // size
+            if hi - lo == size:
+                np.copyto(self.block_array[block:block + n], src[j:j + n])
+                continue
+            for which, is_dt in enumerate((self.blocks.key_dt, self.blocks.value_dt)):
+                dst_region = region_tokens(self.block_array[block, :, which], size, is_dt)  # [H, B, D]
+                np.copyto(dst_region[:, lo:hi, :], region_tokens(src[j, :, which], size, is_dt)[:, lo:hi, :])
+
 
 def segments(block_ids: Sequence[int], block_size: int, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
     """(first block id, number of blocks, offset lo, offset hi, position of lo relative to start) for tokens
@@ -85,76 +153,6 @@ def segments(block_ids: Sequence[int], block_size: int, start: int, end: int) ->
                 n += 1
         yield block_ids[j], n, lo, hi, pos - start
         pos += n * (hi - lo)
-
-
-def gather(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int, out: torch.Tensor) -> None:
-    """Copy the KV of tokens [start, end) of one layer into out [2, H, end-start, D].
-
-    By numpy, for the reason `scatter` gives: the save path gathers on the engine's own thread right after each
-    layer's attention, and torch's copy_ of a segment this large forks its intra-op OpenMP team, whose join
-    waits for a core another process or thread holds (on the loaded 2-core machine the save gathers of `bench
-    serve` ran many times slower than numpy in one thread, which also beats torch's one-thread copy: see
-    docs/design/measurements.md).
-    An `out` of another float dtype gets the values converted (through a buffer of the cache's dtype)."""
-    if out.dtype != layer.dtype:
-        same = torch.empty(out.shape, dtype=layer.dtype)
-        gather(layer, block_ids, start, end, same)
-        out.copy_(same)
-        return
-    kv = as_words(out)
-    num_heads, head_dim = kv.shape[1], kv.shape[3]
-    for block, n, lo, hi, at in segments(block_ids, layer.block_size, start, end):
-        num_tokens = hi - lo
-        for which in (0, 1):  # [H, n*m, D] viewed as [n, H, m, D] (tokens are contiguous rows)
-            part = kv[which, :, at:at + n * num_tokens, :].reshape(num_heads, n, num_tokens, head_dim)
-            np.copyto(part.transpose(1, 0, 2, 3), layer.arrays[which][block:block + n, :, lo:hi, :])
-
-
-def scatter(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int, src: torch.Tensor) -> None:
-    """Copy src [2, H, end-start, D] (KV of tokens [start, end)) into the layer's slots.
-
-    By numpy, not torch: loads scatter on background threads, where torch's copy_ of a segment over 32k values
-    starts an OpenMP team of its own that competes with the engine's forward for the same cores (and took
-    an order of magnitude longer on a busy machine); numpy copies in the calling thread, releases the GIL, moved
-    the transposed K regions faster, and its views cost a fraction of torch's (less time holding the GIL, which
-    the forward of the other requests needs). Figures: docs/design/measurements.md."""
-    kv = as_words(src)
-    num_heads, head_dim = kv.shape[1], kv.shape[3]
-    for block, n, lo, hi, at in segments(block_ids, layer.block_size, start, end):
-        num_tokens = hi - lo
-        for which in (0, 1):  # [H, n*m, D] -> [n, H, m, D]: a view (tokens are contiguous rows)
-            part = kv[which, :, at:at + n * num_tokens, :].reshape(num_heads, n, num_tokens, head_dim)
-            np.copyto(layer.arrays[which][block:block + n, :, lo:hi, :], part.transpose(1, 0, 2, 3))
-
-
-def save_blocks(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int, out: np.ndarray) -> None:
-    """Copy the blocks holding tokens [start, end) (start block-aligned) into out [n, H, 2, B*D] (an integer view
-    of a payload slab in `layer.blocks`): whole runs as they are; a partial last block whole, its slots from
-    `end` on zeroed (they may hold another request's stale KV)."""
-    size = layer.block_size
-    if start % size:
-        raise ValueError(f"a block-layout save starts at a block boundary, got token {start}")
-    for block, n, lo, hi, at in segments(block_ids, size, start, end):
-        j = at // size
-        np.copyto(out[j:j + n], layer.block_array[block:block + n])
-        if hi < size:
-            for which, is_dt in enumerate((layer.blocks.key_dt, layer.blocks.value_dt)):
-                region_tokens(out[j, :, which], size, is_dt)[:, hi:, :] = 0
-
-
-def load_blocks(layer: CpuPagedLayer, block_ids: Sequence[int], start: int, end: int, src: np.ndarray,
-                first: int) -> None:
-    """Copy tokens [start, end) out of src [n, H, 2, B*D] (a payload slab in `layer.blocks` holding tokens from
-    `first`, block-aligned) into the layer: runs of whole blocks as they are, a partial block slot by slot."""
-    size = layer.block_size
-    for block, n, lo, hi, at in segments(block_ids, size, start, end):
-        j = (start + at - lo - first) // size
-        if hi - lo == size:
-            np.copyto(layer.block_array[block:block + n], src[j:j + n])
-            continue
-        for which, is_dt in enumerate((layer.blocks.key_dt, layer.blocks.value_dt)):
-            dst_region = region_tokens(layer.block_array[block, :, which], size, is_dt)  # [H, B, D]
-            np.copyto(dst_region[:, lo:hi, :], region_tokens(src[j, :, which], size, is_dt)[:, lo:hi, :])
 
 
 def blocks_of(block_ids: Sequence[int], block_size: int, start: int, end: int) -> list[int]:

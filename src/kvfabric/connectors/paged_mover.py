@@ -42,18 +42,7 @@ import torch
 
 from kvfabric.cache.protocol import BlockSource, ChunkFailed, ChunkMiss, ChunkPayload, KVCache, TokenSource
 from kvfabric.connectors.copy_stream import CopyDone, CopyStream
-from kvfabric.connectors.paged_views import (
-    Blocks,
-    Content,
-    block_layout,
-    content_of,
-    gather,
-    load_blocks,
-    physical_blocks,
-    save_blocks,
-    scatter,
-    zero_tail,
-)
+from kvfabric.connectors.paged_views import DeviceLayer, block_layout, content_of, zero_tail
 from kvfabric.host.pages import Scratch
 
 
@@ -74,7 +63,7 @@ class SaveJob:
             self.payload.kv.copy_(self.staging)
             self.mover.release(self.staging)
         if self.payload.blocks is not None:  # the copies have landed: clear what follows the chunk's last token
-            axis = self.mover.blocks[0].token_axis
+            axis = self.mover.layers[0].blocks.token_axis
             for layer in self.payload.kv:
                 zero_tail(layer, axis, self.payload.block_tokens)
         return self.mover.engine.store_chunks([(self.key, self.payload)])[0]
@@ -128,12 +117,11 @@ class PagedMover:
         self.layer_groups = list(layer_groups) or [0] * len(views)  # layer index -> its KV cache group
         self.window_layers = frozenset(window_layers)
         self.engine = engine
-        self.views = list(views)
+        content = content_of(engine.layout)
+        self.layers = [DeviceLayer.of(view, layout, content) for view in views]  # each layer's copies
         self.layout = layout
-        self.content: Content = content_of(engine.layout)
         self.stream = stream
-        self.blocks = [physical_blocks(view, layout) for view in self.views]
-        self.block_layout = block_layout(layout, self.blocks[0].block_size)
+        self.block_layout = block_layout(layout, self.layers[0].block_size)
         self._scratch = Scratch()
 
     def _staging(self, like: torch.Tensor) -> torch.Tensor | None:
@@ -167,12 +155,12 @@ class PagedMover:
         target = payload.kv if staging is None else staging
 
         def copy() -> None:
-            for index, view in enumerate(self.views):
+            for index, layer in enumerate(self.layers):
                 table = self._table(index, block_ids, group_tables)
                 if payload.blocks is not None:  # whole blocks as they are
-                    save_blocks(self.blocks[index], table, start, end, target[index])
+                    layer.save_blocks(table, start, end, target[index])
                 else:  # a codec or split layout wants [L, S, H, T, D]
-                    gather(view, self.content, table, start, end, target[index])
+                    layer.gather(table, start, end, target[index])
 
         self.stream.after_compute()
         self.stream.run(copy)
@@ -198,13 +186,13 @@ class PagedMover:
             staged.append((read, staging, isinstance(source, BlockSource)))
             by_tier[source.tier] = by_tier.get(source.tier, 0) + source.num_bytes
         layer_done = []
-        for index, (view, blocks) in enumerate(zip(self.views, self.blocks)):
-            def copy(index: int = index, view: torch.Tensor = view, blocks: Blocks = blocks) -> None:
+        for index, layer in enumerate(self.layers):
+            def copy(index: int = index, layer: DeviceLayer = layer) -> None:
                 for read, staging, is_blocks in staged:
                     if is_blocks:
-                        load_blocks(blocks, block_ids, read.start, read.end, staging[index], read.first)
+                        layer.load_blocks(block_ids, read.start, read.end, staging[index], read.first)
                     else:
-                        scatter(view, self.content, block_ids, read.start, read.end, staging[index])
+                        layer.scatter(block_ids, read.start, read.end, staging[index])
 
             self.stream.run(copy)
             layer_done.append(self.stream.record())
@@ -213,18 +201,18 @@ class PagedMover:
     def _host_copy(self, source: TokenSource | BlockSource, read: ChunkRead) -> torch.Tensor:
         """The chunk's part in a host buffer of the stream's pool (kept until every layer's copies landed):
         whole blocks [L, n, ...] as stored, or tokens [L, S, H, end - start, D]; given back when a slab is short."""
-        dtype = self.views[0].dtype
+        dtype = self.layers[0].view.dtype
         if isinstance(source, TokenSource):
             part = source.kv[:, :, :, read.start - read.first:read.end - read.first, :]
             staging = self.stream.host_buffer(part.numel() * part.element_size()).view(dtype).view(part.shape)
             staging.copy_(part)
             return staging
         layer = torch.from_numpy(source.slab(0)).view(dtype)
-        staging = self.stream.host_buffer(layer.numel() * layer.element_size() * len(self.blocks)).view(dtype)
-        staging = staging.view(len(self.blocks), *layer.shape)
+        staging = self.stream.host_buffer(layer.numel() * layer.element_size() * len(self.layers)).view(dtype)
+        staging = staging.view(len(self.layers), *layer.shape)
         try:
             staging[0].copy_(layer)
-            for index in range(1, len(self.blocks)):
+            for index in range(1, len(self.layers)):
                 staging[index].copy_(torch.from_numpy(source.slab(index)).view(dtype))
         except ChunkFailed:
             self.release(staging)
@@ -252,7 +240,7 @@ class PagedMover:
                     end: int, first: int, group_tables: Sequence[Sequence[int]], window_from: int) -> None:
         """Queue the copies of tokens [start, end) of an open chunk into the layers (the staging buffer they read,
         on a staged stream, goes into `queued` as soon as it is taken)."""
-        dtype = self.views[0].dtype
+        dtype = self.layers[0].view.dtype
         if isinstance(source, TokenSource):  # [L, S, H, T, D] from `first`: only [start, end) goes in
             chunk = source.kv[:, :, :, start - first:end - first, :]
             queued.staging = self._staging(chunk)
@@ -261,28 +249,27 @@ class PagedMover:
                 chunk = queued.staging
 
             def copy() -> None:
-                for index, view in enumerate(self.views):
+                for index, layer in enumerate(self.layers):
                     lo = self._load_from(index, start, window_from)
                     if lo < end:  # [S, H, T, D] from `start`: the layer's part from lo
-                        scatter(view, self.content, self._table(index, block_ids, group_tables), lo, end,
-                                chunk[index][:, :, lo - start:])
+                        layer.scatter(self._table(index, block_ids, group_tables), lo, end, chunk[index][:, :, lo - start:])
 
             self.stream.run(copy)
             return
         # this layout's blocks, layer by layer (a slab read from a file is valid until the next one)
-        for index, blocks in enumerate(self.blocks):
+        for index, device_layer in enumerate(self.layers):
             lo = self._load_from(index, start, window_from)
             if lo >= end:  # a window layer wholly before vLLM's first block of it: nothing to copy
                 continue
             layer = torch.from_numpy(source.slab(index)).view(dtype)
             if self.stream.is_staged:
                 if queued.staging is None:
-                    queued.staging = self._staging(layer.expand(len(self.blocks), *layer.shape))
+                    queued.staging = self._staging(layer.expand(len(self.layers), *layer.shape))
                 assert queued.staging is not None
                 queued.staging[index].copy_(layer)
                 layer = queued.staging[index]
-            self.stream.run(partial(load_blocks, blocks, self._table(index, block_ids, group_tables), lo, end, layer,
-                                    first))
+            self.stream.run(partial(device_layer.load_blocks, self._table(index, block_ids, group_tables), lo, end,
+                                    layer, first))
 
 
 @dataclass

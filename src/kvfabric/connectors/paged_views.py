@@ -11,7 +11,8 @@ Contract:
   CPU backend keeps a K region then a V region per (block, head) instead: `paged.CpuPagedLayer`, not this module.
 - `layer_views(raw, spec)` views a flat backing buffer exactly as vLLM's `create_kv_cache_views` does (a test
   compares the two): the GPU check builds caches without vLLM, and a layout means the same here and there.
-- `gather(view, content, block_ids, start, end, out)` copies tokens [start, end) into out [S, H, T, D] (S = 2 for
+- `DeviceLayer.of(view, layout, content)`: one layer's copies, with connectors.paged.CpuPagedLayer's names and
+  arguments. `gather(block_ids, start, end, out)` copies tokens [start, end) into out [S, H, T, D] (S = 2 for
   "kv": K then V; 1 for "latent"); `scatter` copies such a tensor back. One copy per content state and per
   segment (a partial block, or a run of whole blocks with consecutive ids), never per token; only the slots of
   [start, end) are touched. `out` / `src` may live on another device (a pinned host buffer): torch moves it.
@@ -133,28 +134,6 @@ def states(view: torch.Tensor, content: Content) -> list[torch.Tensor]:
     return [view[..., :head_dim], view[..., head_dim:]]
 
 
-def gather(view: torch.Tensor, content: Content, block_ids: Sequence[int], start: int, end: int,
-           out: torch.Tensor) -> None:
-    """Tokens [start, end) of one layer into out [S, H, end-start, D]."""
-    block_size = view.shape[2]
-    parts = states(view, content)
-    for block, n, lo, hi, at in segments(block_ids, block_size, start, end):
-        m = hi - lo
-        for which, part in enumerate(parts):  # [n, H, m, D] -> out's [H, n, m, D]
-            dst = out[which, :, at:at + n * m, :].unflatten(1, (n, m))
-            dst.copy_(part[block:block + n, :, lo:hi, :].transpose(0, 1), non_blocking=True)
-
-
-def scatter(view: torch.Tensor, content: Content, block_ids: Sequence[int], start: int, end: int,
-            src: torch.Tensor) -> None:
-    """src [S, H, end-start, D] (tokens [start, end)) into one layer's slots."""
-    block_size = view.shape[2]
-    parts = states(view, content)
-    for block, n, lo, hi, at in segments(block_ids, block_size, start, end):
-        m = hi - lo
-        for which, part in enumerate(parts):
-            piece = src[which, :, at:at + n * m, :].unflatten(1, (n, m)).transpose(0, 1)
-            part[block:block + n, :, lo:hi, :].copy_(piece, non_blocking=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,17 +155,6 @@ def physical_blocks(view: torch.Tensor, layout: str) -> Blocks:
     return Blocks(view.permute(0, *order), order.index(2))
 
 
-def save_blocks(blocks: Blocks, block_ids: Sequence[int], start: int, end: int, out: torch.Tensor) -> None:
-    """The blocks holding tokens [start, end) (start block-aligned) into out [n, ...] (blocks.tensor's block shape),
-    runs of consecutive ids whole, a partial last block whole too: `zero_tail(out, ...)` clears its slots from
-    `end` on (stale KV of another request) once the copies have landed (on a device they are asynchronous)."""
-    size = blocks.block_size
-    if start % size:
-        raise ValueError(f"a block-layout save starts at a block boundary, got token {start}")
-    for block, n, _, _, at in segments(block_ids, size, start, end):
-        j = at // size
-        out[j:j + n].copy_(blocks.tensor[block:block + n], non_blocking=True)
-
 
 def zero_tail(out: torch.Tensor, token_axis: int, num_tokens: int) -> None:
     """Zero the free slots of the partial last block of out [n, ...] (blocks holding num_tokens tokens)."""
@@ -195,15 +163,64 @@ def zero_tail(out: torch.Tensor, token_axis: int, num_tokens: int) -> None:
         out[-1].narrow(token_axis, num_tokens % size, size - num_tokens % size).zero_()
 
 
-def load_blocks(blocks: Blocks, block_ids: Sequence[int], start: int, end: int, src: torch.Tensor,
-                first: int) -> None:
-    """Tokens [start, end) out of src [n, ...] (whole blocks as `save_blocks` wrote them, holding tokens from
-    `first`, block-aligned) into the layer: runs of whole blocks as they are, a partial block slot by slot."""
-    size, axis = blocks.block_size, blocks.token_axis
-    for block, n, lo, hi, at in segments(block_ids, size, start, end):
-        j = (start + at - lo - first) // size
-        if hi - lo == size:
-            blocks.tensor[block:block + n].copy_(src[j:j + n], non_blocking=True)
-        else:
-            blocks.tensor[block].narrow(axis, lo, hi - lo).copy_(src[j].narrow(axis, lo, hi - lo), non_blocking=True)
+@dataclass(frozen=True, slots=True)
+class DeviceLayer:
+    """One layer of a paged cache in a vLLM 0.32 layout, on any device: its logical view [B, H, N, C], what C holds,
+    and its blocks in memory order (`physical_blocks`). The copies have connectors.paged.CpuPagedLayer's names and
+    arguments: gather / scatter move tokens [start, end) to and from [S, H, T, D]; save_blocks / load_blocks move
+    runs of whole blocks as they are."""
+    view: torch.Tensor
+    content: Content
+    blocks: Blocks
+
+    @classmethod
+    def of(cls, view: torch.Tensor, layout: str, content: Content = "kv") -> DeviceLayer:
+        return cls(view, content, physical_blocks(view, layout))
+
+    @property
+    def block_size(self) -> int:
+        return self.view.shape[2]
+
+    def gather(self, block_ids: Sequence[int], start: int, end: int, out: torch.Tensor) -> None:
+        """Tokens [start, end) of one layer into out [S, H, end-start, D]."""
+        block_size = self.view.shape[2]
+        parts = states(self.view, self.content)
+        for block, n, lo, hi, at in segments(block_ids, block_size, start, end):
+            m = hi - lo
+            for which, part in enumerate(parts):  # [n, H, m, D] -> out's [H, n, m, D]
+                dst = out[which, :, at:at + n * m, :].unflatten(1, (n, m))
+                dst.copy_(part[block:block + n, :, lo:hi, :].transpose(0, 1), non_blocking=True)
+
+    def scatter(self, block_ids: Sequence[int], start: int, end: int, src: torch.Tensor) -> None:
+        """src [S, H, end-start, D] (tokens [start, end)) into one layer's slots."""
+        block_size = self.view.shape[2]
+        parts = states(self.view, self.content)
+        for block, n, lo, hi, at in segments(block_ids, block_size, start, end):
+            m = hi - lo
+            for which, part in enumerate(parts):
+                piece = src[which, :, at:at + n * m, :].unflatten(1, (n, m)).transpose(0, 1)
+                part[block:block + n, :, lo:hi, :].copy_(piece, non_blocking=True)
+
+    def save_blocks(self, block_ids: Sequence[int], start: int, end: int, out: torch.Tensor) -> None:
+        """The blocks holding tokens [start, end) (start block-aligned) into out [n, ...] (the blocks' shape),
+        runs of consecutive ids whole, a partial last block whole too: `zero_tail(out, ...)` clears its slots from
+        `end` on (stale KV of another request) once the copies have landed (on a device they are asynchronous)."""
+        size = self.blocks.block_size
+        if start % size:
+            raise ValueError(f"a block-layout save starts at a block boundary, got token {start}")
+        for block, n, _, _, at in segments(block_ids, size, start, end):
+            j = at // size
+            out[j:j + n].copy_(self.blocks.tensor[block:block + n], non_blocking=True)
+
+    def load_blocks(self, block_ids: Sequence[int], start: int, end: int, src: torch.Tensor,
+                    first: int) -> None:
+        """Tokens [start, end) out of src [n, ...] (whole blocks as `save_blocks` wrote them, holding tokens from
+        `first`, block-aligned) into the layer: runs of whole blocks as they are, a partial block slot by slot."""
+        size, axis = self.blocks.block_size, self.blocks.token_axis
+        for block, n, lo, hi, at in segments(block_ids, size, start, end):
+            j = (start + at - lo - first) // size
+            if hi - lo == size:
+                self.blocks.tensor[block:block + n].copy_(src[j:j + n], non_blocking=True)
+            else:
+                self.blocks.tensor[block].narrow(axis, lo, hi - lo).copy_(src[j].narrow(axis, lo, hi - lo), non_blocking=True)
 

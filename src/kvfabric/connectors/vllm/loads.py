@@ -65,7 +65,7 @@ import numpy as np
 from vllm.logger import init_logger
 
 from kvfabric.cache.protocol import BlockSource, ChunkFailed, ChunkMiss, KVCache, TokenSource
-from kvfabric.connectors.paged import CpuPagedLayer, load_blocks, scatter, segments
+from kvfabric.connectors.paged import CpuPagedLayer, segments
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE
 from kvfabric.connectors.vllm.load_jobs import LoadOutcome, LoadState
 from kvfabric.connectors.vllm.metadata import LoadSpec
@@ -156,10 +156,10 @@ class Loader:
             return
         table = job.spec.table(self.groups[index])
         if isinstance(source, BlockSource):  # the payload is in this layer's block layout: whole blocks, as they are
-            load_blocks(layer, table, lo, hi, source.slab(index), first)
+            layer.load_blocks(table, lo, hi, source.slab(index), first)
         else:
             row = index if layers is None else layers.index(index)
-            scatter(layer, table, lo, hi, source.kv[row, :, :, lo - first:hi - first, :])
+            layer.scatter(table, lo, hi, source.kv[row, :, :, lo - first:hi - first, :])
 
     # ---- async ----------------------------------------------------------------------------------------------
     def start_async(self, spec: LoadSpec) -> None:

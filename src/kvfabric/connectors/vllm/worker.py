@@ -51,7 +51,7 @@ from vllm.logger import init_logger
 from kvfabric.cache.builder import build_engine
 from kvfabric.config import Config
 from kvfabric.connectors.lookup import start_lookup_service
-from kvfabric.connectors.paged import CpuPagedLayer, RegionLayout, gather, populate, save_blocks
+from kvfabric.connectors.paged import CpuPagedLayer, RegionLayout, populate
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE, DEFAULT_LOAD_THREADS, KVGroups, detect_cpu_kv_layout
 from kvfabric.connectors.vllm.load_jobs import LoadOutcome, Loads
 from kvfabric.connectors.vllm.loads import Loader
@@ -245,9 +245,9 @@ class WorkerSide:
             for i, chunk in enumerate(save.chunks):
                 first = save.spec.start + i * cs
                 if chunk.blocks is not None:  # [L, n, H, 2, B*D]: this layer's blocks as they are
-                    save_blocks(layer, table, first, first + chunk.num_tokens, as_words(chunk.kv[index]))
+                    layer.save_blocks(table, first, first + chunk.num_tokens, as_words(chunk.kv[index]))
                 else:
-                    gather(layer, table, first, first + chunk.num_tokens, chunk.kv[index])
+                    layer.gather(table, first, first + chunk.num_tokens, chunk.kv[index])
             save.layers_done.add(index)
         self.counters.add("save_gather_ns", time.perf_counter_ns() - started)
 
