@@ -7,14 +7,18 @@ Contract:
   fewer) from its first token; `chunk_span(i)` is its part of the load's tokens. `first_bad` is the first chunk that
   failed: the load's `outcome` ends there, and the blocks from there to the load's end are `bad_blocks` (vLLM
   recomputes them).
+- `LayeredStep`: one step's layer-wise loads, their chunks' sources (held open until every layer is placed) and an
+  event per layer.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvfabric.cache.protocol import BlockSource, TokenSource
 from kvfabric.connectors.paged import blocks_of
 from kvfabric.connectors.vllm.metadata import LoadSpec, RequestStats
 from kvfabric.observe.counters import Counters
@@ -72,3 +76,13 @@ class LoadState:
                              load_read_s=time.perf_counter() - self.started,
                              bytes_loaded=tuple(sorted(self.by_tier.items())))
         return LoadOutcome(spec.req_id, end, tuple(bad), stats)
+
+
+class LayeredStep:
+    """One step's synchronous loads, scattered layer by layer."""
+
+    def __init__(self, jobs: list[LoadState], num_layers: int) -> None:
+        self.jobs = jobs
+        self.chunks: list[list[TokenSource | BlockSource]] = [[] for _ in jobs]  # per job: its good chunks
+        self.layer_done = [threading.Event() for _ in range(num_layers)]
+        self.done = threading.Event()

@@ -8,13 +8,10 @@ Contract:
   and, under vLLM's hybrid manager, the window layers, which get only rows from ``LoadSpec.window_from`` (a chunk
   wholly before it is read in its full-attention layers only: ``open_chunk(layers=...)``).
 - The threads run on every CPU the engine was given (``threads.release``: not on the core vLLM bound the
-  worker's main thread to), niced (`nice`: the connector's ``load_nice``, default 15) for their whole life:
-  where the forward keeps the cores busy, an asynchronous load gets the share of CPU time its weight gives it (at nice 15
-  a few percent of a core against one forward thread; more in practice: a niced thread that holds the GIL
-  also holds up the forward), so the requests that keep decoding slow by about that much and the load still
-  progresses. (SCHED_IDLE, used before, starved a load whenever another request decoded: seconds of TTFT
-  under a steady decode. A priority that changes from step to step would need CAP_SYS_NICE to raise again; a
-  constant niceness needs no privilege.)
+  worker's main thread to), niced (`nice`: the connector's ``load_nice``, default 15) for their whole life: where
+  the forward keeps the cores busy, a load gets the share of CPU its weight gives it, so decoding requests slow by
+  about that much and the load still progresses. (SCHED_IDLE starved a load whenever another request decoded; a
+  priority that changes from step to step would need CAP_SYS_NICE to raise again.)
 - `help(budget_s)`: the calling thread (the worker's, which bound the layers and has its own placer and staging
   buffer) loads chunks of the started async loads itself, at vLLM's priority: the worker calls it on a step with
   nothing scheduled, where it would otherwise only wait, and niced threads would share the core with vLLM's
@@ -32,14 +29,11 @@ Contract:
   ``LoadOutcome``; `wait_finished(timeout)` blocks until one is there (the worker calls it on steps
   that have nothing else to do, instead of letting vLLM poll in a tight loop).
 - `start_layered(specs)` (synchronous, layer-wise): a step's loads. All their chunks are read and verified
-  first (``KVCache.read_chunk``: raw chunks from process memory are zero-copy views; others land in a pool of
-  buffers held until the step's loads are done), then scattered one layer at a time, so scattering layer l+1 overlaps the forward's
-  layer l. `wait_layer(index)` returns once layer `index` of every load is in place; `finish_layered()` returns
-  the step's outcomes. (Not in place: the forward uses each layer as it lands, so its chunks are copied out of
-  the pool first and verified whole.) Trade-off (chunks hold all layers): a load is verified before any of its
-  KV is used, and a failed chunk never costs a step, but the reads themselves are not overlapped with compute
-  (layer 0 needs every chunk); ranged per-layer reads would hide them at the price of verifying after the
-  forward.
+  first (``KVCache.read_chunk``: raw chunks from process memory are zero-copy views, others land in a pool of
+  buffers held until the step's loads are done), then scattered one layer at a time, so scattering layer l+1
+  overlaps the forward's layer l. `wait_layer(index)` returns once layer `index` of every load is in place;
+  `finish_layered()` returns the step's outcomes. Trade-off: a load is verified before any of its KV is used (the
+  forward uses each layer as it lands), but its reads are not overlapped with compute (layer 0 needs every chunk).
 - Chunks stored in the layers' own block layout (``CpuPagedLayer.blocks``, what this connector saves) come as a
   ``BlockSource`` (``open_chunk(blocks=...)``) and are copied as whole runs of blocks; others (another engine's,
   token-major) come as a ``TokenSource`` and are scattered. Where numba is there, a block-layout chunk (read,
@@ -67,7 +61,7 @@ from vllm.logger import init_logger
 from kvfabric.cache.protocol import BlockSource, ChunkFailed, ChunkMiss, KVCache, TokenSource
 from kvfabric.connectors.paged import CpuPagedLayer, segments
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE
-from kvfabric.connectors.vllm.load_jobs import LoadOutcome, LoadState
+from kvfabric.connectors.vllm.load_jobs import LayeredStep, LoadOutcome, LoadState
 from kvfabric.connectors.vllm.metadata import LoadSpec
 from kvfabric.connectors.vllm.threads import release
 from kvfabric.host.pages import Scratch
@@ -78,16 +72,6 @@ if TYPE_CHECKING:
     from kvfabric.cache.placer import ChunkPlacer
 
 logger = init_logger(__name__)
-
-
-class _Layered:
-    """One step's synchronous loads, scattered layer by layer."""
-
-    def __init__(self, jobs: list[LoadState], num_layers: int) -> None:
-        self.jobs = jobs
-        self.chunks: list[list[TokenSource | BlockSource]] = [[] for _ in jobs]  # per job: its good chunks
-        self.layer_done = [threading.Event() for _ in range(num_layers)]
-        self.done = threading.Event()
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +93,7 @@ class Loader:
         self.layers: list[CpuPagedLayer] = []
         self.groups: list[int] = []
         self.window_layers: frozenset[int] = frozenset()
-        self._tasks: queue.Queue[LoadState | _Layered | _Warmup | None] = queue.Queue()  # a LoadState: claim its next chunk
+        self._tasks: queue.Queue[LoadState | LayeredStep | _Warmup | None] = queue.Queue()  # a LoadState: claim its next chunk
         self._active: list[LoadState] = []  # async loads with chunks not yet claimed
         self._local = threading.local()  # per thread: its ChunkPlacer (None: copies from Python)
         self._num_threads = num_threads
@@ -117,7 +101,7 @@ class Loader:
         self._cond = threading.Condition()
         self._num_async = 0  # async loads started and not yet taken
         self._pool: list[Scratch] = []  # the layered loads' buffers, reused step after step
-        self._layered: _Layered | None = None
+        self._layered: LayeredStep | None = None
         blob_bytes = engine.chunk_blob_bytes()
         self._threads = [threading.Thread(target=self._run, args=(blob_bytes,), name=f"kvfabric-load-{i}",
                                           daemon=True) for i in range(num_threads)]
@@ -186,10 +170,8 @@ class Loader:
             return job.num_claimed - 1
 
     def help(self, budget_s: float) -> int:
-        """Load chunks of the started async loads on the calling thread (the worker's, at its own priority, not
-        niced) until none is left unclaimed or `budget_s` has passed: on a step with nothing scheduled the worker's
-        thread would only wait, and the loader's niced threads get a small share of a core that vLLM's own
-        busy-polling readers keep busy. Returns the number of chunks it loaded."""
+        """Load chunks of the started async loads on the calling thread (see the module doc) until none is left
+        unclaimed or `budget_s` has passed; the number of chunks it loaded."""
         staging = getattr(self._local, "staging", None)
         if staging is None:  # not the thread that bound the layers
             return 0
@@ -231,7 +213,7 @@ class Loader:
 
     # ---- layered --------------------------------------------------------------------------------------------
     def start_layered(self, specs: Sequence[LoadSpec]) -> None:
-        self._layered = _Layered([LoadState(spec, self.chunk_size) for spec in specs], len(self.layers))
+        self._layered = LayeredStep([LoadState(spec, self.chunk_size) for spec in specs], len(self.layers))
         self.counters.add("loads_layered", len(specs))
         self._tasks.put(self._layered)
 
@@ -267,7 +249,7 @@ class Loader:
                     self._run_layered(task)
             except Exception:  # a bug must fail the load, not kill the thread
                 logger.exception("kvfabric: load job failed")
-                if isinstance(task, _Layered):
+                if isinstance(task, LayeredStep):
                     for job in task.jobs:
                         job.first_bad = 0
                     task.chunks = [[] for _ in task.jobs]
@@ -364,7 +346,7 @@ class Loader:
         if last:
             self._finish(job)
 
-    def _run_layered(self, task: _Layered) -> None:
+    def _run_layered(self, task: LayeredStep) -> None:
         held = 0
         with ExitStack() as sources:  # every chunk of the step's loads, verified, held until all are scattered
             for job, chunks in zip(task.jobs, task.chunks):
