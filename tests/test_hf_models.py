@@ -14,7 +14,8 @@ from kvfabric.config import DiskTierConfig
 from kvfabric.engines.hf import HFEngine
 from kvfabric.engines.model import installed_builtin
 from kvfabric.engines.runtime import next_logprobs
-from kvfabric.kv.shapes import ChunkShape, WindowSplit
+from kvfabric.kv.shapes import WindowSplit
+from kvfabric.kv.shares import shape_of
 
 pytestmark = pytest.mark.slow
 TEXT = (Path(__file__).parents[1] / "src/kvfabric/data/demo_document.txt").read_text()
@@ -59,7 +60,7 @@ def test_gemma3_hit_across_the_window_is_exact_and_a_corrupt_window_chunk_is_a_m
         # emptied): the hit ends before chunk 4, and the part is discarded
         engine.cache.flush()
         engine.cache.clear_tier("cpu")
-        shape = ChunkShape.of(layout)
+        shape = shape_of(layout)
         assert isinstance(shape, WindowSplit)
         window_part = shape.window.layout
         key = shape.window.key(engine.cache.keys(ids)[4])

@@ -306,3 +306,17 @@ def test_read_chunk_never_reads_in_place(bench):
     with source:
         assert bench.holder.delete(keys[0]) and bench.holder.put(keys[0], blob)
         assert torch.equal(source.kv, kv[:, :, :, :CHUNK])
+
+
+def test_the_connectors_hold_no_hashing_and_no_discard():
+    """The check lives in the cache: no connector hashes a payload, compares a checksum or drops a chunk itself
+    (chunk keys are hashes too: hashlib stays allowed for those)."""
+    from pathlib import Path
+
+    import kvfabric.connectors
+    root = Path(kvfabric.connectors.__file__).parent
+    banned = ("import xxhash", "from xxhash", "xxhash.", "intdigest", "check_payload", "discard_chunk", "unchecked_sum",
+              "payload_sum", ".discard(key")
+    found = [f"{path.relative_to(root)}:{i}: {word}" for path in sorted(root.rglob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1) for word in banned if word in line]
+    assert found == []

@@ -16,12 +16,13 @@ from kvfabric.codec.cachegen import profile as P
 from kvfabric.codec.format import parse
 from kvfabric.config import DiskTierConfig
 from kvfabric.kv.shapes import ChunkPart, ChunkShape, WindowSplit
+from kvfabric.kv.shares import shape_of
 
 # layers 0-4 and 6: window of 20 tokens; layer 5: full attention (a Gemma-3-like map)
 TYPES = ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
 LAYOUT = KVLayout.from_layer_types(TYPES, 2, 8, 20, "float32")
 CHUNK = 16
-SHAPE = ChunkShape.of(LAYOUT)
+SHAPE = shape_of(LAYOUT)
 assert isinstance(SHAPE, WindowSplit)
 
 
@@ -51,8 +52,8 @@ def test_shapes_of_layouts():
     # a part never shares a fingerprint with a whole layout of its shape, nor with the other part
     assert full.layout.fingerprint != KVLayout(1, 2, 8, "float32").fingerprint != window.layout.fingerprint
     for layout in (KVLayout(4, 2, 8), KVLayout.from_layer_types(["sliding_attention"] * 3, 2, 8, 20)):
-        whole = ChunkShape.of(layout)  # no window layers, or all of them window layers: stored whole
-        assert type(whole) is ChunkShape and whole.is_whole
+        whole = shape_of(layout)  # no window layers, or all of them window layers: stored whole
+        assert isinstance(whole, ChunkShape) and whole.is_whole and whole.is_writer
         assert whole.parts == (ChunkPart("whole", layout, tuple(range(layout.num_layers))),)
     key = bytes(range(32))
     assert full.key(key) == key and SHAPE.part_keys(key) == [key, window.key(key)]
@@ -82,7 +83,7 @@ def test_split_put_and_clear_stale_rows():
     SHAPE.clear_stale_rows(out, 4 * CHUNK, CHUNK)  # 64 tokens: window rows of chunks 0, 1 are stale, zeroed
     assert not out[[0, 1, 2, 3, 4, 6], :, :, :2 * CHUNK].any()
     assert out[[0, 1, 2, 3, 4, 6], :, :, 2 * CHUNK:].isnan().all() and out[5].isnan().all()
-    whole = ChunkShape.of(KVLayout(3, 2, 8, "float32"))
+    whole = shape_of(KVLayout(3, 2, 8, "float32"))
     kv = torch.randn(3, 2, 2, CHUNK, 8)
     assert len(whole.split(kv)) == 1 and whole.split(kv)[0] is kv and whole.into(kv, whole.parts[0]) is kv
 
@@ -103,7 +104,7 @@ def test_live_prefix_shrinks_past_a_missing_window_part():
     assert SHAPE.live_prefix(4, 64, CHUNK, has) == 2
     assert asked == [[2, 3], [0, 1]]
     assert SHAPE.live_prefix(4, 64, CHUNK, lambda part, chunks: [False] * len(chunks)) == 0
-    assert ChunkShape.of(KVLayout(4, 2, 8)).live_prefix(4, 64, CHUNK, lambda part, chunks: [False] * len(chunks)) == 4
+    assert shape_of(KVLayout(4, 2, 8)).live_prefix(4, 64, CHUNK, lambda part, chunks: [False] * len(chunks)) == 4
 
 
 @pytest.mark.parametrize("tiers", [["cpu"], ["disk"], ["cpu", "disk"]])

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from kvfabric.cache.engine import CacheEngine
 from kvfabric.cache.protocol import KVCache
 from kvfabric.cache.remote.client import RemoteCache
-from kvfabric.config import Config
+from kvfabric.config import Config, ConfigError
 from kvfabric.kv.hashing import KeySpace
 from kvfabric.kv.layout import KVLayout
+from kvfabric.kv.shares import Share
 from kvfabric.observe.events import ChunkEvents, EventPublisher
 from kvfabric.observe.metrics import EngineCollector, MetricsEndpoint, engine_registry
 from kvfabric.tiers.base import Tier
@@ -32,9 +33,13 @@ log = logging.getLogger(__name__)
 
 
 def build_engine(config: Config | None, layout: KVLayout, model_id: str, *, name: str | None = None,
-                 tiers: Sequence[Tier] | None = None, events: ChunkEvents | None = None) -> KVCache:
+                 tiers: Sequence[Tier] | None = None, events: ChunkEvents | None = None, share: Share | None = None,
+                 parallel: tuple[int, int] = (1, 1)) -> KVCache:
     config = config or Config()
     if config.mode == "server":
+        if share is not None and not share.is_whole(layout):
+            raise ConfigError(f"mode: server serves whole chunks; a parallel engine's rank ({share.describe()}) "
+                              "keeps its cache in process (mode: inproc)")
         return RemoteCache(config, layout, model_id, name=name)
     local = list(tiers) if tiers is not None else build_tiers(config, [t for t in config.tiers if t != "peer"])
     node = None
@@ -47,7 +52,7 @@ def build_engine(config: Config | None, layout: KVLayout, model_id: str, *, name
     ev = config.kv_events
     if events is None and ev.enabled:
         events = ChunkEvents(config.chunk_size, max_tracked=ev.max_tracked)
-    engine = CacheEngine(config, layout, model_id, local, node=node, events=events)
+    engine = CacheEngine(config, layout, model_id, local, node=node, events=events, share=share, parallel=parallel)
     publisher = endpoint = None
     if events is not None and ev.enabled and ev.endpoint:
         try:

@@ -58,6 +58,7 @@ from kvfabric.kv.blocks import BlockLayout
 from kvfabric.kv.hashing import ChunkKey, KeySpace
 from kvfabric.kv.layout import KVLayout
 from kvfabric.kv.shapes import ChunkShape
+from kvfabric.kv.shares import Share, shape_of
 from kvfabric.observe.counters import Counters, merged
 from kvfabric.observe.events import ChunkEvents, EventPublisher
 from kvfabric.observe.metrics import MetricsEndpoint
@@ -71,12 +72,17 @@ log = logging.getLogger(__name__)
 class CacheEngine:
     def __init__(self, config: Config | None, layout: KVLayout, model_id: str,
                  tiers: Sequence[Tier] | None = None, *, node: PeerNode | None = None,
-                 events: ChunkEvents | None = None) -> None:
-        """`tiers`: the stack, fastest first (default: the local tiers the config names). `node`: the cluster node
-        composed with those tiers (tier "peer"), closed with the engine; `events`: where stored / removed chunks
-        are queued. `kvfabric.cache.builder.build_engine` composes all of it from the config."""
+                 events: ChunkEvents | None = None, share: Share | None = None,
+                 parallel: tuple[int, int] = (1, 1)) -> None:
+        """`layout`: the model's (keys are the model's, whatever share this engine holds). `tiers`: the stack,
+        fastest first (default: the local tiers the config names). `node`: the cluster node composed with those
+        tiers (tier "peer"), closed with the engine; `events`: where stored / removed chunks are queued. `share`: a
+        parallel engine rank's share of the model's KV (kvfabric.kv.shares; None: the whole model), `parallel` its
+        engine's (pp_size, tp_size). `kvfabric.cache.builder.build_engine` composes all of it from the config."""
         self.config = config = config or Config()
-        self.layout = layout
+        shape = shape_of(layout, share, parallel)
+        self.model_layout = layout
+        self.layout = shape.layout  # what this engine's tensors hold: the model's, or its share's
         self.model_id = model_id
         self.chunk_size = config.chunk_size
         self.key_space = KeySpace.of(model_id, layout, self.chunk_size, config.salt, config.hash,
@@ -96,13 +102,13 @@ class CacheEngine:
         if node is not None:
             node.stats_source = self.summary
         self.stack = TierStack(tiers, config.write_queue_chunks, config.placement)  # for tests' and benches' eyes
-        self.core = EngineCore(config, layout, ChunkShape.of(layout), self.stack)
+        self.core = EngineCore(config, self.layout, shape, self.stack)
         self.histograms = self.core.histograms
         self.events = events
         codec = parse_codec(config.codec).make()
         self._reads = ChunkReads(self.core)
         self._writes = Writes(self.core, self.key_space, codec, self._tier_codecs(codec), events)
-        self._retriever = Retriever(self.core, self.key_space)
+        self._retriever = Retriever(self.core, self.key_space, self._reads.from_alternatives)
         self.metrics_endpoint: MetricsEndpoint | None = None  # serving this engine's /metrics (attach_observers)
         self.publisher: EventPublisher | None = None  # publishing `events` on ZMQ (attach_observers)
 
@@ -156,24 +162,19 @@ class CacheEngine:
         num_chunks = self._prefix(keys, num_tokens or len(keys) * self.chunk_size)
         for name, n in (("lookups", 1), ("lookup_chunks", len(keys)), ("lookup_hit_chunks", num_chunks)):
             self.core.counters.add(name, n)
-        return KeyLookup(num_chunks, sum(map(self.stack.is_in_memory, keys[:num_chunks])))
+        first = self.shape.parts[0]  # what the first read of a chunk asks for (a share's own part)
+        return KeyLookup(num_chunks, sum(self.stack.is_in_memory(first.key(k)) for k in keys[:num_chunks]))
 
     def _prefix(self, keys: Sequence[bytes], num_tokens: int) -> int:
-        """The leading chunks whose first part (under the chunk's own key) is present, cut where another part a load
-        needs is not."""
-        num_hit = self.stack.prefix_length(keys)
-        if num_hit and not self.shape.is_whole:
-            num_hit = self.shape.live_prefix(num_hit, num_tokens, self.chunk_size, lambda part, chunks: self.stack.
-                                             contains_many([part.key(keys[i]) for i in chunks]))
-        return num_hit
+        """The leading chunks a load can read, every part it needs included (the shape decides)."""
+        return self.shape.prefix(keys, num_tokens, self.chunk_size, self.stack.contains_many)
 
     def holds(self, keys: Sequence[bytes]) -> list[bool]:
         return self._writes.held(keys)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether some tier, a read-only one (a peer) included, holds every part of each chunk."""
-        present = [self.stack.contains_many([part.key(k) for k in keys]) for part in self.shape.parts]
-        return [all(parts) for parts in zip(*present)]
+        """Whether some tier, a read-only one (a peer) included, holds what a read of each chunk needs."""
+        return self.shape.present(keys, self.stack.contains_many)
 
     # ---- writes (kvfabric.cache.writes) ------------------------------------------------------------------
     def store(self, tokens: Tokens, kv: torch.Tensor, start: int = 0) -> int:
@@ -245,8 +246,11 @@ class CacheEngine:
     def delete(self, tokens: Tokens) -> int:
         """Remove the chunks of `tokens` from every tier; returns how many chunks some tier held."""
         keys = self.keys(tokens)
-        held = self.stack.delete(keys)  # queued writes of these keys are cancelled
-        for part in self.shape.parts[1:]:
+        first, *others = self.shape.parts
+        stored = [first.key(k) for k in keys]
+        gone = set(self.stack.delete(stored))  # queued writes of these keys are cancelled
+        held = [key for key, part in zip(keys, stored) if part in gone]  # events name chunks, not parts
+        for part in others:
             self.stack.delete([part.key(k) for k in keys])
         if self.events is not None:
             self.events.removed(held)

@@ -41,13 +41,14 @@ class ChunkReads:
         self.promotes = core.config.placement.promote_chunk_reads
 
     def read_into(self, key: bytes, out: torch.Tensor) -> tuple[str, int] | ChunkMiss:
-        """(tier, bytes read) once every part of the chunk is in out, or a miss."""
+        """(tier, bytes read) once every part of the chunk is in out, or a miss; a share whose own part is missing
+        is put together from another way the chunk is stored (the shape's `alternatives`)."""
         c, num_tokens = self.core, out.shape[3]
         tier, num_bytes = "", 0
         for part in c.shape.parts:
             found = c.stack.get(part.key(key), c.scratch(), promote=self.promotes)
             if found is None:
-                return MISSING
+                return self.from_alternatives(key, out) if c.shape.alternatives else MISSING
             target = c.shape.into(out, part)
             buffer = target if target is not None else torch.empty(part.layout.shape(num_tokens), dtype=out.dtype)
             kv = c.decode(part.key(key), found, num_tokens, buffer, part.layout)
@@ -72,6 +73,8 @@ class ChunkReads:
             result = self._part(key, parts[0], num_tokens, scratch)
         else:
             result = self._whole(key, num_tokens, blocks, scratch, is_open and not self.promotes)
+            if result == MISSING and c.shape.alternatives:  # a share stored another way (another parallel shape)
+                result = self._assembled(key, num_tokens)
         c.histograms.observe("kvfabric_retrieve_seconds", time.perf_counter() - started, "read_chunk")
         c.counters.add("chunk_reads")
         c.counters.add("chunk_read_requests")
@@ -81,8 +84,10 @@ class ChunkReads:
 
     def _whole(self, key: bytes, num_tokens: int, blocks: BlockLayout | None, scratch: Scratch,
                is_deferred: bool) -> Read:
-        """A chunk stored whole. is_deferred: the tier's fastest read, its check left to the source where it can."""
+        """A chunk stored as one part (whole, or a share under its own key). is_deferred: the tier's fastest read,
+        its check left to the source where it can."""
         c = self.core
+        key = c.shape.parts[0].key(key)
         found = c.stack.get(key, scratch, promote=self.promotes, in_place=is_deferred, verify_payload=not is_deferred,
                             ranged=is_deferred and blocks is not None)
         if found is None:
@@ -151,6 +156,34 @@ class ChunkReads:
         if isinstance(got, ChunkMiss):
             return got
         return TokenSource(whole, got[0], got[1])
+
+    def from_alternatives(self, key: bytes, out: torch.Tensor) -> tuple[str, int] | ChunkMiss:
+        """out [L, S, H, T, D] put together from the first alternative whose every piece reads: each stored part
+        verified and decoded, the rows this shape holds copied into place."""
+        c, num_tokens = self.core, out.shape[3]
+        for way in c.shape.alternatives:
+            tier, num_bytes = "", 0
+            for piece in way:
+                stored = piece.part.key(key)
+                found = c.stack.get(stored, c.scratch(), promote=self.promotes)
+                if found is None:
+                    break
+                buffer = torch.empty(piece.part.layout.shape(num_tokens), dtype=out.dtype)
+                kv = c.decode(stored, found, num_tokens, buffer, piece.part.layout)
+                if isinstance(kv, ChunkMiss):
+                    break
+                piece.into(out).copy_(piece.take(kv))
+                tier, num_bytes = tier or found.tier, num_bytes + len(found.blob)
+            else:
+                c.counters.add("share_assembled_chunks")
+                return tier, num_bytes
+        return MISSING
+
+    def _assembled(self, key: bytes, num_tokens: int) -> TokenSource | ChunkMiss:
+        c = self.core
+        out = torch.empty(c.layout.shape(num_tokens), dtype=c.layout.torch_dtype)
+        got = self.from_alternatives(key, out)
+        return got if isinstance(got, ChunkMiss) else TokenSource(out, *got)
 
     def read_many(self, keys: Sequence[bytes], scratches: Sequence[Scratch]) -> list[TokenSource | ChunkMiss]:
         c = self.core

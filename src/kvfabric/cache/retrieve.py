@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -29,13 +29,17 @@ from kvfabric.tiers.placement import LoadPermit
 from kvfabric.tiers.policies import AccessMeta
 from kvfabric.tiers.stack import StackHit
 
+Assemble = Callable[[bytes, torch.Tensor], object]  # (chunk key, out) -> (tier, bytes) or a ChunkMiss
 READ_AHEAD_BYTES = 24 << 20  # how far ahead of the decoding a retrieve asks slow tiers to start reading
 
 
 class Retriever:
-    def __init__(self, core: EngineCore, key_space: KeySpace) -> None:
+    def __init__(self, core: EngineCore, key_space: KeySpace, assemble: Assemble) -> None:
+        """`assemble(key, out)`: a chunk read another way (a share's alternatives), for chunks past the first
+        part's prefix."""
         self.core = core
         self.key_space = key_space
+        self._assemble = assemble
         # One reader thread fetches chunk i+1 (file or network I/O) while chunk i is decoded: both release the
         # GIL, so a load costs about max(I/O, copy) rather than their sum.
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfabric-reader")
@@ -47,6 +51,7 @@ class Retriever:
         keys = self.key_space.keys(tokens)
         out = retrieve_buffer(c.layout, num_tokens, out)
         first, others = shape.parts[0], shape.parts[1:]
+        stored = [first.key(k) for k in keys] if first.tag else keys
         num_done = num_chunks = 0
         started = time.perf_counter()
         with c.stack.pinned([k for part in shape.parts for k in map(part.key, keys)]), \
@@ -56,11 +61,16 @@ class Retriever:
             # a part that cannot be decoded into out in place goes through one buffer per load
             buffer = None if shape.into(out, first) is not None else \
                 torch.empty(first.layout.shape(c.chunk_size), dtype=out.dtype)
-            for i, found in enumerate(self._fetch_ahead(keys, num_tokens, permit)):
+            for i, found in enumerate(self._fetch_ahead(stored, num_tokens, permit)):
                 s, e = c.span(i, num_tokens)
-                if found is None or not self._put(keys[i], found, first, out[:, :, :, s:e, :], buffer):
+                if found is None or not self._put(stored[i], found, first, out[:, :, :, s:e, :], buffer):
                     break
                 num_done, num_chunks = e, i + 1
+            while shape.alternatives and num_chunks < len(keys):  # a share stored another way: chunk by chunk
+                s, e = c.span(num_chunks, num_tokens)
+                if isinstance(self._assemble(keys[num_chunks], out[:, :, :, s:e, :]), ChunkMiss):
+                    break
+                num_done, num_chunks = e, num_chunks + 1
             if others and num_chunks:
                 num_chunks = self._other_parts(keys, num_chunks, num_tokens, out, permit)
                 num_done = c.span(num_chunks - 1, num_tokens)[1] if num_chunks else 0

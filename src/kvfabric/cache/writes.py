@@ -86,11 +86,11 @@ class Writes:
             run.append(i)
 
     def held(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether a writable tier holds every part of each chunk."""
-        stack = self.core.stack
-        present = [stack.contains_many([part.key(k) for k in keys], writable_only=True) for part in
-                   self.core.shape.parts]
-        return [all(parts) for parts in zip(*present)]
+        """Whether a writable tier holds what a read of each chunk needs (a replica holds everything: it never
+        writes)."""
+        if not self.core.shape.is_writer:
+            return [True] * len(keys)
+        return self.core.shape.present(keys, lambda found: self.core.stack.contains_many(found, writable_only=True))
 
     def _put(self, key: bytes, kv: torch.Tensor, blob: Blob | None = None, meta: AccessMeta = NO_META) -> None:
         """Store one chunk's KV [L, 2, H, C, D] under `key`, each part of its shape under the part's key (`blob`: the
@@ -164,12 +164,13 @@ class Writes:
         c = self.core
         started = time.perf_counter()
         num_tokens = payload.num_tokens
-        if payload.blob is not None:  # the stack seals it if it leaves memory
-            seal(payload.blob, key, c.layout, False, num_tokens, payload.blocks)
+        if payload.blob is not None:  # the stack seals it if it leaves memory; a share's under its own key
+            seal(payload.blob, c.shape.parts[0].key(key), c.layout, False, num_tokens, payload.blocks)
         kv = payload.kv
         if payload.blocks is not None and self.tier_codecs:  # another codec encodes [L, 2, H, T, D]
             assert payload.blob is not None
-            kv = c.decoders.view(parse(payload.blob, key, is_trusted=True), payload.blob, c.layout, num_tokens)
+            stored = c.shape.parts[0].key(key)
+            kv = c.decoders.view(parse(payload.blob, stored, is_trusted=True), payload.blob, c.layout, num_tokens)
         self._put(key, kv, payload.blob)
         c.histograms.observe("kvfabric_store_seconds", time.perf_counter() - started, "store_chunk")
         for name, n in (("chunks_stored", 1), ("tokens_stored", num_tokens), ("store_chunks", 1),

@@ -21,8 +21,9 @@ them (`stale_rows`) but must leave finite values there (zeros), because the mask
 
 Parts (`LayoutPart`, `KVLayout.part`): a layout of some of another layout's layers, as one stored part of a chunk
 (the engine stores a window layout's chunk as its full-attention layers and, under a derived key, its window
-layers: kvfabric.kv.shapes). A part's fingerprint names its parent's and the layers it holds, so a codec's
-per-model tables can be sliced to it and a part is never mistaken for a whole layout of the same shape.
+layers: kvfabric.kv.shapes). `KVLayout.share(layers, heads)`: some layers and a range of KV heads, a rank's share
+under pipeline and tensor parallelism. A part's fingerprint names its parent's, the layers and the heads it holds,
+so a codec's per-model tables can be sliced to it and a part is never mistaken for a whole layout of the same shape.
 """
 from __future__ import annotations
 
@@ -77,10 +78,12 @@ class LayerGroup:
 
 @dataclass(frozen=True, slots=True)
 class LayoutPart:
-    """What a part layout is part of: the parent's fingerprint and the parent's layers it holds, in order."""
+    """What a part layout is part of: the parent's fingerprint, the parent's layers it holds, in order, and (a rank's
+    share under tensor parallelism) the parent's KV heads [first, last) it holds; None: every head."""
 
     parent: bytes  # the parent layout's fingerprint
     layers: tuple[int, ...]  # parent layer of each of the part's layers
+    heads: tuple[int, int] | None = None  # parent KV heads [first, last) (None: all of them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +158,18 @@ class KVLayout:
         return KVLayout(len(layers), self.num_kv_heads, self.head_dim, self.dtype,
                         part_of=LayoutPart(self.fingerprint, tuple(layers)), is_latent=self.is_latent)
 
+    def share(self, layers: tuple[int, ...], heads: tuple[int, int]) -> KVLayout:
+        """The plain layout of `layers` and KV heads [first, last) of this one: a rank's share of the model's KV
+        under pipeline / tensor parallelism (its fingerprint names the parent, the layers and the heads)."""
+        first, last = heads
+        if not 0 <= first < last <= self.num_kv_heads:
+            raise ValueError(f"a share needs heads within 0..{self.num_kv_heads}, got [{first}, {last})")
+        if (first, last) == (0, self.num_kv_heads):
+            return self.part(layers)
+        part = self.part(layers)
+        return KVLayout(part.num_layers, last - first, self.head_dim, self.dtype,
+                        part_of=LayoutPart(self.fingerprint, tuple(layers), (first, last)), is_latent=self.is_latent)
+
     def stale_rows(self, num_tokens: int) -> tuple[tuple[tuple[int, ...], int], ...]:
         """(layers, end) per window group: after a prefix of num_tokens those layers never read positions
         [0, end) again (end = num_tokens - W + 1, or 0)."""
@@ -194,6 +209,8 @@ class KVLayout:
             text += "/latent"
         if self.part_of is not None:
             text += f"/P{self.part_of.parent.hex()}:{','.join(map(str, self.part_of.layers))}"
+            if self.part_of.heads is not None:
+                text += f":K{self.part_of.heads[0]}-{self.part_of.heads[1]}"
         return hashlib.sha256(text.encode()).digest()[:8]
 
     def check(self, kv: torch.Tensor, num_tokens: int | None = None) -> None:

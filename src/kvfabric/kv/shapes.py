@@ -1,8 +1,9 @@
 """Chunk shapes: how the cache stores one logical chunk of a layout, as one object or as parts under derived keys.
 
 Contract:
-- `ChunkShape.of(layout)` is the one place that decides. `WholeChunk`: the chunk is one object under its key (every
-  layout without sliding-window layers, and one whose layers all have a window). `WindowSplit` (Gemma 3): the
+- `kvfabric.kv.shares.shape_of(layout, share)` is the one place that decides. `ChunkShape`: the chunk is one object
+  under its key (a layout whose layers all have a window; a plain layout's shape, `ShareShape`, adds the other ways
+  a parallel engine may have stored it). `WindowSplit` (Gemma 3): the
   full-attention layers' KV `[Lf, 2, H, T, D]` under the chunk's own key and the window layers' KV
   `[Lw, 2, H, T, D]` under a derived key, so that a load reads only the window rows a continuation still needs.
 - Every part is an ordinary checked chunk (kvfabric.codec.format) in its part layout (`ChunkPart.layout`, whose
@@ -16,18 +17,24 @@ Contract:
   longest prefix of chunks (each with parts[0] present) whose other needed parts are present too, asking
   `has(part, chunk indices)` once per round; lookup and retrieve serve exactly that, so a missing window part
   shortens a hit and never yields wrong KV. `clear_stale_rows(out, end, chunk_size)` zeroes the rows no continuation reads.
-- Room for the rank shares of tensor and pipeline parallelism: a shape whose parts are head ranges or layer ranges
-  meets the same calls.
+- `present(keys, has)` and `prefix(keys, num_tokens, chunk_size, has)` answer lookups (`has`: which stored keys
+  a tier holds). A rank of a parallel engine stores its share of a chunk (kvfabric.kv.shares.ShareShape: the same
+  calls, plus `alternatives`: the other ways a chunk may be stored, read where its own part is missing);
+  `shape_of` there picks the shape of an engine.
 """
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvfabric.kv.layout import KVLayout
+
+if TYPE_CHECKING:
+    from kvfabric.kv.shares import Piece
 
 _WINDOW_TAG = b"kvfabric/window-part\0"
 HasParts = Callable[["ChunkPart", Sequence[int]], list[bool]]  # has(part, chunk indices) -> present, in order
@@ -51,21 +58,38 @@ class ChunkShape:
 
     parent: KVLayout
     parts: tuple[ChunkPart, ...]
+    is_writer: bool = True  # False: a replica of another rank's share, which writes it
+    alternatives: tuple[tuple[Piece, ...], ...] = ()  # other ways a chunk may be stored (kvfabric.kv.shares)
 
-    def __init__(self, layout: KVLayout) -> None:
+    def __init__(self, layout: KVLayout, is_writer: bool = True) -> None:
         self.parent = layout
         self.parts = (ChunkPart("whole", layout, tuple(range(layout.num_layers))),)
+        self.is_writer = is_writer
 
-    @staticmethod
-    def of(layout: KVLayout) -> ChunkShape:
-        window = layout.window_layers
-        if not window or len(window) == layout.num_layers:
-            return ChunkShape(layout)
-        return WindowSplit(layout)
+    @property
+    def layout(self) -> KVLayout:
+        """The layout of the tensors an engine of this shape stores and reads: the model's (a share's: its own)."""
+        return self.parent
 
     @property
     def is_whole(self) -> bool:
         return len(self.parts) == 1
+
+    def present(self, keys: Sequence[bytes], has: Callable[[list[bytes]], list[bool]]) -> list[bool]:
+        """Whether every part of each chunk is there (`has`: which stored keys are present)."""
+        found = [has([part.key(k) for k in keys]) for part in self.parts]
+        return [all(hits) for hits in zip(*found)]
+
+    def prefix(self, keys: Sequence[bytes], num_tokens: int, chunk_size: int,
+               has: Callable[[list[bytes]], list[bool]]) -> int:
+        """The longest prefix of chunks a load of num_tokens tokens can read: parts[0] of each, and the other parts
+        a load needs (`live_prefix`)."""
+        first = has([self.parts[0].key(k) for k in keys])
+        num = first.index(False) if False in first else len(keys)
+        if num and len(self.parts) > 1:
+            num = self.live_prefix(num, num_tokens, chunk_size, lambda part, chunks: has(
+                [part.key(keys[i]) for i in chunks]))
+        return num
 
     def part_keys(self, key: bytes) -> list[bytes]:
         return [part.key(key) for part in self.parts]
@@ -100,8 +124,9 @@ class ChunkShape:
 class WindowSplit(ChunkShape):
     """Full-attention layers under the chunk's key, window layers under a derived key (see the module doc)."""
 
-    def __init__(self, layout: KVLayout) -> None:
+    def __init__(self, layout: KVLayout, is_writer: bool = True) -> None:
         self.parent = layout
+        self.is_writer = is_writer
         window = layout.window_layers
         full = tuple(layer for layer in range(layout.num_layers) if layer not in set(window))
         self.full = ChunkPart("full", layout.part(full), full)
@@ -151,3 +176,4 @@ class WindowSplit(ChunkShape):
         if first_row > 0:
             for layer in self.window.layers:
                 out[layer, :, :, :first_row].zero_()
+
