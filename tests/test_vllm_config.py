@@ -24,3 +24,17 @@ def test_a_bad_option_is_a_clear_error(bad):
     name = next(iter(bad))
     with pytest.raises(ConfigError, match=name):
         resolve_config(bad)
+
+
+def test_each_rank_is_its_own_cluster_member_with_its_own_counters():
+    from kvfabric.connectors.vllm.config import for_rank
+
+    config, options = resolve_config({"tiers": ["cpu", "peer"], "stats_path": "/tmp/s.json", "cluster": {
+        "controller_url": "http://127.0.0.1:1", "instance_id": "prefill", "p2p_port": 9000}})
+    assert for_rank(config, options, 0) == (config, options)
+    config1, options1 = for_rank(config, options, 1)
+    assert config1.cluster.instance_id == "prefill-r1" and config1.cluster.p2p_port == 9001
+    assert options1["stats_path"] == "/tmp/s.json.rank1" and options["stats_path"] == "/tmp/s.json"
+    config, options = resolve_config({})
+    config1, options1 = for_rank(config, options, 1)  # host-pid names and free ports differ anyway
+    assert config1.cluster.instance_id == "" and config1.cluster.p2p_port == 0

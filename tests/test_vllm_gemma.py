@@ -34,7 +34,7 @@ from tests.test_vllm_connector import ROOT, _phase, _side_by_side
 pytest.importorskip("vllm")
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec  # noqa: E402
 
-from kvfabric.connectors.vllm.config import kv_cache_block_size, kv_cache_groups, layout_from_vllm  # noqa: E402
+from kvfabric.connectors.vllm.config import kv_cache_block_size, kv_cache_groups, layout_from_vllm, share_from_vllm  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "vllm_scripts" / "gemma_phases.py"
 CHUNK = 256
@@ -113,12 +113,15 @@ def test_hybrid_manager_groups_the_connector_cannot_serve_are_refused(change, wo
     assert all(word in str(info.value) for word in words), str(info.value)
 
 
-def _vllm_config(text_config, layers: int, heads: int, head_size: int, use_mla: bool = False) -> SimpleNamespace:
-    """The parts of vLLM's VllmConfig that `layout_from_vllm` reads."""
-    model = SimpleNamespace(hf_text_config=text_config, dtype=torch.float32, get_num_layers=lambda parallel: layers,
-                            get_num_kv_heads=lambda parallel: heads, get_head_size=lambda: head_size, use_mla=use_mla)
+def _vllm_config(text_config, layers: int, heads: int, head_size: int, use_mla: bool = False, rank: int = 0,
+                 tp: int = 1) -> SimpleNamespace:
+    """The parts of vLLM's VllmConfig that `layout_from_vllm` and `share_from_vllm` read (whole-model totals)."""
+    model = SimpleNamespace(hf_text_config=text_config, dtype=torch.float32,
+                            get_total_num_hidden_layers=lambda: layers, get_total_num_kv_heads=lambda: heads,
+                            get_layers_start_end_indices=lambda parallel: (0, layers), get_head_size=lambda: head_size,
+                            use_mla=use_mla)
     return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(cache_dtype="auto"),
-                           parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+                           parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, rank=rank))
 
 
 def test_layout_from_vllm_has_the_model_configs_layer_groups():
@@ -132,10 +135,14 @@ def test_layout_from_vllm_has_the_model_configs_layer_groups():
     assert [(g.layers, g.window) for g in layout.groups] == [((5, 11), 0), ((0, 1, 2, 3, 4, 6, 7, 8, 9, 10), WINDOW)]
     with pytest.raises(NotImplementedError, match="vLLM's model"):  # vLLM sees another KV shape: refused
         layout_from_vllm(_vllm_config(text, 12, 1, 128))
-    tensor_parallel = _vllm_config(text, 12, 1, 256)
-    tensor_parallel.parallel_config.tensor_parallel_size = 2  # each rank would hold a share of the heads: refused
-    with pytest.raises(NotImplementedError, match=r"one worker \(tensor and pipeline parallel size 1\)"):
-        layout_from_vllm(tensor_parallel)
+    replicated = _vllm_config(text, 12, 1, 256, rank=1, tp=2)  # one KV head at TP=2: both ranks hold it
+    assert layout_from_vllm(replicated) == layout
+    share, parallel = share_from_vllm(replicated, layout)
+    assert share is not None and share.is_whole(layout) and not share.is_writer and parallel == (1, 2)
+    two_heads = Gemma3TextConfig(num_hidden_layers=12, sliding_window=WINDOW, num_key_value_heads=2, head_dim=256)
+    split = _vllm_config(two_heads, 12, 2, 256, rank=1, tp=2)  # its KV heads split over the ranks: refused
+    with pytest.raises(NotImplementedError, match="sliding-window layers is cached by whole chunks"):
+        share_from_vllm(split, layout_from_vllm(split))
 
 
 # ---- real vLLM on Gemma 3 -----------------------------------------------------------------------------------

@@ -18,8 +18,12 @@ Contract:
   counted), and is not asked again for `retry_s`: a dead worker costs one timeout, not one per request.
 - Frames: a 4-byte little-endian length, then a msgpack map: request {"keys": [bytes], "num_tokens": int},
   answer {"num_chunks": int, "num_in_memory": int}. At most MAX_KEYS keys of at most 64 bytes each.
-- `lookup_path(engine_id, dp_rank)`: where the two sides meet, in the temp folder, named by vLLM's engine id (one
-  per `vllm serve`, the same in its scheduler and workers) and data-parallel rank.
+- `lookup_path(engine_id, dp_rank, rank)`: where the two sides meet, in the temp folder, named by vLLM's engine id
+  (one per `vllm serve`, the same in its scheduler and workers), data-parallel rank and worker rank.
+- A tensor- or pipeline-parallel engine: every worker serves lookups for its own share (its cache holds its share,
+  in its own process memory too); `EveryRank(clients)` asks them all and answers the least: a chunk is promised
+  only when every share a load needs is there. (One shared answer would need the shares in a shared tier: a rank's
+  process memory would not count.)
 """
 from __future__ import annotations
 
@@ -50,9 +54,11 @@ RETRY_S = 5.0
 PROBE_TIMEOUT_S = 0.5
 
 
-def lookup_path(engine_id: str, dp_rank: int = 0) -> str:
+def lookup_path(engine_id: str, dp_rank: int = 0, rank: int = 0) -> str:
+    """Worker `rank` (of its data-parallel engine; rank 0 the first) answers on this path."""
     safe = "".join(c for c in str(engine_id) if c.isalnum() or c in "-_")[:64] or "default"
-    return str(Path(tempfile.gettempdir()) / f"kvfabric-lookup-{safe}-{int(dp_rank)}.sock")
+    worker = f"-r{int(rank)}" if rank else ""
+    return str(Path(tempfile.gettempdir()) / f"kvfabric-lookup-{safe}-{int(dp_rank)}{worker}.sock")
 
 
 def sweep_dead_sockets(folder: str | os.PathLike) -> int:
@@ -222,3 +228,18 @@ class LookupClient:
     def close(self) -> None:
         with self._lock:
             self._drop()
+
+
+class EveryRank:
+    """The lookups of a parallel engine's scheduler: each worker's answer for its share; the least of them."""
+
+    def __init__(self, clients: Sequence[LookupClient]) -> None:
+        self.clients = list(clients)
+
+    def lookup(self, keys: Sequence[bytes], num_tokens: int | None = None) -> KeyLookup:
+        answers = [client.lookup(keys, num_tokens) for client in self.clients]
+        return KeyLookup(min(a.num_chunks for a in answers), min(a.num_in_memory for a in answers))
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()

@@ -72,6 +72,7 @@ from kvfabric.connectors.paged import REGION_LAYOUTS, RegionLayout, render_regio
 from kvfabric.connectors.paged_views import LAYOUTS
 from kvfabric.engines.runtime import layout_for
 from kvfabric.kv.layout import KVLayout
+from kvfabric.kv.shares import Share, rank_heads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -168,14 +169,12 @@ def _config_environ() -> dict[str, str]:
 
 
 def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
-    """The KVLayout of vLLM's model, layer groups included (``layout_for`` on the HF text config, the layout
-    kvfabric's other engines use for the same model, so their chunk keys agree), cross-checked with vLLM's own
-    layer count, KV heads and head size. A model with multi-head latent attention (``use_mla``) gets a latent
-    layout: vLLM's MLA cache holds one vector of kv_lora_rank + qk_rope_head_dim values per token and layer."""
+    """The KVLayout of vLLM's whole model (every layer and KV head, whatever the parallel shape: chunk keys are
+    the model's), layer groups included (``layout_for`` on the HF text config, the layout kvfabric's other engines
+    use for the same model, so their chunk keys agree), cross-checked with vLLM's own totals of layers and KV heads
+    and its head size. A model with multi-head latent attention (``use_mla``) gets a latent layout: vLLM's MLA
+    cache holds one vector of kv_lora_rank + qk_rope_head_dim values per token and layer."""
     model = vllm_config.model_config
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
-        raise NotImplementedError("KVFabricConnector supports one worker (tensor and pipeline parallel size 1)")
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None) and str(cache_dtype) not in _TORCH_DTYPES.values():
         raise NotImplementedError(f"KVFabricConnector does not support kv cache dtype {cache_dtype!r}")
@@ -183,18 +182,55 @@ def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
     if dtype not in _TORCH_DTYPES:
         raise NotImplementedError(f"KVFabricConnector does not support dtype {dtype}")
     if model.use_mla:  # DeepSeek-V2/V3 and kin: one latent vector per token and layer (vLLM's MLA backends)
-        return KVLayout(model.get_num_layers(parallel), 1, model.get_head_size(), _TORCH_DTYPES[dtype],
+        return KVLayout(model.get_total_num_hidden_layers(), 1, model.get_head_size(), _TORCH_DTYPES[dtype],
                         is_latent=True)
     try:
         layout = layout_for(model.hf_text_config, _TORCH_DTYPES[dtype])
     except ValueError as exc:  # attention kinds kvfabric cannot store
         raise NotImplementedError(f"KVFabricConnector: {exc}") from exc
     ours = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
-    theirs = (model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size())
+    theirs = (model.get_total_num_hidden_layers(), model.get_total_num_kv_heads(), model.get_head_size())
     if ours != theirs:
         raise NotImplementedError(f"KVFabricConnector: the model config gives (layers, KV heads, head size) {ours}, "
                                   f"vLLM's model {theirs}")
     return layout
+
+
+def share_from_vllm(vllm_config: VllmConfig, layout: KVLayout) -> tuple[Share | None, tuple[int, int]]:
+    """(this worker's share of the model's KV, the engine's (pp_size, tp_size)): its pipeline stage's layers (vLLM's
+    own partition) and its tensor rank's KV heads (kvfabric.kv.shares.rank_heads: split, or replicated with one
+    writer); None with one worker. In the scheduler (rank 0) it is rank 0's."""
+    parallel = vllm_config.parallel_config
+    pp_size, tp_size = parallel.pipeline_parallel_size, parallel.tensor_parallel_size
+    if pp_size * tp_size == 1:
+        return None, (1, 1)
+    layers = vllm_config.model_config.get_layers_start_end_indices(parallel)
+    try:
+        heads, is_writer = rank_heads(layout.num_kv_heads, parallel.rank % tp_size, tp_size)
+    except ValueError as exc:
+        raise NotImplementedError(f"KVFabricConnector: {exc}") from None
+    share = Share((int(layers[0]), int(layers[1])), heads, is_writer)
+    if layout.window_layers and not share.is_whole(layout):
+        raise NotImplementedError(f"KVFabricConnector: a model with sliding-window layers is cached by whole chunks; "
+                                  f"this worker holds {share.describe()} (pipeline stages, or tensor ranks that "
+                                  "split its KV heads)")
+    return share, (pp_size, tp_size)
+
+
+def for_rank(config: Config, options: dict[str, Any], rank: int) -> tuple[Config, dict[str, Any]]:
+    """Worker `rank`'s config and options: ranks past the first get a cluster member name, a P2P port (when fixed)
+    and a counters file of their own (`-r{rank}`, `+rank`, `.rank{rank}`): each rank is its own cache, holding its
+    share, and two members under one name would take each other's place at the controller."""
+    if not rank:
+        return config, options
+    cluster = config.cluster
+    if cluster.instance_id or cluster.p2p_port:
+        cluster = dataclasses.replace(cluster, instance_id=f"{cluster.instance_id}-r{rank}" if cluster.instance_id
+                                      else "", p2p_port=cluster.p2p_port + rank if cluster.p2p_port else 0)
+        config = dataclasses.replace(config, cluster=cluster)
+    if options.get("stats_path"):
+        options = {**options, "stats_path": f"{options['stats_path']}.rank{rank}"}
+    return config, options
 
 
 def describe_groups(kv_cache_config: KVCacheConfig | None) -> str:

@@ -54,15 +54,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvfabric.connectors.lookup import LookupClient, lookup_path
+from kvfabric.connectors.lookup import EveryRank, LookupClient, lookup_path
 from kvfabric.connectors.vllm.config import (
     describe_groups,
+    for_rank,
     kv_cache_groups,
     kv_cache_layout_option,
     layout_from_vllm,
     model_id_from_vllm,
     resolve_config,
     role_of,
+    share_from_vllm,
 )
 from kvfabric.connectors.vllm.device import DeviceWorkerSide
 from kvfabric.connectors.vllm.metrics import (
@@ -130,26 +132,31 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
                 except Exception:  # pragma: no cover - a frozen config
                     logger.warning("kvfabric: cannot set kv_load_failure_policy=%s; a bad chunk fails its request",
                                    policy)
+            world = vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size
+            clients = [LookupClient(self._lookup_path(rank)) for rank in range(world)]
             self._scheduler = SchedulerSide(self.config, self.layout, self.model_id, block_size,
                                              self.options["key_mode"], self.options["load_mode"], self.kv_role,
-                                             self.groups, client=LookupClient(self._lookup_path()))
+                                             self.groups, client=clients[0] if world == 1 else EveryRank(clients))
         else:
             side = DeviceWorkerSide if self._uses_mover else WorkerSide
-            # the engine's first worker answers the scheduler's lookups (connectors/lookup.py): the one cache it asks
-            is_first = getattr(vllm_config.parallel_config, "rank", 0) == 0
-            self._worker = side(self.config, self.layout, self.model_id, block_size, self.options,
+            # each worker answers the scheduler's lookups for its share of the model's KV (connectors/lookup.py)
+            share, parallel = share_from_vllm(vllm_config, self.layout)
+            rank = vllm_config.parallel_config.rank or 0
+            config, options = for_rank(self.config, self.options, rank)
+            self._worker = side(config, self.layout, self.model_id, block_size, options,
                                 is_sync_store=self.kv_role.is_sync_store, groups=self.groups,
                                 events=worker_events(self.config.chunk_size) if has_events else None,
-                                lookup_path=self._lookup_path() if is_first else None)
+                                lookup_path=self._lookup_path(rank), share=share,
+                                parallel=parallel)
             self._engine_stats = EngineStatsSource(self._worker.engine)
         logger.info("kvfabric connector (%s): model_id=%s layout=%s chunk_size=%d tiers=%s kv cache groups: %s "
                     "(block size %d)", role.name, self.model_id, self.layout, self.config.chunk_size,
                     ",".join(self.config.tiers), describe_groups(kv_cache_config), block_size)
 
-    def _lookup_path(self) -> str:
-        """Where this engine's scheduler asks its first worker's cache (vLLM's engine id: the same on both)."""
+    def _lookup_path(self, rank: int = 0) -> str:
+        """Where this engine's scheduler asks worker `rank`'s cache (vLLM's engine id: the same on both)."""
         config = self._vllm_config
-        return lookup_path(config.kv_transfer_config.engine_id, config.parallel_config.data_parallel_rank or 0)
+        return lookup_path(config.kv_transfer_config.engine_id, config.parallel_config.data_parallel_rank or 0, rank)
 
     @property
     def requires_kv_delivery(self) -> bool:

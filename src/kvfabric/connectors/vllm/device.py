@@ -237,7 +237,8 @@ class DeviceWorkerSide(WorkerSide):
             what = f"{width}] views of an MLA latent" if layout.is_latent else f"2 x {layout.head_dim}] views of K|V"
             raise ValueError(f"KVFabricConnector: KV caches {shapes}... are not [blocks, {layout.num_kv_heads} heads, "
                              f"tokens, {what} for {layout}")
-        self.layers = {name: (extract_layer_index(name), view) for name, view in named}  # `layer_load` finds them
+        # `layer_load` finds them; a pipeline stage's layers counted from its first
+        self.layers = {name: (extract_layer_index(name) - self.first_layer, view) for name, view in named}
         groups = [self.groups.layer_group.get(name, 0) for name, _ in named]
         window = layout.window_layers if self.groups.is_hybrid else ()
         self.mover = PagedMover(self.engine, views, layout_name, make_copy_stream(devices[0], self.pinned_bytes),

@@ -40,7 +40,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvfabric.cache.protocol import KeyLookup
 from kvfabric.config import Config, ConfigError
-from kvfabric.connectors.lookup import LookupClient
+from kvfabric.connectors.lookup import EveryRank, LookupClient
 from kvfabric.connectors.vllm.config import PARAMS_KEY, KVGroups, Role, role_of
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, RequestStats, SaveSpec
 from kvfabric.kv.hashing import ChunkKey, KeySpace
@@ -78,7 +78,7 @@ class _TokenSpan:
 class ChunkLookup:
     """Which leading chunks of a prompt the worker can load: keys here, the answer from the worker's cache."""
 
-    def __init__(self, config: Config, layout: KVLayout, model_id: str, client: LookupClient) -> None:
+    def __init__(self, config: Config, layout: KVLayout, model_id: str, client: LookupClient | EveryRank) -> None:
         self.config = config
         self.chunk_size = config.chunk_size
         self.key_space = KeySpace.of(model_id, layout, config.chunk_size, config.salt, config.hash,
@@ -132,7 +132,7 @@ class _ReqState:
 class SchedulerSide:
     def __init__(self, config: Config, layout: KVLayout, model_id: str, block_size: int, key_mode: str,
                  load_mode: str = "async", role: Role = BOTH, groups: KVGroups | None = None, *,
-                 client: LookupClient) -> None:
+                 client: LookupClient | EveryRank) -> None:
         self.chunk_size = config.chunk_size
         self.groups = groups or KVGroups(block_size)
         self.window_chunks_skipped = 0  # chunks not saved: vLLM had freed their window blocks

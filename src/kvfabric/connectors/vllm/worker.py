@@ -61,6 +61,7 @@ from kvfabric.connectors.vllm.threads import on_released
 from kvfabric.host.permissions import PRIVATE_FILE, create_file
 from kvfabric.kv.blocks import as_words
 from kvfabric.kv.layout import KVLayout
+from kvfabric.kv.shares import Share
 from kvfabric.observe.counters import Counters
 from kvfabric.observe.events import ChunkEvents
 
@@ -84,17 +85,22 @@ HELP_S = 0.05  # ... after loading its chunks for at most this long: a request a
 class WorkerSide:
     def __init__(self, config: Config, layout: KVLayout, model_id: str, block_size: int,
                  options: dict[str, Any], is_sync_store: bool = False, groups: KVGroups | None = None,
-                 events: ChunkEvents | None = None, lookup_path: str | None = None) -> None:
+                 events: ChunkEvents | None = None, lookup_path: str | None = None, share: Share | None = None,
+                 parallel: tuple[int, int] = (1, 1)) -> None:
+        """`layout`: the whole model's (chunk keys are the model's); `share`: this worker's part of it under tensor
+        or pipeline parallelism (None: every layer and head), `parallel` the engine's (pp_size, tp_size)."""
         self.config = config
         self.groups = groups or KVGroups(block_size)
         self.is_sync_store = is_sync_store  # a P/D producer: the step's KV is stored before its output leaves
-        self.layout = layout
         self.chunk_size = config.chunk_size
         self.block_size = block_size
+        self.share = share
+        self.first_layer = share.layers[0] if share is not None else 0  # a pipeline stage's first model layer
         # tiers per config (a cluster node wires its own); mode: server = the host's `kvfabric server`. Made on a
         # released thread: the cache's own threads (writer, premap) inherit its placement, not the forward's core
         self.engine = on_released(lambda: build_engine(config, layout, model_id, name=f"vllm-worker-{os.getpid()}",
-                                                       events=events))
+                                                       events=events, share=share, parallel=parallel))
+        self.layout = self.engine.layout  # what this worker's paged layers hold: its share of the model's KV
         self.layers: dict[str, tuple[int, Any]] = {}  # name -> (layer index, CpuPagedLayer; a device's: its view)
         self.group_of: dict[int, int] = {}  # layer index -> its KV cache group (0 with one group)
         self.region_layouts: tuple[RegionLayout, RegionLayout] | None = None  # (K, V), measured on first use
@@ -104,7 +110,8 @@ class WorkerSide:
         self.loader = self._new_loader(options)
         self.saver = Saver(self.engine, self.counters, int(options.get("save_queue_bytes") or 2**30),
                            on_stored=self.write_stats if self.stats_path else None)
-        # the scheduler asks this cache which prefixes it can load (connectors/lookup.py); the engine's first worker answers
+        # the scheduler asks this cache which prefixes it can load (connectors/lookup.py): every worker answers for
+        # its own share
         self.lookup_service = start_lookup_service(self.engine, lookup_path) if lookup_path else None
         # per step
         self.meta: KVFabricMetadata | None = None
@@ -138,7 +145,7 @@ class WorkerSide:
             raise ValueError(f"KVFabricConnector: the KV cache is on {', '.join(devices)}, but vLLM's device is the "
                              "CPU (a GPU's cache goes through DeviceWorkerSide)")
         for name, kv in kv_caches.items():
-            self.layers[name] = (extract_layer_index(name), self._paged(kv))
+            self.layers[name] = (extract_layer_index(name) - self.first_layer, self._paged(kv))
             self.group_of[self.layers[name][0]] = self.groups.layer_group.get(name, 0)
         indices = sorted(index for index, _ in self.layers.values())
         some = next(iter(self.layers.values()))[1] if self.layers else None
@@ -165,7 +172,7 @@ class WorkerSide:
         found = self.layers.get(name)
         if found is None and kv is not None:
             from vllm.model_executor.models.utils import extract_layer_index
-            found = self.layers[name] = (extract_layer_index(name), self._paged(kv))
+            found = self.layers[name] = (extract_layer_index(name) - self.first_layer, self._paged(kv))
             self.group_of[found[0]] = self.groups.layer_group.get(name, 0)
         return found
 
