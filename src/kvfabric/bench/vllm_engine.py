@@ -16,12 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvfabric.bench.vllm import CHUNK, MAX_MODEL_LEN, MODEL_ID
+from kvfabric.bench.vllm import CHUNK, MAX_MODEL_LEN, MODEL_ID, cpu_bind
 
 
 def run_engine(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    tp, pp = spec.get("tp", 1), spec.get("pp", 1)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(tp * pp))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -29,7 +30,8 @@ def run_engine(spec_path: str) -> None:
     prompts = json.loads(Path(spec["prompts"]).read_text())
     stats_path = Path(cache).parent / f"stats-{mode}.json"
     kwargs: dict[str, Any] = dict(model=spec["model"], dtype="float32", enforce_eager=True,
-                                  max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=1 << 30, max_num_seqs=4, seed=0)
+                                  max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=1 << 30, max_num_seqs=4, seed=0,
+                                  tensor_parallel_size=tp, pipeline_parallel_size=pp)
     if mode.startswith("kvfabric"):
         from kvfabric.connectors.vllm import kv_transfer_config
         kwargs["kv_transfer_config"] = kv_transfer_config({
@@ -51,11 +53,15 @@ def run_engine(spec_path: str) -> None:
         out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params_off if off else params, use_tqdm=False)
         return time.perf_counter() - t0, int(out[0].num_cached_tokens or 0)
 
-    def worker_counters() -> dict[str, Any]:
-        try:
-            return json.loads(stats_path.read_text())["connector"]
-        except (OSError, ValueError, KeyError):
-            return {}
+    def worker_counters() -> list[dict[str, Any]]:  # one per rank (rank r > 0 writes stats_path.rank{r})
+        counters = []
+        for rank in range(tp * pp):
+            try:
+                path = stats_path if rank == 0 else Path(f"{stats_path}.rank{rank}")
+                counters.append(json.loads(path.read_text())["connector"])
+            except (OSError, ValueError, KeyError):
+                counters.append({})
+        return counters
 
     def chunk_files() -> set[str]:
         return {str(p) for p in Path(cache).glob("??/*.kvc")} if Path(cache).exists() else set()
@@ -95,7 +101,7 @@ def run_engine(spec_path: str) -> None:
                 known = chunk_files()
                 name = key if r == 0 else f"{key}/on{r}"
                 row["on"].append(ttft(prompts[name])[0])
-                wait_stored(len(known) + -(-size // CHUNK))  # whole chunks and the partial last one
+                wait_stored(len(known) + -(-size // CHUNK) * spec.get("writers", 1))  # and the partial last one
                 files[name] = sorted(chunk_files() - known)
             row["cold"] = row["on"][0]
         else:
@@ -113,7 +119,7 @@ def run_engine(spec_path: str) -> None:
     if mode == "kvfabric-cold":  # the prompt the hit engine loads while another request decodes
         known = chunk_files()
         ttft(prompts["itl"])
-        wait_stored(len(known) + -(-len(prompts["itl"]) // CHUNK))
+        wait_stored(len(known) + -(-len(prompts["itl"]) // CHUNK) * spec.get("writers", 1))
     if mode == "kvfabric-hit":
         result["itl"] = itl_under_load(llm, prompts)
         print(f"[{mode}] itl: {json.dumps(result['itl'])}", flush=True)
@@ -126,8 +132,15 @@ def run_engine(spec_path: str) -> None:
     os._exit(0)
 
 
-def load_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """One load's figures from the worker's counters before and after it."""
+def load_figures(befores: Sequence[dict[str, Any]], afters: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One load's figures from the workers' counters before and after it. With several ranks (each loading its
+    share at once) the slowest rank's: its time, its bytes (the load floor is that of the rank's bytes), and the
+    tokens every rank loaded (the same)."""
+    rows = [_load_figures(before, after) for before, after in zip(befores, afters)]
+    return max(rows, key=lambda row: row["load_s"])
+
+
+def _load_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {"loaded_tokens": after.get("loaded_tokens", 0) - before.get("loaded_tokens", 0)}
     for name in ("load_read_ns", "load_chunk_read_ns", "load_scatter_ns", "load_verify_ns"):
         row[name.replace("_ns", "_s")] = (after.get(name, 0) - before.get(name, 0)) / 1e9
