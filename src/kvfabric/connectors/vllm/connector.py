@@ -78,6 +78,7 @@ from kvfabric.connectors.vllm.metrics import (
 )
 from kvfabric.connectors.vllm.scheduler import SchedulerSide, allocated_blocks
 from kvfabric.connectors.vllm.worker import WorkerSide
+from kvfabric.kv.shares import num_writers
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -122,7 +123,9 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
         events_config = getattr(vllm_config, "kv_events_config", None)
         has_events = bool(events_config is not None and events_config.enable_kv_cache_events)
         self._lookups = LookupStats()
-        self._events = SchedulerEvents(self.config.chunk_size) if has_events else None
+        parallel = vllm_config.parallel_config
+        writers = num_writers(self.layout, parallel.pipeline_parallel_size, parallel.tensor_parallel_size)
+        self._events = SchedulerEvents(self.config.chunk_size, writers) if has_events else None
         self._engine_stats: EngineStatsSource | None = None
         if role == KVConnectorRole.SCHEDULER:
             policy = self.options["load_failure_policy"]
@@ -148,7 +151,7 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
                                 events=worker_events(self.config.chunk_size) if has_events else None,
                                 lookup_path=self._lookup_path(rank), share=share,
                                 parallel=parallel)
-            self._engine_stats = EngineStatsSource(self._worker.engine)
+            self._engine_stats = EngineStatsSource(self._worker.engine, rank=rank)
         logger.info("kvfabric connector (%s): model_id=%s layout=%s chunk_size=%d tiers=%s kv cache groups: %s "
                     "(block size %d)", role.name, self.model_id, self.layout, self.config.chunk_size,
                     ",".join(self.config.tiers), describe_groups(kv_cache_config), block_size)
