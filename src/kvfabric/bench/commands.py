@@ -116,12 +116,15 @@ def bench_vllm(ctx: click.Context) -> None:
 @click.option("--concurrency", default="1,4", show_default=True, help="Concurrent requests, comma-separated.")
 @click.option("--python", default=None, help="A Python with vllm (default: this one, else .venv-vllm).")
 @click.option("--redis-url", default=None, help="Also the P/D pair over this Redis server (chunks are stored there).")
-def bench_pd(as_json: bool, sizes: str, concurrency: str, python: str | None, redis_url: str | None) -> None:
+@click.option("--prefill-tp", default=1, show_default=True, type=int,
+              help="Tensor parallel size of the prefill instance (2: Qwen2.5-Coder-0.5B; the decode instance at 1).")
+def bench_pd(as_json: bool, sizes: str, concurrency: str, python: str | None, redis_url: str | None,
+             prefill_tp: int) -> None:
     """P/D disaggregation: TTFT of a prefill+decode vLLM pair over the shm pool (and Redis) vs one colocated
     instance."""
     from kvfabric.bench.pd import run
     run([int(s) for s in sizes.split(",")], [int(c) for c in concurrency.split(",")], as_json=as_json, python=python,
-        redis_url=redis_url)
+        redis_url=redis_url, prefill_tp=prefill_tp)
 
 
 @bench.command("interference")

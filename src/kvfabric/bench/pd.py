@@ -10,6 +10,11 @@ Paths (each started here, one after the other, never two pairs at once):
                instance finds it through the controller and fetches it (tier "peer")
     redis      the same pair sharing KV through a Redis server (`--redis-url`; skipped without)
 
+`--prefill-tp 2`: the prefill instance at tensor parallel size 2 (a rank on each core; the decode instance, at
+TP=1, shares core 1), its ranks each storing their share and the decode instance reading the whole chunk from
+them; the model is then Qwen2.5-Coder-0.5B (SmolLM2's 3 KV heads do not split). Rows carry `prefill_tp` and
+`decode_tp`.
+
 Per (path, prompt size, concurrency), REQUESTS distinct prompts (or `concurrency`, where more): TTFT mean and P99
 measured on the client through the proxy (prefill + decode first token), `transfer_s`: the decode instance's KV
 load time per request (its connector's counters; at concurrency 1 the median of one sample per request, in
@@ -76,10 +81,11 @@ def pd_extra(pool: str, stats: Path, capacity: str = "2GiB", redis_url: str | No
 
 def start_instance(python: str, model: str, work: Path, name: str, cores: str, kv_role: str | None = None,
                    extra: dict[str, Any] | None = None, max_len: int = 2048,
-                   kv_bytes: int = 1 << 30) -> VllmServer:
-    """A `vllm serve` process pinned to `cores` (not yet ready: call wait_ready); with kv_role, KVFabricConnector."""
+                   kv_bytes: int = 1 << 30, tp: int = 1) -> VllmServer:
+    """A `vllm serve` process pinned to `cores` ("0|1": a core per tensor rank; not yet ready: call wait_ready); with
+    kv_role, KVFabricConnector."""
     port = free_port()
-    argv = server_argv(python, model, port, kv_bytes, max_len)
+    argv = server_argv(python, model, port, kv_bytes, max_len) + (["--tensor-parallel-size", str(tp)] if tp > 1 else [])
     if kv_role is not None:
         argv += ["--kv-transfer-config", json.dumps({
             "kv_connector": "KVFabricConnector", "kv_connector_module_path": "kvfabric.connectors.vllm",
@@ -186,8 +192,10 @@ def _loaded(stats: Path) -> Loaded:
 
 
 def run_path(path: str, python: str, model: str, work: Path, groups: list[tuple[int, int]], max_tokens: int,
-             max_len: int, log, redis_url: str | None = None) -> dict[tuple[int, int], GroupResult]:  # noqa: ANN001
-    """Start the path's instances, run every (prompt_tokens, concurrency) group, stop."""
+             max_len: int, log, redis_url: str | None = None,  # noqa: ANN001
+             prefill_tp: int = 1) -> dict[tuple[int, int], GroupResult]:
+    """Start the path's instances, run every (prompt_tokens, concurrency) group, stop. prefill_tp 2: the prefill
+    instance at tensor parallel size 2, a rank on each core (the decode instance shares core 1 with its rank 1)."""
     out: dict[tuple[int, int], GroupResult] = {}
     kv_bytes = 2 << 30
     pool, stats = pool_name(), work / f"decode-{path}.json"
@@ -206,9 +214,9 @@ def run_path(path: str, python: str, model: str, work: Path, groups: list[tuple[
                 stack.callback(thread.join, 30)
                 stack.callback(setattr, server, "should_exit", True)
             prefill = stack.enter_context(start_instance(
-                python, model, work, f"prefill-{path}", "0", "kv_producer",
+                python, model, work, f"prefill-{path}", "0|1" if prefill_tp == 2 else "0", "kv_producer",
                 pd_extra(pool, work / f"prefill-{path}.json", "4GiB", url_or_none, controller, "prefill"),
-                max_len, kv_bytes))
+                max_len, kv_bytes, prefill_tp))
             decode = stack.enter_context(start_instance(
                 python, model, work, f"decode-{path}", "1", "kv_consumer",
                 pd_extra(pool, stats, "4GiB", url_or_none, controller, "decode"), max_len, kv_bytes))
@@ -238,12 +246,15 @@ def run_path(path: str, python: str, model: str, work: Path, groups: list[tuple[
 
 def run(sizes: list[int], concurrencies: list[int], as_json: bool = False, max_tokens: int = 16,
         python: str | None = None, model: str | None = None, workdir: str | None = None,
-        redis_url: str | None = None) -> list[dict[str, Any]]:
+        redis_url: str | None = None, prefill_tp: int = 1) -> list[dict[str, Any]]:
     from kvfabric.bench.vllm import find_python
     from kvfabric.engines.model import ensure_model
 
+    if prefill_tp not in (1, 2):
+        raise SystemExit("--prefill-tp: 1 or 2 (this bench gives each rank a core of two)")
     python = find_python(python)
-    model = model or str(ensure_model())
+    # SmolLM2's 3 KV heads split over no tensor rank count; Qwen2.5-Coder-0.5B's 2 do
+    model = model or str(ensure_model() if prefill_tp == 1 else ensure_model("qwen2.5-coder-0.5b"))
     groups = [(n, c) for n in sizes for c in concurrencies]
     max_len = max(sizes) + max_tokens + 64
 
@@ -252,8 +263,8 @@ def run(sizes: list[int], concurrencies: list[int], as_json: bool = False, max_t
 
     paths = [path for path in PATHS if path != "redis" or redis_url]
     with tempfile.TemporaryDirectory(prefix="kvfabric-bench-pd-", dir=workdir) as tmp:
-        results = {path: run_path(path, python, model, Path(tmp), groups, max_tokens, max_len, log, redis_url)
-                   for path in paths}
+        results = {path: run_path(path, python, model, Path(tmp), groups, max_tokens, max_len, log, redis_url,
+                                  prefill_tp) for path in paths}
     rows = []
     for path in paths:
         for group in groups:
@@ -263,6 +274,7 @@ def run(sizes: list[int], concurrencies: list[int], as_json: bool = False, max_t
             ttft, transfer_s, num_bytes = statistics.fmean(ttfts), got.transfer_s, got.per_request.num_bytes
             memcpy_s, socket_s = copy_baselines(num_bytes) if num_bytes else (None, None)
             rows.append({"path": path, "prompt_tokens": group[0], "concurrency": group[1], "requests": len(ttfts),
+                         "prefill_tp": prefill_tp if is_pd else 1, "decode_tp": 1,
                          "ttft_mean_s": ttft, "ttft_p99_s": percentile(ttfts, 99),
                          "ttft_vs_colocated": ttft / statistics.fmean(a.ttft_s for a in base.answers),
                          "e2e_mean_s": statistics.fmean(a.e2e_s for a in got.answers),
@@ -281,6 +293,6 @@ def run(sizes: list[int], concurrencies: list[int], as_json: bool = False, max_t
                          "same_output": [a.text for a in got.answers] == [a.text for a in base.answers]
                          if is_pd else None})
     emit(rows, as_json, "bench pd: prefill/decode disaggregation (TTFT on the client, through pd-proxy)",
-         ["path", "prompt_tokens", "concurrency", "ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "transfer_s",
+         ["path", "prefill_tp", "prompt_tokens", "concurrency", "ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "transfer_s",
           "scatter_s", "verify_s", "memcpy_s", "socket_s", "transfer_vs_memcpy", "copies", "same_output"])
     return rows
