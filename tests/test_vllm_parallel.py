@@ -76,12 +76,20 @@ class Server:
                 "kv_role": role, "kv_connector_extra_config": extra})]
         # PASSIVE: a P/D pair shares the two cores, and spinning OpenMP threads starve the other instance
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "0-1", "OMP_WAIT_POLICY": "PASSIVE"}
-        self.server = VllmServer(argv, port, workdir / f"{name}.log", env)
-        try:
-            self.server.wait_ready(900)
-        except BaseException:
-            self.server.stop()
-            raise
+        for attempt in range(2):
+            self.server = VllmServer(argv, port, workdir / f"{name}.log", env)
+            try:
+                self.server.wait_ready(900)
+                break
+            except BaseException as exc:  # noqa: BLE001 - re-raised unless it is the start-up race
+                self.server.stop()
+                # vLLM's multiprocessing start-up race (seen once in ~30 TP=2 starts here, on a busy machine): a
+                # worker process cannot open the semaphore its parent passed it (SemLock._rebuild:
+                # FileNotFoundError) and the engine exits before it serves; started again once
+                if attempt or "SemLock._rebuild" not in self.server.log.read_text():
+                    raise exc
+                port = free_port()
+                argv[argv.index("--port") + 1] = str(port)
         self.base = f"http://127.0.0.1:{port}"
         self.model = httpx.get(self.base + "/v1/models", timeout=30).json()["data"][0]["id"]
 
