@@ -53,13 +53,13 @@ def test_engines_of_several_ranks_get_a_core_each():
 def test_chunk_files_per_chunk_follow_the_shares(tmp_path):
     import json
 
-    from kvfabric.bench.vllm import num_writers
+    from kvfabric.bench.vllm import files_per_chunk
 
     config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4,
               "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "intermediate_size": 128,
               "vocab_size": 100}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    assert num_writers(str(tmp_path), 1, 1) == 1
-    assert num_writers(str(tmp_path), 2, 1) == 2  # a head each
-    assert num_writers(str(tmp_path), 4, 1) == 2  # two replicas of each head: one writes
-    assert num_writers(str(tmp_path), 2, 2) == 4  # a head each in each of two stages
+    assert files_per_chunk(str(tmp_path), 1, 1) == 1
+    assert files_per_chunk(str(tmp_path), 2, 1) == 2  # a head each
+    assert files_per_chunk(str(tmp_path), 4, 1) == 2  # two replicas of each head: one writes
+    assert files_per_chunk(str(tmp_path), 2, 2) == 4  # a head each in each of two stages

@@ -117,16 +117,16 @@ def cpu_bind(num_ranks: int) -> str:
     return "0-1" if num_ranks == 1 else "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(num_ranks))
 
 
-def num_writers(model: str, tp: int, pp: int) -> int:
-    """Chunk files an engine of this parallel shape writes per chunk: one per distinct rank share (replicated heads
-    once), or the parts of a whole chunk for a model with sliding-window layers (written by one rank)."""
+def files_per_chunk(model: str, tp: int, pp: int) -> int:
+    """Chunk files an engine of this parallel shape writes per chunk: one per writing rank's share, or the parts of
+    a whole chunk for a model with sliding-window layers (written by one rank)."""
     from transformers import AutoConfig
 
     from kvfabric.engines.runtime import layout_for
-    from kvfabric.kv.shares import grid, shape_of
+    from kvfabric.kv.shares import num_writers, shape_of
 
     layout = layout_for(AutoConfig.from_pretrained(model))
-    return len(shape_of(layout).parts) if layout.window_layers else len(grid(layout, pp, tp))
+    return len(shape_of(layout).parts) if layout.window_layers else num_writers(layout, pp, tp)
 
 
 def _child(python: str, spec: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
@@ -168,7 +168,7 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
     prompts_path = work / "prompts.json"
     prompts_path.write_text(json.dumps(make_prompts(model, sizes, repeats)))
     common = {"model": model, "prompts": str(prompts_path), "cache": str(cache), "sizes": sizes, "repeats": repeats,
-              "tp": tp, "pp": pp, "writers": num_writers(model, tp, pp)}
+              "tp": tp, "pp": pp, "writers": files_per_chunk(model, tp, pp)}
     log = (lambda msg: None) if as_json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     results = {}
     for mode in ("plain", "kvfabric-cold", "kvfabric-hit"):

@@ -81,7 +81,6 @@ class CacheEngine:
         engine's (pp_size, tp_size). `kvfabric.cache.builder.build_engine` composes all of it from the config."""
         self.config = config = config or Config()
         shape = shape_of(layout, share, parallel)
-        self.model_layout = layout
         self.layout = shape.layout  # what this engine's tensors hold: the model's, or its share's
         self.model_id = model_id
         self.chunk_size = config.chunk_size

@@ -164,12 +164,12 @@ class Writes:
         c = self.core
         started = time.perf_counter()
         num_tokens = payload.num_tokens
-        if payload.blob is not None:  # the stack seals it if it leaves memory; a share's under its own key
-            seal(payload.blob, c.shape.parts[0].key(key), c.layout, False, num_tokens, payload.blocks)
+        stored = c.shape.parts[0].key(key)  # a share is stored under its own key
+        if payload.blob is not None:  # the stack seals it if it leaves memory
+            seal(payload.blob, stored, c.layout, False, num_tokens, payload.blocks)
         kv = payload.kv
         if payload.blocks is not None and self.tier_codecs:  # another codec encodes [L, 2, H, T, D]
             assert payload.blob is not None
-            stored = c.shape.parts[0].key(key)
             kv = c.decoders.view(parse(payload.blob, stored, is_trusted=True), payload.blob, c.layout, num_tokens)
         self._put(key, kv, payload.blob)
         c.histograms.observe("kvfabric_store_seconds", time.perf_counter() - started, "store_chunk")

@@ -123,8 +123,8 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
         events_config = getattr(vllm_config, "kv_events_config", None)
         has_events = bool(events_config is not None and events_config.enable_kv_cache_events)
         self._lookups = LookupStats()
-        parallel = vllm_config.parallel_config
-        writers = num_writers(self.layout, parallel.pipeline_parallel_size, parallel.tensor_parallel_size)
+        ranks = vllm_config.parallel_config
+        writers = num_writers(self.layout, ranks.pipeline_parallel_size, ranks.tensor_parallel_size)
         self._events = SchedulerEvents(self.config.chunk_size, writers) if has_events else None
         self._engine_stats: EngineStatsSource | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -135,7 +135,7 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
                 except Exception:  # pragma: no cover - a frozen config
                     logger.warning("kvfabric: cannot set kv_load_failure_policy=%s; a bad chunk fails its request",
                                    policy)
-            world = vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size
+            world = ranks.tensor_parallel_size * ranks.pipeline_parallel_size
             clients = [LookupClient(self._lookup_path(rank)) for rank in range(world)]
             self._scheduler = SchedulerSide(self.config, self.layout, self.model_id, block_size,
                                              self.options["key_mode"], self.options["load_mode"], self.kv_role,
@@ -144,7 +144,7 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
             side = DeviceWorkerSide if self._uses_mover else WorkerSide
             # each worker answers the scheduler's lookups for its share of the model's KV (connectors/lookup.py)
             share, parallel = share_from_vllm(vllm_config, self.layout)
-            rank = vllm_config.parallel_config.rank or 0
+            rank = ranks.rank or 0
             config, options = for_rank(self.config, self.options, rank)
             self._worker = side(config, self.layout, self.model_id, block_size, options,
                                 is_sync_store=self.kv_role.is_sync_store, groups=self.groups,

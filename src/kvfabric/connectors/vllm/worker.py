@@ -94,7 +94,6 @@ class WorkerSide:
         self.is_sync_store = is_sync_store  # a P/D producer: the step's KV is stored before its output leaves
         self.chunk_size = config.chunk_size
         self.block_size = block_size
-        self.share = share
         self.first_layer = share.layers[0] if share is not None else 0  # a pipeline stage's first model layer
         # tiers per config (a cluster node wires its own); mode: server = the host's `kvfabric server`. Made on a
         # released thread: the cache's own threads (writer, premap) inherit its placement, not the forward's core
