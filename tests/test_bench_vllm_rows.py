@@ -1,6 +1,8 @@
 """`kvfabric bench vllm`'s rows from its engines' results (no engine runs here): medians of the repeated hits."""
 from __future__ import annotations
 
+import pytest
+
 from kvfabric.bench.vllm import _row
 
 
@@ -63,3 +65,18 @@ def test_chunk_files_per_chunk_follow_the_shares(tmp_path):
     assert files_per_chunk(str(tmp_path), 2, 1) == 2  # a head each
     assert files_per_chunk(str(tmp_path), 4, 1) == 2  # two replicas of each head: one writes
     assert files_per_chunk(str(tmp_path), 2, 2) == 4  # a head each in each of two stages
+
+
+def test_a_parallel_shape_the_model_cannot_take_is_one_line(tmp_path, monkeypatch):
+    import json
+
+    from kvfabric.bench import vllm as bench_vllm
+
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4,
+              "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576, "intermediate_size": 128,
+              "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(bench_vllm, "find_python", lambda python=None: "python")
+    monkeypatch.setattr(bench_vllm, "make_prompts", lambda *args, **kwargs: {})
+    with pytest.raises(SystemExit, match=r"--tp 2 --pp 1 with .*: 3 KV heads do not split over 2 tensor ranks"):
+        bench_vllm.run([1024], model=str(tmp_path), workdir=str(tmp_path / "w"), tp=2)

@@ -141,3 +141,22 @@ def test_a_window_layout_is_not_split_by_heads():
     with pytest.raises(ValueError, match="sliding-window"):
         shape_of(gemma, rank_share(gemma, 0, 1, 0, 2), (1, 2))
     assert not shape_of(gemma, Share((0, 2), (0, 2), is_writer=False)).is_writer
+
+
+def test_a_damaged_share_read_by_another_shape_is_a_miss(tmp_path):
+    """The assembled read checks every stored part it cuts from: a flipped byte in rank 1's share of chunk 1 on disk
+    makes chunk 1 a miss for a single engine (read and retrieve), never KV."""
+    kv = _kv(5)
+    for engine in _engines(tmp_path, 1, 2):
+        engine.store(TOKENS, _cut(kv, engine.core.shape.share))
+        engine.close()  # written to disk; process memory goes with it
+    share = rank_share(MODEL, 0, 1, 1, 2)
+    with CacheEngine(_config(tmp_path), MODEL, "m") as whole:
+        keys = whole.keys(TOKENS)
+        stored = shape_of(MODEL, share, (1, 2)).parts[0].key(keys[1]).hex()
+        (path,) = [p for p in tmp_path.rglob(f"{stored}*")]
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0x40  # in the payload
+        path.write_bytes(bytes(data))
+        assert isinstance(whole.read_into(keys[1], torch.empty(MODEL.shape(CHUNK), dtype=torch.float16)), ChunkMiss)
+        assert torch.equal(whole.retrieve(TOKENS), kv[:, :, :, :CHUNK])  # chunk 0 only

@@ -167,8 +167,12 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
     cache = work / "cache"
     prompts_path = work / "prompts.json"
     prompts_path.write_text(json.dumps(make_prompts(model, sizes, repeats)))
+    try:
+        writers = files_per_chunk(model, tp, pp)
+    except (ValueError, OSError) as exc:  # heads that do not split, a folder that is not a model: one line
+        raise SystemExit(f"kvfabric bench vllm: --tp {tp} --pp {pp} with {model}: {exc}") from None
     common = {"model": model, "prompts": str(prompts_path), "cache": str(cache), "sizes": sizes, "repeats": repeats,
-              "tp": tp, "pp": pp, "writers": files_per_chunk(model, tp, pp)}
+              "tp": tp, "pp": pp, "writers": writers}
     log = (lambda msg: None) if as_json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     results = {}
     for mode in ("plain", "kvfabric-cold", "kvfabric-hit"):
