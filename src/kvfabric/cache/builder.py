@@ -2,7 +2,8 @@
 
 Contract:
 - `build_engine(config, layout, model_id)` returns what an engine process uses as its KV cache (`KVCache`): with
-  `mode: server`, a RemoteCache to the host's `kvfabric server`; else a CacheEngine over the configured tiers,
+  `mode: server`, a RemoteCache to the host's `kvfabric server` (a parallel engine's rank: of its `share`, as
+  in process); else a CacheEngine over the configured tiers,
   composed here with what the config asks for around it (both satisfy `kvfabric.cache.protocol.KVCache`):
   - tier "peer": a cluster node (kvfabric.cluster) that serves the local tiers to peers and reports them to the
     controller under this engine's key namespace; the peer tier is last in the stack;
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from kvfabric.cache.engine import CacheEngine
 from kvfabric.cache.protocol import KVCache
 from kvfabric.cache.remote.client import RemoteCache
-from kvfabric.config import Config, ConfigError
+from kvfabric.config import Config
 from kvfabric.kv.hashing import KeySpace
 from kvfabric.kv.layout import KVLayout
 from kvfabric.kv.shares import Share
@@ -37,10 +38,7 @@ def build_engine(config: Config | None, layout: KVLayout, model_id: str, *, name
                  parallel: tuple[int, int] = (1, 1)) -> KVCache:
     config = config or Config()
     if config.mode == "server":
-        if share is not None and not share.is_whole(layout):
-            raise ConfigError(f"mode: server serves whole chunks; a parallel engine's rank ({share.describe()}) "
-                              "keeps its cache in process (mode: inproc)")
-        return RemoteCache(config, layout, model_id, name=name)
+        return RemoteCache(config, layout, model_id, name=name, share=share, parallel=parallel)
     local = list(tiers) if tiers is not None else build_tiers(config, [t for t in config.tiers if t != "peer"])
     node = None
     if "peer" in config.tiers:

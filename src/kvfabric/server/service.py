@@ -74,11 +74,14 @@ class Service:
 
     # ---- sessions ----------------------------------------------------------------------------------------
     def connect(self, body: dict[str, Any], peer: str) -> tuple[Client, dict[str, Any]]:
+        """A client bound to the namespace its HELLO names; the answer says what the namespace's pool slots hold
+        (`slot_layout`: a rank's share, or the whole model), which the client checks before it uses a slot."""
         space = self.spaces.get(body)
         name = P.text_of(body, "name", peer, max_len=64) or peer
         client = Client(name, space, Holder(name))
         info = {"pool": str(self.pool.path), "pool_id": self.pool.pool_id, "slot_bytes": self.pool.slot_bytes,
-                "num_slots": self.pool.num_slots, "max_slots": self.settings.max_slots_per_client}
+                "num_slots": self.pool.num_slots, "max_slots": self.settings.max_slots_per_client,
+                "slot_layout": P.slot_layout(space.layout)}
         return client, info
 
     def disconnect(self, client: Client) -> None:
@@ -98,18 +101,26 @@ class Service:
 
     # ---- reads -------------------------------------------------------------------------------------------
     def lookup(self, client: Client, body: dict, deadline: float, send: SendChunk) -> dict:
+        """The leading chunks held, each committed to a slot or readable from the tiers. Runs of chunks not in the
+        pool are asked of the engine as prefixes (its shape's few questions per run: a share's alternatives are
+        asked for the first chunk it lacks, not for every chunk), so a miss costs what it costs in process."""
         keys = P.keys_of(body)
-        present = [self.slots.contains(key) for key in keys]
-        missing = [i for i, hit in enumerate(present) if not hit]
-        if missing:
-            for i, hit in zip(missing, client.space.engine.contains([keys[i] for i in missing])):
-                present[i] = hit
-        return {"chunks": present.index(False) if False in present else len(keys)}
+        num = 0
+        while num < len(keys):
+            if self.slots.contains(client.space.slot_key(keys[num])):
+                num += 1
+                continue
+            found = client.space.engine.lookup_keys(keys[num:]).num_chunks
+            if not found:
+                break
+            num += found
+        return {"chunks": num}
 
     def holds(self, client: Client, body: dict, deadline: float, send: SendChunk) -> dict:
         """Whether each chunk is held: committed to a slot, or in a writable tier of the namespace's engine."""
         keys = P.keys_of(body)
-        return {"held": [hit or self.slots.contains(key) for hit, key in zip(client.space.engine.holds(keys), keys)]}
+        held = client.space.engine.holds(keys)
+        return {"held": [hit or self.slots.contains(client.space.slot_key(key)) for hit, key in zip(held, keys)]}
 
     def _counts(self, client: Client, body: dict, keys: list[bytes] | None) -> list[int]:
         """The token count of each chunk (`tokens`, parallel to `keys` when given); each must fit a slot."""
@@ -126,7 +137,7 @@ class Service:
         engine = client.space.engine
         num_sent, stop = 0, "done"
         with engine.pinned(keys):
-            engine.prefetch([key for key in keys if not self.slots.contains(key)])
+            engine.prefetch([key for key in keys if not self.slots.contains(client.space.slot_key(key))])
             for i, (key, num_tokens) in enumerate(zip(keys, counts)):
                 if time.monotonic() > deadline:
                     stop = "deadline"
@@ -152,7 +163,7 @@ class Service:
         """(slot, tier, blob bytes) of `key` decoded in a slot leased by `holder` (None: held by the server, which
         must `unhold` it), or why not: "missing", "corrupt", "wrong_layout", "pool_full"."""
         if holder is not None:
-            slot = self.slots.lease(key, holder)
+            slot = self.slots.lease(space.slot_key(key), holder)
             if slot is not None:
                 self.counters.add("hit.pool")
                 return slot, "pool", 0
@@ -165,7 +176,7 @@ class Service:
             got = space.engine.read_into(key, self.pool.tensor(slot, space.layout, num_tokens))
         self.metrics.fetch_seconds.labels("tier").observe(time.perf_counter() - started)
         if isinstance(got, ChunkHit):
-            self.slots.publish(slot, key)
+            self.slots.publish(slot, space.slot_key(key))
             self.counters.add(f"hit.{got.tier}")
             return slot, got.tier, got.num_bytes
         self._drop(slot, holder)
@@ -185,7 +196,7 @@ class Service:
         for key, num_tokens in zip(keys, counts):
             if time.monotonic() > deadline:
                 break
-            if not self.slots.contains(key):
+            if not self.slots.contains(client.space.slot_key(key)):
                 found = self._lease_or_decode(client.space, key, num_tokens, None)
                 if isinstance(found, str):
                     break
@@ -200,7 +211,7 @@ class Service:
         present = [False] * len(counts)  # no keys: slots for payloads whose keys come at commit
         if keys:
             held = client.space.engine.holds(keys)
-            present = [hit or self.slots.contains(key) for hit, key in zip(held, keys)]
+            present = [hit or self.slots.contains(client.space.slot_key(key)) for hit, key in zip(held, keys)]
         slots: list[int | None] = []
         for is_present in present:
             slot = None
@@ -227,7 +238,7 @@ class Service:
                 self.slots.release(slot, client.holder)
                 self.counters.add("store_dropped")
                 continue
-            if not self.slots.commit(slot, key, client.holder):
+            if not self.slots.commit(slot, client.space.slot_key(key), client.holder):
                 with self._lock:
                     client.storing -= 1
                 continue

@@ -15,6 +15,10 @@ here with the same root, so in-process and server engines name chunks alike):
   (`server.timeout_s`) makes the call a miss (lookup 0, retrieve a shorter prefix of valid KV, store 0, a read
   ChunkMiss("missing")), and for `server.retry_s` every call is a miss without trying (remote/sessions.py).
   Errors are raised only for bad arguments.
+- A parallel engine's rank (`share`, `parallel`: kvfabric.kv.shares) has the server keep its share's namespace:
+  keys stay the model's, tensors hold the share, and the server's reads put a missing share together from what
+  another parallel shape stored. A server whose answer does not hold this client's share in its slots
+  (`slot_layout`: one older than shares) is not used: every call a miss, counted as `server_errors`.
 - Thread-safe: up to MAX_CONNECTIONS connections, each used by one thread at a time.
 """
 from __future__ import annotations
@@ -53,6 +57,7 @@ from kvfabric.host.pages import Scratch
 from kvfabric.kv.blocks import BlockLayout
 from kvfabric.kv.hashing import ChunkKey, KeySpace
 from kvfabric.kv.layout import KVLayout
+from kvfabric.kv.shares import Share, shape_of
 from kvfabric.net.framing import ProtocolError
 from kvfabric.observe.counters import Counters, merged
 from kvfabric.observe.events import ChunkEvents
@@ -79,10 +84,14 @@ class StreamFetch:
 
 
 class RemoteCache:
-    def __init__(self, config: Config | None, layout: KVLayout, model_id: str, *, name: str | None = None) -> None:
+    def __init__(self, config: Config | None, layout: KVLayout, model_id: str, *, name: str | None = None,
+                 share: Share | None = None, parallel: tuple[int, int] = (1, 1)) -> None:
+        """`layout`: the model's (keys are the model's). `share`: a parallel engine rank's share of the model's KV
+        (None: the whole model), `parallel` its engine's (pp_size, tp_size): the server keeps that share's own
+        namespace, and this client's tensors hold the share (as CacheEngine's with the same arguments)."""
         self.config = config or Config()
         self.settings = self.config.server
-        self.layout = layout
+        self.layout = shape_of(layout, share, parallel).layout  # a share of a window model is refused here
         self.model_id = model_id
         self.chunk_size = self.config.chunk_size
         self.key_space = KeySpace.of(model_id, layout, self.chunk_size, self.config.salt, self.config.hash,
@@ -90,14 +99,15 @@ class RemoteCache:
         hello = {"name": name or f"{Path(sys.argv[0] or 'python').name}-{os.getpid()}", "pid": os.getpid(),
                  "model_id": model_id, "chunk_size": self.chunk_size, "hash": self.config.hash,
                  "salt": self.config.salt, "session": secrets.token_bytes(8),
-                 "layout": [layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
-                            *(["latent"] if layout.is_latent else [])]}
+                 "layout": P.slot_layout(layout), "parallel": list(parallel)}
+        if share is not None:
+            hello["share"] = [*share.layers, *share.heads, share.is_writer]
         self._counters = Counters()
-        self._sessions = Sessions(self.settings, hello, self._counters)
+        self._sessions = Sessions(self.settings, hello, self._counters, P.slot_layout(self.layout))
         self.histograms = Histograms()  # this client's lookup / retrieve / store latencies, as CacheEngine's
         self.events: ChunkEvents | None = None  # chunk events come from the server's tiers, not from here
         self._payloads: dict[int, tuple[Connection, int, weakref.finalize]] = {}  # id(payload kv) -> its lease
-        self._reads = RemoteReads(self._sessions, layout)
+        self._reads = RemoteReads(self._sessions, self.layout)
 
     # ---- keys --------------------------------------------------------------------------------------------
     def keys(self, tokens: Tokens) -> list[ChunkKey]:

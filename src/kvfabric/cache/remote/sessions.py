@@ -33,10 +33,12 @@ class Down(Exception):
 
 
 class Sessions:
-    def __init__(self, settings: ServerConfig, hello: dict[str, Any], counters: Counters) -> None:
+    def __init__(self, settings: ServerConfig, hello: dict[str, Any], counters: Counters,
+                 slot_layout: list[Any]) -> None:
         self.settings = settings
         self.counters = counters
         self._hello = hello
+        self._slot_layout = slot_layout  # what this client's pool slots must hold (wire.slot_layout)
         self._conns: list[Connection] = []
         self._lock = threading.Lock()
         self.pool: SlotPool | None = None
@@ -87,6 +89,9 @@ class Sessions:
     def _open(self) -> Connection:
         conn = Connection.open(self.settings, self._hello)
         try:
+            if conn.info.get("slot_layout", self._hello["layout"]) != self._slot_layout:
+                raise ProtocolError(f"the server's slots hold {conn.info.get('slot_layout', 'the whole model')}, "
+                                    f"not this client's {self._slot_layout}")
             pool_id = P.bytes_of(conn.info, "pool_id", 16)
             if self.pool is None or self.pool.pool_id != pool_id:  # first contact or a restarted server
                 for old in self._conns:

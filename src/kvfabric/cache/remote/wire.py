@@ -12,6 +12,10 @@ gets nothing back. Bodies are plain msgpack values: no pickle, no extension type
 rejects a body that is not a msgpack map with str keys or that exceeds the container limits. The field
 accessors (`keys_of`, `ints_of`, `text_of`, ...) reject a field of the wrong type or size. Each raises
 ProtocolError; the server closes that one connection.
+
+HELLO names the client's namespace: model, `layout` (the model's), chunk size, hash, salt and, for a parallel
+engine's rank, its `share` and `parallel` shape (server/namespaces.py); the answer's `slot_layout` is what a pool
+slot of that namespace holds, in `slot_layout`'s form.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing import Any
 
 import msgpack
 
+from kvfabric.kv.layout import KVLayout
 from kvfabric.net.framing import ProtocolError, recv_exact, send_all
 
 MAGIC = b"KVSV"
@@ -44,6 +49,12 @@ OP_NAMES = {HELLO: "hello", LOOKUP: "lookup", RETRIEVE: "retrieve", LEASE: "leas
             FETCH_STREAM: "fetch_stream", PING: "ping", HOLDS: "holds"}
 
 NO_REPLY = 1  # flag: a one-way request
+
+
+def slot_layout(layout: KVLayout) -> list[Any]:
+    """A layout on the wire: [num_layers, num_kv_heads, head_dim, dtype] (and "latent" for MLA)."""
+    return [layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
+            *(["latent"] if layout.is_latent else [])]
 
 
 @dataclass(frozen=True, slots=True)
