@@ -214,3 +214,41 @@ def test_a_starting_service_removes_dead_workers_sockets_and_keeps_live_ones(eng
     finally:
         service.close()
         live.close()
+
+
+def test_every_rank_asks_all_at_once_and_answers_the_least(engine, tmp_path, folder):
+    """EveryRank sends every rank its question before it reads any answer: two silent ranks cost one deadline
+    between them, not one each; the answer is the least of the ranks' (a chunk counts when every share is there);
+    and every client is free again for the next lookup."""
+    from kvfabric.connectors.lookup import EveryRank
+
+    tokens = list(range(4 * CHUNK))
+    keys = engine.keys(tokens)
+    engine.store(tokens, torch.randn(LAYOUT.shape(4 * CHUNK)))
+    other = CacheEngine(Config(chunk_size=CHUNK, tiers=("cpu",)), LAYOUT, "m")
+    other.store(tokens[:2 * CHUNK], torch.randn(LAYOUT.shape(2 * CHUNK)))
+    paths = [str(folder / f"r{rank}.sock") for rank in range(4)]
+    services = [LookupService(engine, paths[0]), LookupService(other, paths[1])]
+    silent = []
+    for path in paths[2:]:  # ranks that accept and never answer
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+        silent.append(listener)
+    every = EveryRank([LookupClient(path, timeout_s=0.6, retry_s=0.0) for path in paths])
+    try:
+        started = time.monotonic()
+        assert every.lookup(keys, len(tokens)) == KeyLookup()
+        assert time.monotonic() - started < 1.1  # one deadline for both silent ranks
+        assert [c.counters["lookup_errors"] for c in every.clients] == [0, 0, 1, 1]
+        for listener in silent:
+            listener.close()
+        every.clients[2:] = []
+        assert every.lookup(keys, len(tokens)) == KeyLookup(2, 2)  # the least of 4 and 2
+        assert every.lookup([], 0) == KeyLookup()
+        assert [c.counters["lookups"] for c in every.clients] == [2, 2]
+    finally:
+        every.close()
+        for service in services:
+            service.close()
+        other.close()

@@ -16,6 +16,8 @@ Contract:
 - `LookupClient(path)`: in the scheduler; `lookup(keys, num_tokens) -> KeyLookup`. One connection, opened on first
   use and again after a failure. A worker that does not answer within `timeout_s` is a miss (`KeyLookup()`,
   counted), and is not asked again for `retry_s`: a dead worker costs one timeout, not one per request.
+  `ask` / `answer`: the same lookup in two halves, so that `EveryRank` sends every rank its question before it
+  waits for any answer (the ranks look up at once: about one round trip at any TP, not one per rank).
 - Frames: a 4-byte little-endian length, then a msgpack map: request {"keys": [bytes], "num_tokens": int},
   answer {"num_chunks": int, "num_in_memory": int}. At most MAX_KEYS keys of at most 64 bytes each.
 - `lookup_path(engine_id, dp_rank, rank)`: where the two sides meet, in the temp folder, named by vLLM's engine id
@@ -184,29 +186,55 @@ class LookupClient:
         self.counters = Counters()
         self._sock: socket.socket | None = None
         self._down_until = 0.0
+        self._asked_at = 0.0  # when the question being answered was sent
         self._lock = threading.Lock()
 
     def lookup(self, keys: Sequence[bytes], num_tokens: int | None = None) -> KeyLookup:
+        return self.answer(self.ask(keys, num_tokens))
+
+    def ask(self, keys: Sequence[bytes], num_tokens: int | None = None) -> int:
+        """Send a lookup and hold this client until its `answer` (EveryRank asks every rank before it waits for
+        any). Returns how many keys were asked: 0 when nothing was sent (no keys, a worker taken for gone)."""
         if not keys:
+            return 0
+        self._lock.acquire()
+        if time.monotonic() < self._down_until:
+            self.counters.add("lookups_skipped")
+            self._lock.release()
+            return 0
+        try:
+            _send(self._connect(), {"keys": list(keys), "num_tokens": int(num_tokens or 0)})
+            self._asked_at = time.monotonic()
+        except (OSError, ProtocolError) as exc:
+            self._failed(exc)
+            self._lock.release()
+            return 0
+        return len(keys)  # the lock stays held until `answer`
+
+    def answer(self, num_asked: int) -> KeyLookup:
+        """The answer to the last `ask` (a miss where it sent nothing or the worker fails to answer in time)."""
+        if not num_asked:
             return KeyLookup()
-        with self._lock:
-            if time.monotonic() < self._down_until:
-                self.counters.add("lookups_skipped")
-                return KeyLookup()
-            try:
-                sock = self._connect()
-                _send(sock, {"keys": list(keys), "num_tokens": int(num_tokens or 0)})
-                answer = _recv(sock, self.timeout_s)
-                found = KeyLookup(_count(answer, "num_chunks", len(keys)), _count(answer, "num_in_memory", len(keys)))
-            except (OSError, ProtocolError) as exc:  # timeouts, a worker gone or restarted, a bad answer: misses
-                self._drop()
-                self._down_until = time.monotonic() + self.retry_s
-                self.counters.add("lookup_errors")
-                log.warning("kvfabric: the worker's cache did not answer a lookup (%s); treating it as a miss "
-                            "for %.0f s", exc, self.retry_s)
-                return KeyLookup()
-            self.counters.add("lookups")
-            return found
+        try:
+            assert self._sock is not None
+            # the deadline runs from the question: ranks asked together time out together (an answer that is
+            # already there is still taken)
+            reply = _recv(self._sock, max(1e-3, self.timeout_s - (time.monotonic() - self._asked_at)))
+            found = KeyLookup(_count(reply, "num_chunks", num_asked), _count(reply, "num_in_memory", num_asked))
+        except (OSError, ProtocolError) as exc:  # timeouts, a worker gone or restarted, a bad answer: misses
+            self._failed(exc)
+            return KeyLookup()
+        finally:
+            self._lock.release()
+        self.counters.add("lookups")
+        return found
+
+    def _failed(self, exc: BaseException) -> None:
+        self._drop()
+        self._down_until = time.monotonic() + self.retry_s
+        self.counters.add("lookup_errors")
+        log.warning("kvfabric: the worker's cache did not answer a lookup (%s); treating it as a miss for %.0f s",
+                    exc, self.retry_s)
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -237,7 +265,8 @@ class EveryRank:
         self.clients = list(clients)
 
     def lookup(self, keys: Sequence[bytes], num_tokens: int | None = None) -> KeyLookup:
-        answers = [client.lookup(keys, num_tokens) for client in self.clients]
+        asked = [client.ask(keys, num_tokens) for client in self.clients]  # every rank works on it at once
+        answers = [client.answer(num) for client, num in zip(self.clients, asked)]
         return KeyLookup(min(a.num_chunks for a in answers), min(a.num_in_memory for a in answers))
 
     def close(self) -> None:
