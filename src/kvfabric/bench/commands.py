@@ -101,6 +101,24 @@ def bench_p2p(as_json: bool, repeats: int, quick: bool, tls: bool) -> None:
     run(as_json=as_json, repeats=repeats, quick=quick, tls=tls)
 
 
+@bench.command("lookup")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--tp", "tps", default="1,2,4,8", show_default=True, help="Tensor-parallel sizes (comma-separated).")
+@click.option("--tokens", default=8000, show_default=True, help="Prompt length.")
+@click.option("--samples", default=200, show_default=True, help="Lookups per figure (their median).")
+def bench_lookup(as_json: bool, tps: str, tokens: int, samples: int) -> None:
+    """A parallel engine's scheduler lookups, by authority (every rank's cache, one server) and TP, vs a raw
+    Unix-socket round trip."""
+    from kvfabric.bench.lookup import run
+    try:
+        sizes = tuple(int(t) for t in tps.split(","))
+    except ValueError:
+        raise click.UsageError(f"--tp: expected comma-separated integers, got {tps!r}") from None
+    if any(t not in (1, 2, 4, 8) for t in sizes):
+        raise click.UsageError("--tp: each of 1, 2, 4, 8 (the bench model's 8 KV heads split evenly)")
+    run(sizes, tokens, samples, as_json)
+
+
 @bench.command("vllm", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
                                          "help_option_names": []})
 @click.pass_context
