@@ -14,14 +14,20 @@ One scenario, its phases in order on one disk cache (each a fresh server: proces
   from there on every rank, and the answer is the same.
 - HF: the reference engine (TP=1, transformers) hits P3 from the TP=2 shares and answers as it does without a cache.
 
+With `mode: server` (`server_runs`), every rank's cache is one `kvfabric server` process: a TP=2 engine stores
+P1, a fresh TP=2 engine loads each rank's share from the server, and a TP=1 engine loads P1 whole, put together
+by the server from the two shares.
+
     .venv-vllm/bin/python -m pytest -m slow tests/test_vllm_parallel.py
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -219,6 +225,36 @@ def pd_runs(runs, tmp_path_factory) -> dict:
     return out
 
 
+@pytest.fixture(scope="module")
+def server_runs(runs, tmp_path_factory) -> dict:
+    from tests.server_fixtures import start_server
+
+    work = tmp_path_factory.mktemp("vllm_parallel_server")
+    folder = Path(tempfile.mkdtemp(prefix="kvf-srv-"))  # short: a Unix socket path has at most 107 bytes
+    data = {"tiers": ["cpu", "disk"], "disk": {"path": str(work / "disk")},
+            "server": {"socket": str(folder / "s.sock"), "pool_capacity": "256MiB", "slot_bytes": "8MiB"}}
+    server = start_server(work, data)
+    out: dict = {}
+    try:
+        def engine(name: str, tp: int) -> Server:
+            return Server(work, name, tp, None, extra={
+                "mode": "server", "server": {"socket": data["server"]["socket"]}, "chunk_size": CHUNK,
+                "model_id": MODEL_ID, "stats_path": str(work / f"{name}.stats.json")})
+
+        instance = engine("server-tp2-store", 2)
+        out["store"] = instance.ask(P1)
+        _stored(work / "disk", 3 * 2)  # each rank's share of P1's 3 chunks, persisted by the server
+        instance.close()
+        for name, tp in (("server-tp2-read", 2), ("server-tp1-read", 1)):
+            instance = engine(name, tp)
+            out[name] = instance.ask(P1)
+            instance.close()
+    finally:
+        out["server_exit"] = server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
 def _hf(cache: Path, work: Path) -> dict:
     """The reference engine on the TP=2 shares (P3) and without a cache: the same greedy ids, and its hit."""
     code = f"""
@@ -257,6 +293,15 @@ def test_stored_at_tp2_served_at_tp1_and_the_reverse(runs):
     assert cached == 0 and text == runs["base"]["p2"]  # new to TP=1: computed and stored whole
     text, cached = runs["tp2-read"]["p2"]
     assert cached >= 3 * CHUNK - 1 and text == runs["base-tp2"]["p2"]  # the TP=1 chunks, each rank its heads
+
+
+def test_tp2_ranks_share_one_kvfabric_server_and_tp1_reads_their_shares(runs, server_runs):
+    assert server_runs["store"] == (runs["base-tp2"]["p1"], 0)
+    text, cached = server_runs["server-tp2-read"]
+    assert cached >= 3 * CHUNK - 1 and text == runs["base-tp2"]["p1"]
+    text, cached = server_runs["server-tp1-read"]
+    assert cached >= 3 * CHUNK - 1 and text == runs["base"]["p1"]
+    assert server_runs["server_exit"] == 0
 
 
 def test_another_tenant_never_hits_a_tp2_share(runs):
