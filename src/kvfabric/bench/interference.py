@@ -84,7 +84,8 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _start_server(config: dict[str, Any], path: Path, cpu: int | None) -> subprocess.Popen:
+def start_server(config: dict[str, Any], path: Path, cpu: int | None) -> subprocess.Popen:
+    """A `kvfabric server` process on `config` (written to `path`), pinned to `cpu` when given, once it is ready."""
     path.write_text(yaml.safe_dump(config))
     pinned = ["--cpus", str(cpu)] if cpu is not None else []
     proc = subprocess.Popen([sys.executable, "-m", "kvfabric.apps.cli", "server", "--config", str(path), *pinned],
@@ -118,7 +119,7 @@ def run(as_json: bool = False, steps: int = 256, b_tokens: int = 4096, a_tokens:
         server_config = {"tiers": ["cpu"], "chunk_size": 256, "server": {
             "socket": f"{tmp}/server.sock", "pool_capacity": "384MiB", "slot_bytes": "6MiB",
             "max_slots_per_client": 16, "timeout_s": 60.0}}
-        server = _start_server(server_config, Path(tmp) / "server.yaml", server_cpu)
+        server = start_server(server_config, Path(tmp) / "server.yaml", server_cpu)
         client = {**server_config, "mode": "server"}
         try:
             for link in links:

@@ -28,7 +28,7 @@ MODEL_ID = "kvfabric-bench-interference"
 
 def run(python: str | None = None, num_tokens: int = 4096, num_pairs: int = 5, timeout: float = 1800,
         engine_cpu: int = 0, server_cpu: int = 1) -> dict:
-    from kvfabric.bench.interference import _start_server
+    from kvfabric.bench.interference import start_server
     from kvfabric.bench.vllm import find_python, make_prompts
     from kvfabric.engines.model import ensure_model
     python = find_python(python)
@@ -40,7 +40,7 @@ def run(python: str | None = None, num_tokens: int = 4096, num_pairs: int = 5, t
             "socket": f"{tmp}/server.sock", "pool_capacity": "256MiB", "slot_bytes": "12MiB"}}
         if server_cpu not in os.sched_getaffinity(0):
             server_cpu = engine_cpu
-        proc = _start_server(server, Path(tmp) / "server.yaml", server_cpu)
+        proc = start_server(server, Path(tmp) / "server.yaml", server_cpu)
         spec = {"model": model, "prompts": str(prompts), "tokens": num_tokens, "num_pairs": num_pairs,
                 "out": f"{tmp}/result.json",
                 "config": {"chunk_size": CHUNK, "model_id": MODEL_ID, "mode": "server",

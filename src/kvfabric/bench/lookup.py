@@ -28,7 +28,7 @@ import msgpack
 import torch
 
 from kvfabric.bench.common import emit
-from kvfabric.bench.interference import _start_server
+from kvfabric.bench.interference import start_server
 from kvfabric.cache.builder import build_engine
 from kvfabric.config import Config
 from kvfabric.connectors.lookup import EveryRank, LookupClient, LookupService
@@ -180,7 +180,7 @@ def run(tps: tuple[int, ...] = (1, 2, 4, 8), tokens: int = 8000, samples: int = 
         server_config = {"tiers": ["cpu"], "chunk_size": CHUNK, "cpu": {"capacity": "1GiB"},
                          "server": {"socket": f"{folder}/server.sock", "pool_capacity": "64MiB",
                                     "slot_bytes": "512KiB", "max_store_queue": 64}}
-        server = _start_server(server_config, Path(folder) / "server.yaml", None)
+        server = start_server(server_config, Path(folder) / "server.yaml", None)
         try:
             for tp in tps:
                 found = _measure(tp, tokens, samples, folder, None)

@@ -147,7 +147,7 @@ class CacheEngine:
         c = self.core
         started = time.perf_counter()
         keys = self.keys(tokens)
-        num_hit = self._prefix(keys, len(tokens))
+        num_hit = self.prefix(keys, len(tokens))
         c.histograms.observe("kvfabric_lookup_seconds", time.perf_counter() - started)
         found = c.span(num_hit - 1, len(tokens))[1] if num_hit else 0
         for name, n in (("lookups", 1), ("lookup_tokens", len(tokens)), ("lookup_hit_tokens", found),
@@ -158,15 +158,17 @@ class CacheEngine:
     def lookup_keys(self, keys: Sequence[bytes], num_tokens: int | None = None) -> KeyLookup:
         """`lookup` by chunk keys (a connector's own key scheme in this namespace too) of a prompt of num_tokens
         tokens (default: whole chunks): the same rule, every part included. No chunk data is read."""
-        num_chunks = self._prefix(keys, num_tokens or len(keys) * self.chunk_size)
+        num_chunks = self.prefix(keys, num_tokens)
         for name, n in (("lookups", 1), ("lookup_chunks", len(keys)), ("lookup_hit_chunks", num_chunks)):
             self.core.counters.add(name, n)
         first = self.shape.parts[0]  # what the first read of a chunk asks for (a share's own part)
         return KeyLookup(num_chunks, sum(self.stack.is_in_memory(first.key(k)) for k in keys[:num_chunks]))
 
-    def _prefix(self, keys: Sequence[bytes], num_tokens: int) -> int:
-        """The leading chunks a load can read, every part it needs included (the shape decides)."""
-        return self.shape.prefix(keys, num_tokens, self.chunk_size, self.stack.contains_many)
+    def prefix(self, keys: Sequence[bytes], num_tokens: int | None = None) -> int:
+        """The leading chunks of `keys` a load can read, every part it needs included (the shape decides), of a
+        prompt of num_tokens (default: whole chunks); uncounted (the server asks it for its clients' lookups)."""
+        return self.shape.prefix(keys, num_tokens or len(keys) * self.chunk_size, self.chunk_size,
+                                 self.stack.contains_many)
 
     def holds(self, keys: Sequence[bytes]) -> list[bool]:
         return self._writes.held(keys)

@@ -110,7 +110,7 @@ class Service:
             if self.slots.contains(client.space.slot_key(keys[num])):
                 num += 1
                 continue
-            found = client.space.engine.lookup_keys(keys[num:]).num_chunks
+            found = client.space.engine.prefix(keys[num:])
             if not found:
                 break
             num += found
