@@ -202,8 +202,6 @@ def run(systems: Sequence[str] = SYSTEMS, workload_names: Sequence[str] = ("docq
     cfg = AutoConfig.from_pretrained(model)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_bytes = kv_tokens * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4  # fp32 KV
-    work = Path(workdir or tempfile.mkdtemp(prefix="kvfabric-bench-serve-"))
-    work.mkdir(parents=True, exist_ok=True)
     log = (lambda msg: None) if as_json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if num_requests:  # at least that many requests a workload: more questions a document, more chat sessions
         questions = max(questions, -(-num_requests // docs))
@@ -211,6 +209,9 @@ def run(systems: Sequence[str] = SYSTEMS, workload_names: Sequence[str] = ("docq
               "chat": lambda: chat_sessions(model, trace, sessions, users, max_prompt=max_len - 64,
                                             scan=20000 if num_requests else 2000, min_requests=num_requests or 0)}
     workloads = [makers[name]() for name in workload_names]
+    # made once the workloads are built: a workload that cannot be built (a missing trace) leaves no folder behind
+    work = Path(workdir or tempfile.mkdtemp(prefix="kvfabric-bench-serve-"))
+    work.mkdir(parents=True, exist_ok=True)
     for workload in workloads:
         log(f"[bench serve] {workload.name}: {workload.num_requests} requests, {len(workload.users)} users, "
             f"{workload.num_prompt_tokens} prompt tokens, distinct working set ~{workload.working_set} tokens; "
