@@ -13,7 +13,7 @@ import torch
 from kvfabric import CacheEngine, Config, KVLayout
 from kvfabric.cache.protocol import ChunkHit, ChunkMiss, TokenSource
 from kvfabric.codec.format import HEADER_BYTES, ChunkHeader, write_blob
-from kvfabric.codec.raw import RawCodec
+from kvfabric.codec.raw import RawCodec, blob_bytes
 from kvfabric.config import CpuTierConfig, DiskTierConfig, PlacementConfig
 from kvfabric.host.pages import Scratch
 from kvfabric.tiers.cpu import CpuTier
@@ -176,7 +176,7 @@ def test_bad_arguments_raise(config):
 
 
 def test_eviction_during_retrieve_keeps_pinned_chunks(config):
-    cpu = CpuTier(LAYOUT.num_bytes(16) * 3 + 400)
+    cpu = CpuTier(blob_bytes(LAYOUT, 16) * 3 + 16)
     tokens, kv = list(range(48)), make_kv(48)
     with CacheEngine(Config(chunk_size=16, tiers=("cpu",)), LAYOUT, "m", tiers=[cpu]) as engine:
         engine.store(tokens, kv)
@@ -219,7 +219,7 @@ def test_per_tier_codec_keeps_memory_raw_and_disk_compressed(tmp_path):
         assert isinstance(hit, TokenSource) and hit.tier == "cpu"
         with hit:
             assert torch.equal(hit.kv, kv[:, :, :, :32])
-        assert hit.num_bytes == HEADER_BYTES + layout.num_bytes(32)  # raw in memory
+        assert hit.num_bytes == blob_bytes(layout, 32)  # raw in memory
         assert torch.equal(engine.retrieve(tokens), kv)  # served raw from memory
     files = sorted((tmp_path / "chunks").rglob("*.kvc"))
     assert len(files) == 2 and all(f.stat().st_size < hit.num_bytes / 2 for f in files)  # compressed on disk
@@ -242,10 +242,10 @@ def test_read_chunk_hit_names_its_tier(config):
         hit = engine.read_chunk(keys[1])
         assert isinstance(hit, TokenSource) and hit.tier == "cpu" and hit.layers is None
         with hit:
-            assert hit.num_bytes == HEADER_BYTES + LAYOUT.num_bytes(16) and torch.equal(hit.kv, kv[:, :, :, 16:32])
+            assert hit.num_bytes == blob_bytes(LAYOUT, 16) and torch.equal(hit.kv, kv[:, :, :, 16:32])
         out = torch.zeros(LAYOUT.shape(16), dtype=torch.float64)  # any float dtype
         into = engine.read_into(keys[2], out)
-        assert into == ChunkHit("cpu", HEADER_BYTES + LAYOUT.num_bytes(16))
+        assert into == ChunkHit("cpu", blob_bytes(LAYOUT, 16))
         assert torch.equal(out, kv[:, :, :, 32:48].double())
         engine.clear_tier("cpu")
         assert engine.tier_keys("cpu") == [] and engine.tier_usage("cpu").num_chunks == 0
@@ -407,7 +407,7 @@ def test_store_chunk_and_read_chunk_from_two_threads(config):
 def test_premap_maps_payloads_ahead_and_paused_holds_it_back_while_nested(config):
     """premap names the payload size to process memory, whose pool maps free buffers of it ahead; paused() holds
     that back (a vLLM forward runs) and nests: only the outermost exit resumes it."""
-    cpu = CpuTier(1 << 24, premap_bytes=2 * (HEADER_BYTES + LAYOUT.num_bytes(16)))
+    cpu = CpuTier(1 << 24, premap_bytes=2 * blob_bytes(LAYOUT, 16))
     with CacheEngine(Config(chunk_size=16, tiers=("cpu",)), LAYOUT, "m", tiers=[cpu]) as engine:
         with engine.paused():
             engine.premap()

@@ -7,8 +7,8 @@ One scenario, its phases in order on one disk cache (each a fresh server: proces
 - tp2-store: TP=2 with kvfabric: P1 and P3 are computed and each rank stores its share; P2 (a tenant's salt) too.
 - tp1-read: TP=1: P1 loads from the two TP=2 shares (each cut into the whole layout); P2, new to it, is computed
   and stored whole.
-- tp2-read: TP=2: P1 loads each rank's own share; P2 loads from the TP=1 whole chunks, each rank reading its heads;
-  P1 under another tenant's cache_salt finds nothing.
+- tp2-read: TP=2: P1 loads each rank's own share; P2 loads from the TP=1 whole chunks, each rank reading only its
+  heads of each file (a ranged read, checked by the head table); P1 under another tenant's cache_salt finds nothing.
 - tp2-damaged: rank 1's share of P1's chunk 2 deleted and rank 0's share of chunk 1 flipped on disk: the lookup
   promises chunks 0-1 (a share is missing from chunk 2 on), rank 0's load finds chunk 1 damaged, vLLM recomputes
   from there on every rank, and the answer is the same.
@@ -172,6 +172,7 @@ def runs(tmp_path_factory) -> dict:
     server.close()
     server = Server(work, "tp2-read", 2, cache)
     out["tp2-read"] = {"p1": server.ask(P1), "p2": server.ask(P2), "p1-tenant": server.ask(P1, salt="tenant-b")}
+    out["tp2-read-counters"] = [server.counters(rank) for rank in range(2)]
     server.close()
     shares = _shares(cache, P1)
     for path in shares[(2, 1)]:
@@ -330,6 +331,8 @@ def test_stored_at_tp2_served_at_tp1_and_the_reverse(runs):
     assert cached == 0 and text == runs["base"]["p2"]  # new to TP=1: computed and stored whole
     text, cached = runs["tp2-read"]["p2"]
     assert cached >= 3 * CHUNK - 1 and text == runs["base-tp2"]["p2"]  # the TP=1 chunks, each rank its heads
+    for counters in runs["tp2-read-counters"]:  # read alone from each whole chunk file, checked by the head table
+        assert counters["share_ranged_reads"] >= 3 and counters.get("corrupt.disk", 0) == 0
 
 
 def test_tp2_ranks_share_one_kvfabric_server_and_tp1_reads_their_shares(runs, server_runs):

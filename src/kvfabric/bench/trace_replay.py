@@ -2,8 +2,8 @@
 files, a real shared-memory pool) with their policies and the stack's placement, as an inference engine uses it.
 
 Blocks are scaled down so that a full replay runs in minutes: one block of the trace = one token (its hash id)
-= one chunk of a tiny layout (`BLOB_BYTES`, 124 bytes with the header); the engine's prefix-chained keys then
-name exactly the trace's prefix blocks, and token counts come from the trace (512 a block, less for a prompt's
+= one chunk of a tiny layout (`BLOB_BYTES`, 168 bytes with the header and head table); the engine's prefix-chained
+keys then name exactly the trace's prefix blocks, and token counts come from the trace (512 a block, less for a prompt's
 last one). Capacities are in blobs of that size.
 
 Per request, as HFEngine.generate uses the engine: which tiers hold each block (block hits; nothing touched),
@@ -28,7 +28,7 @@ import torch
 from kvfabric.bench.trace_data import Trace
 from kvfabric.bench.trace_sim import TraceRun, TTFTModel, p99
 from kvfabric.cache.engine import CacheEngine
-from kvfabric.codec.format import HEADER_BYTES
+from kvfabric.codec.raw import blob_bytes
 from kvfabric.config import Config, PlacementConfig
 from kvfabric.kv.hashing import KeySpace
 from kvfabric.kv.layout import KVLayout
@@ -36,7 +36,7 @@ from kvfabric.research.belady import Belady, BeladyFuture
 from kvfabric.tiers.base import Tier
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")  # 32 bytes a token
-BLOB_BYTES = HEADER_BYTES + LAYOUT.num_bytes(1)
+BLOB_BYTES = blob_bytes(LAYOUT, 1)
 MODEL_ID = "trace-replay"
 
 

@@ -5,6 +5,7 @@
     engine.py     CacheEngine, the in-process cache, composed of:
       core.py       shared state; the one "drop a damaged chunk" step
       reads.py      read_into / read_chunk / open_chunk / read_many
+      ranged.py     a rank's rows of a stored chunk, read and checked alone (the chunk's head table)
       retrieve.py   retrieve with read-ahead
       writes.py     store / new_payload / store_chunks / premap / paused
     placer.py     the compiled copy of a block-layout chunk into a paged cache, hashed in the same pass

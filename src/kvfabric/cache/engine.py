@@ -50,7 +50,7 @@ from kvfabric.cache.reads import ChunkReads
 from kvfabric.cache.retrieve import Retriever
 from kvfabric.cache.writes import Writes
 from kvfabric.codec.base import Codec, LatentCodecError, check_codec
-from kvfabric.codec.format import HEADER_BYTES
+from kvfabric.codec.raw import blob_bytes
 from kvfabric.codec.registry import CodecChoice, parse_codec
 from kvfabric.config import Config, ConfigError
 from kvfabric.host.pages import Scratch
@@ -221,8 +221,8 @@ class CacheEngine:
         return self._reads.read_many(keys, scratches)
 
     def chunk_blob_bytes(self) -> int:
-        """Bytes of one whole chunk's blob with the raw codec (header + payload): the size a read buffer needs."""
-        return HEADER_BYTES + self.layout.num_bytes(self.chunk_size)
+        """Bytes of one whole chunk's blob with the raw codec (header, payload, head table): the size a read buffer needs."""
+        return blob_bytes(self.layout, self.chunk_size)
 
     # ---- for the host's server (kvfabric.server) ---------------------------------------------------------
     @contextlib.contextmanager

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from kvfabric.cache.core import MISSING, EngineCore
+from kvfabric.cache.ranged import read_piece
 from kvfabric.cache.sources import BlockSource, ChunkMiss, Hooks, Payload, TokenSource
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError
 from kvfabric.codec.raw import RawCodec, payload_shape
@@ -158,13 +159,20 @@ class ChunkReads:
         return TokenSource(whole, got[0], got[1])
 
     def from_alternatives(self, key: bytes, out: torch.Tensor) -> tuple[str, int] | ChunkMiss:
-        """out [L, S, H, T, D] put together from the first alternative whose every piece reads: each stored part
-        verified and decoded, the rows this shape holds copied into place."""
+        """out [L, S, H, T, D] put together from the first alternative whose every piece reads: a piece that is
+        part of a stored part read alone, its rows checked against the head table (kvfabric.cache.ranged), any
+        other stored part verified and decoded whole, the rows this shape holds copied into place."""
         c, num_tokens = self.core, out.shape[3]
         for way in c.shape.alternatives:
             tier, num_bytes = "", 0
             for piece in way:
                 stored = piece.part.key(key)
+                ranged = read_piece(c, stored, piece, out) if piece.is_partial and not self.promotes else None
+                if isinstance(ranged, ChunkMiss):
+                    break
+                if ranged is not None:  # read and checked alone: this rank's rows only
+                    tier, num_bytes = tier or ranged[0], num_bytes + ranged[1]
+                    continue
                 found = c.stack.get(stored, c.scratch(), promote=self.promotes)
                 if found is None:
                     break

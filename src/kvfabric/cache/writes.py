@@ -26,8 +26,8 @@ import torch
 from kvfabric.cache.core import EngineCore
 from kvfabric.cache.protocol import ChunkPayload, Tokens, chunks_to_store
 from kvfabric.codec.base import Codec
-from kvfabric.codec.format import HEADER_BYTES, parse
-from kvfabric.codec.raw import RawCodec, new_payload, payload_bytes, seal
+from kvfabric.codec.format import parse
+from kvfabric.codec.raw import RawCodec, blob_bytes, new_payload, seal
 from kvfabric.kv.blocks import BlockLayout
 from kvfabric.kv.hashing import ChunkKey, KeySpace
 from kvfabric.kv.layout import KVLayout
@@ -105,7 +105,7 @@ class Writes:
         stack = self.core.stack
         if blob is None:
             if isinstance(self.codec, RawCodec):
-                out = stack.new_blob(HEADER_BYTES + layout.num_bytes(kv.shape[3]))
+                out = stack.new_blob(blob_bytes(layout, kv.shape[3]))
                 blob = self._encode(self.codec, kv, key, layout, out=out, with_checksums=False)
             else:
                 blob = self._encode(self.codec, kv, key, layout)
@@ -127,7 +127,7 @@ class Writes:
 
     def _blob_size(self, num_tokens: int | None, blocks: BlockLayout | None) -> int:
         c = self.core
-        return HEADER_BYTES + payload_bytes(c.layout, num_tokens or c.chunk_size, blocks)
+        return blob_bytes(c.layout, num_tokens or c.chunk_size, blocks)
 
     def new_payload(self, num_tokens: int | None = None, blocks: BlockLayout | None = None) -> ChunkPayload:
         c = self.core

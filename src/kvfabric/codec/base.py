@@ -90,10 +90,17 @@ class Decoders:
 
     def check_blocks(self, header: ChunkHeader, layout: KVLayout, num_tokens: int) -> None:
         """`block_view`'s checks alone (for a payload read piece by piece)."""
-        _check_layout(header, layout, num_tokens)
-        if not isinstance(self[header.codec_id], RawCodec) or header.blocks is None:
+        if header.blocks is None:
             raise ChunkFormatError("not a raw payload in a block layout")
-        if header.payload_len != payload_bytes(layout, header.num_tokens, header.blocks) or \
+        self.check_raw(header, layout, num_tokens)
+
+    def check_raw(self, header: ChunkHeader, layout: KVLayout, num_tokens: int) -> None:
+        """That the payload is raw KV of `layout` (token-major or in a block layout), as a reader of parts of it
+        needs; ChunkFormatError (WrongLayoutError: another layout or length) otherwise."""
+        _check_layout(header, layout, num_tokens)
+        if not isinstance(self[header.codec_id], RawCodec):
+            raise ChunkFormatError("not a raw payload")
+        if header.kv_len != payload_bytes(layout, header.num_tokens, header.blocks) or \
                 header.dtype_code != layout.dtype_code:
             raise ChunkFormatError("raw payload does not match the layout")
 

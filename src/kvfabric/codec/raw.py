@@ -21,20 +21,30 @@ import numpy as np
 import torch
 import xxhash
 
-from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, pack_header, pack_unsealed, write_blob
+from kvfabric.codec.format import (
+    HEADER_BYTES,
+    ChunkFormatError,
+    ChunkHeader,
+    fill_table,
+    pack_header,
+    pack_unsealed,
+    write_blob,
+)
+from kvfabric.codec.heads import table_bytes
 from kvfabric.codec.stream_copy import copy_rows, is_streamed, rows
 from kvfabric.kv.blocks import BlockLayout, to_tokens
 from kvfabric.kv.layout import KVLayout
 
 
 def payload_view(blob: bytearray | memoryview | bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A zero-copy tensor over the payload region of `blob`."""
+    """A zero-copy tensor over the KV of `blob`'s payload region (the head table after it left out)."""
+    count = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
     if isinstance(blob, bytes) or memoryview(blob).readonly:
         with warnings.catch_warnings():  # read-only buffers (bytes, mmap) are fine: we only read or copy from them
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(blob, dtype=torch.uint8, offset=HEADER_BYTES)
+            flat = torch.frombuffer(blob, dtype=torch.uint8, count=count, offset=HEADER_BYTES)
     else:
-        flat = torch.frombuffer(blob, dtype=torch.uint8, offset=HEADER_BYTES)
+        flat = torch.frombuffer(blob, dtype=torch.uint8, count=count, offset=HEADER_BYTES)
     return flat.view(dtype).view(shape)
 
 
@@ -73,6 +83,11 @@ def payload_bytes(layout: KVLayout, num_tokens: int, blocks: BlockLayout | None 
     return layout.num_bytes(num_tokens if blocks is None else blocks.num_blocks(num_tokens) * blocks.block_size)
 
 
+def blob_bytes(layout: KVLayout, num_tokens: int, blocks: BlockLayout | None = None) -> int:
+    """Bytes of a raw blob of num_tokens: the header, the KV payload, its head table (codec.format)."""
+    return HEADER_BYTES + payload_bytes(layout, num_tokens, blocks) + table_bytes(layout.shape(num_tokens))
+
+
 def payload_shape(layout: KVLayout, num_tokens: int, blocks: BlockLayout | None = None) -> tuple[int, ...]:
     """[L, 2, H, T, D], or with a block layout [L, num_blocks, H, 2, B*D]."""
     if blocks is None:
@@ -88,7 +103,7 @@ def new_payload(layout: KVLayout, num_tokens: int, out: memoryview | None = None
     and then `seal`ed. In `out` (a writable buffer of exactly that size, e.g. a recycled one), else uninitialized
     memory (torch.empty): no page is touched before the caller writes it (this runs on an inference engine's
     step)."""
-    size = HEADER_BYTES + payload_bytes(layout, num_tokens, blocks)
+    size = blob_bytes(layout, num_tokens, blocks)
     if out is None:
         out = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
     elif len(out) != size:
@@ -97,8 +112,9 @@ def new_payload(layout: KVLayout, num_tokens: int, out: memoryview | None = None
 
 
 def _raw_header(num_tokens: int, key: bytes, layout: KVLayout, blocks: BlockLayout | None = None) -> ChunkHeader:
-    return ChunkHeader(RawCodec.codec_id, layout.dtype_code, 0, layout.fingerprint, layout.shape(num_tokens), key,
-                       payload_bytes(layout, num_tokens, blocks), blocks)
+    shape = layout.shape(num_tokens)
+    return ChunkHeader(RawCodec.codec_id, layout.dtype_code, 0, layout.fingerprint, shape, key,
+                       payload_bytes(layout, num_tokens, blocks) + table_bytes(shape), blocks, table_bytes(shape))
 
 
 def seal(blob: bytearray | memoryview, key: bytes, layout: KVLayout, with_checksums: bool = True,
@@ -107,7 +123,7 @@ def seal(blob: bytearray | memoryview, key: bytes, layout: KVLayout, with_checks
     holds; with `blocks`, in that block layout): with checksums over the payload as it is, or unsealed
     (format.pack_unsealed: for process memory, sealed by format.fill_checksums when it leaves)."""
     if num_tokens is None:
-        num_tokens = (len(blob) - HEADER_BYTES) // layout.num_bytes(1)
+        num_tokens = (len(blob) - HEADER_BYTES - table_bytes(layout.shape(1))) // layout.num_bytes(1)
     header = _raw_header(num_tokens, key, layout, blocks)
     if with_checksums:
         write_blob(header, blob)
@@ -148,15 +164,16 @@ class RawCodec:
         """The blob of kv [L, 2, H, T, D]: in `out` when given (exactly HEADER_BYTES + the payload's bytes,
         writable), else in fresh memory. with_checksums=False: unsealed (see `seal`), one copy and no hash."""
         layout.check(kv)
-        num_bytes = layout.num_bytes(kv.shape[3])
-        blob = bytearray(HEADER_BYTES + num_bytes) if out is None else out
-        if len(blob) != HEADER_BYTES + num_bytes:
-            raise ValueError(f"out holds {len(blob)} bytes, the blob needs {HEADER_BYTES + num_bytes}")
+        size = blob_bytes(layout, kv.shape[3])
+        blob = bytearray(size) if out is None else out
+        if len(blob) != size:
+            raise ValueError(f"out holds {len(blob)} bytes, the blob needs {size}")
         view = memoryview(blob)
         payload = payload_view(blob, layout.torch_dtype, tuple(kv.shape))
         header = _raw_header(kv.shape[3], key, layout)
         if with_checksums:
-            view[:HEADER_BYTES] = pack_header(header, copy_and_checksum(payload, kv, view[HEADER_BYTES:]))
+            kv_sum = copy_and_checksum(payload, kv, view[HEADER_BYTES:HEADER_BYTES + header.kv_len])
+            view[:HEADER_BYTES] = pack_header(header, kv_sum, fill_table(header, view))
         else:
             copy_into(payload, kv)
             view[:HEADER_BYTES] = pack_unsealed(header)
@@ -165,7 +182,7 @@ class RawCodec:
     def view(self, header: ChunkHeader, blob: bytes | bytearray | memoryview, layout: KVLayout) -> torch.Tensor:
         """The payload of a parsed blob as a tensor in the layout dtype, without a copy: [L, 2, H, T, D], or for a
         payload in a block layout [L, num_blocks, H, 2, B*D] (`header.blocks` says which)."""
-        if header.payload_len != payload_bytes(layout, header.num_tokens, header.blocks) or \
+        if header.kv_len != payload_bytes(layout, header.num_tokens, header.blocks) or \
                 header.dtype_code != layout.dtype_code:
             raise ChunkFormatError("raw payload does not match the layout")
         return payload_view(blob, layout.torch_dtype, payload_shape(layout, header.num_tokens, header.blocks))

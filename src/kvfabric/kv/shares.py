@@ -124,6 +124,12 @@ class Piece:
     dst_layers: tuple[int, int]
     dst_heads: tuple[int, int]
 
+    @property
+    def is_partial(self) -> bool:
+        """Whether the piece is less than the whole stored part (a ranged read pays)."""
+        layout = self.part.layout
+        return self.src_layers != (0, layout.num_layers) or self.src_heads != (0, layout.num_kv_heads)
+
     def take(self, kv: torch.Tensor) -> torch.Tensor:
         """The piece of a stored part's KV [L', S, H', T, D] (a view)."""
         return kv[slice(*self.src_layers), :, slice(*self.src_heads)]

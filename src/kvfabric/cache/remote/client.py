@@ -51,7 +51,7 @@ from kvfabric.cache.remote import wire as P
 from kvfabric.cache.remote.connection import Connection
 from kvfabric.cache.remote.reads import RemoteReads
 from kvfabric.cache.remote.sessions import MAX_CONNECTIONS, Down, Sessions
-from kvfabric.codec.format import HEADER_BYTES
+from kvfabric.codec.raw import blob_bytes
 from kvfabric.config import Config
 from kvfabric.host.pages import Scratch
 from kvfabric.kv.blocks import BlockLayout
@@ -249,8 +249,8 @@ class RemoteCache:
         return P.int_of(conn.call(P.COMMIT, {"keys": keys, "slots": slots, "tokens": counts}), "stored")
 
     def chunk_blob_bytes(self) -> int:
-        """Bytes of one whole chunk's blob with the raw codec (header + payload), as CacheEngine.chunk_blob_bytes."""
-        return HEADER_BYTES + self.layout.num_bytes(self.chunk_size)
+        """Bytes of one whole chunk's blob with the raw codec (header, payload, head table), as CacheEngine.chunk_blob_bytes."""
+        return blob_bytes(self.layout, self.chunk_size)
 
     def premap(self, num_tokens: int | None = None, blocks: BlockLayout | None = None) -> None:
         """Nothing to map ahead here: the server's pool is mapped when it starts."""
