@@ -112,9 +112,10 @@ class Server:
     def ask(self, prompt: list[int], salt: str | None = None) -> tuple[str, int]:
         return _ask(self.base, self.model, prompt, salt)
 
-    def counters(self, rank: int = 0) -> dict:
+    def counters(self, rank: int = 0, part: str = "connector") -> dict:
+        """The rank's counters from its stats file: the connector's, or (part "engine") its cache's."""
         path = self.stats if rank == 0 else Path(f"{self.stats}.rank{rank}")
-        return json.loads(path.read_text())["connector"] if path.exists() else {}
+        return json.loads(path.read_text())[part] if path.exists() else {}
 
     def close(self) -> None:
         self.server.stop(grace=180)
@@ -172,7 +173,7 @@ def runs(tmp_path_factory) -> dict:
     server.close()
     server = Server(work, "tp2-read", 2, cache)
     out["tp2-read"] = {"p1": server.ask(P1), "p2": server.ask(P2), "p1-tenant": server.ask(P1, salt="tenant-b")}
-    out["tp2-read-counters"] = [server.counters(rank) for rank in range(2)]
+    out["tp2-read-counters"] = [server.counters(rank, "engine") for rank in range(2)]
     server.close()
     shares = _shares(cache, P1)
     for path in shares[(2, 1)]:

@@ -118,16 +118,26 @@ def pack_unsealed(header: ChunkHeader) -> bytes:
     return _pack(header, 0, 0) + _SUM.pack(0)
 
 
-def fill_table(header: ChunkHeader, blob: bytearray | memoryview) -> int:
-    """Write the head table of a raw blob whose KV is in place (after the KV bytes); its xxh3-64."""
+def fill_table(header: ChunkHeader, blob: bytearray | memoryview, whole: xxhash.xxh3_64 | None = None) -> int:
+    """Write the head table of a raw blob whose KV is in place (after the KV bytes); its xxh3-64. `whole`: fed the
+    KV bytes in the same pass (see heads.digest_table)."""
     if not header.table_len:
         return 0
     view = memoryview(blob)
     words = payload_words(view[HEADER_BYTES:HEADER_BYTES + header.kv_len], header.shape, header.itemsize,
                           header.blocks)
-    table = digest_table(words, head_axis(header.blocks)).tobytes()
+    table = digest_table(words, head_axis(header.blocks), whole).tobytes()
     view[HEADER_BYTES + header.kv_len:HEADER_BYTES + header.payload_len] = table
     return xxhash.xxh3_64_intdigest(table)
+
+
+def _sums(header: ChunkHeader, blob: bytearray | memoryview) -> tuple[int, int]:
+    """(the KV bytes' xxh3-64, the head table's) of a blob whose KV is in place, its table written on the way."""
+    if not header.table_len:
+        return xxhash.xxh3_64_intdigest(memoryview(blob)[HEADER_BYTES:HEADER_BYTES + header.kv_len]), 0
+    whole = xxhash.xxh3_64()
+    table_sum = fill_table(header, blob, whole)
+    return whole.intdigest(), table_sum
 
 
 _TABLE_SUM_AT = 88  # offset of the head table's checksum (see the layout above)
@@ -147,8 +157,8 @@ def fill_checksums(blob: bytearray | memoryview) -> None:
         header = parse(head, verify_payload=False, is_trusted=True, blob_size=len(view))
     except ChunkFormatError:
         return  # not a blob: whoever reads it rejects it
-    table_sum = _SUM.pack(fill_table(header, view))
-    payload_sum = _SUM.pack(xxhash.xxh3_64_intdigest(view[HEADER_BYTES:HEADER_BYTES + header.kv_len]))
+    kv_sum, table_sum_int = _sums(header, view)
+    table_sum, payload_sum = _SUM.pack(table_sum_int), _SUM.pack(kv_sum)
     head = head[:_TABLE_SUM_AT] + table_sum + head[_TABLE_SUM_AT + 8:_PAYLOAD_SUM_AT] + payload_sum
     view[_TABLE_SUM_AT:_TABLE_SUM_AT + 8] = table_sum
     view[_PAYLOAD_SUM_AT:HEADER_BYTES] = payload_sum + _SUM.pack(xxhash.xxh3_64_intdigest(head))
@@ -159,8 +169,7 @@ def write_blob(header: ChunkHeader, blob: bytearray | memoryview) -> None:
     payload = memoryview(blob)[HEADER_BYTES:]
     if len(payload) != header.payload_len:
         raise ValueError(f"payload is {len(payload)} bytes, header says {header.payload_len}")
-    table_sum = fill_table(header, blob)
-    blob[:HEADER_BYTES] = pack_header(header, xxhash.xxh3_64_intdigest(payload[:header.kv_len]), table_sum)
+    blob[:HEADER_BYTES] = pack_header(header, *_sums(header, blob))
 
 
 def parse(blob: bytes | bytearray | memoryview, key: bytes | None = None, verify_payload: bool = True,

@@ -61,13 +61,17 @@ def rows_digest(rows: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(np.ascontiguousarray(rows))
 
 
-def digest_table(words: np.ndarray, axis: int) -> np.ndarray:
-    """words [L, ...] (payload_words) -> the table [L, H] of head digests."""
+def digest_table(words: np.ndarray, axis: int, whole: xxhash.xxh3_64 | None = None) -> np.ndarray:
+    """words [L, ...] (payload_words) -> the table [L, H] of head digests. `whole`: a hash of the KV bytes fed each
+    layer right after its heads, while the layer is still in cache (one pass over memory for both)."""
     num_heads = words.shape[axis + 1]
     table = np.empty((words.shape[0], num_heads), dtype=DIGEST)
     for layer in range(words.shape[0]):
+        slab = words[layer]
         for head in range(num_heads):
-            table[layer, head] = rows_digest(head_rows(words[layer], axis, head))
+            table[layer, head] = rows_digest(head_rows(slab, axis, head))
+        if whole is not None:
+            whole.update(slab)
     return table
 
 
