@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from kvfabric.bench import step_trace
 from kvfabric.bench.lmcache import LMCacheServer, find_lmcache_python
 from kvfabric.bench.vllm import find_python
 from kvfabric.bench.vllm_server import VllmServer, free_port
@@ -56,15 +57,17 @@ class Timing:
     prompt_tokens: int
 
 
-def stream_completion(client: httpx.Client, model: str, request: Request, origin: float = 0.0) -> Timing:
+def stream_completion(client: httpx.Client, model: str, request: Request, origin: float = 0.0,
+                      request_id: str | None = None) -> Timing:
     """One streamed completion; times measured on the client from sending the request (`origin`: the
-    workload's start, on the `perf_counter` clock)."""
+    workload's start, on the `perf_counter` clock). `request_id`: sent as X-Request-Id (vLLM's id then holds it)."""
     body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     stamps: list[float] = []
     usage: dict[str, Any] = {}
-    with client.stream("POST", "/v1/completions", json=body) as reply:
+    headers = {"X-Request-Id": request_id} if request_id else None
+    with client.stream("POST", "/v1/completions", json=body, headers=headers) as reply:
         reply.raise_for_status()
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -92,7 +95,8 @@ def drive(base_url: str, workload: Workload) -> tuple[list[Timing], float]:
         def user(requests: Sequence[Request]) -> None:
             try:
                 for request in requests:
-                    results[request.name] = stream_completion(client, model, request, started)
+                    results[request.name] = stream_completion(client, model, request, started,
+                                                              f"{workload.name}.{request.name}")
             except BaseException as exc:  # noqa: BLE001 - reported after the join
                 errors.append(exc)
 
@@ -108,15 +112,16 @@ def drive(base_url: str, workload: Workload) -> tuple[list[Timing], float]:
     return [results[r.name] for requests in workload.users for r in requests], wall
 
 
-def write_per_request(path: Path, system: str, workload: str, timings: Sequence[Timing]) -> None:
+def write_per_request(path: Path, system: str, workload: str, timings: Sequence[Timing],
+                      steps: dict[str, dict[str, Any]] | None = None) -> None:
     """One JSON line per request (the per-request view behind a row's means: which requests were slow, and
-    whether they hit)."""
+    whether they hit), with what vLLM's scheduler did with it (`steps`, by request name: step_trace.per_request)."""
     with path.open("a") as out:
         for t in timings:
             out.write(json.dumps({"system": system, "workload": workload, "request": t.name,
                                   "sent_s": round(t.sent_s, 4), "ttft_s": round(t.ttft_s, 4),
                                   "hit_tokens": t.cached_tokens, "prompt_tokens": t.prompt_tokens,
-                                  "num_output": t.num_output}) + "\n")
+                                  "num_output": t.num_output, **(steps or {}).get(f"{workload}.{t.name}", {})}) + "\n")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -163,9 +168,12 @@ def run_system(system: str, workloads: Sequence[Workload], model: str, work: Pat
         lmcache = LMCacheServer(python, work, l1_gb=store_gb)
         argv += ["--kv-transfer-config", json.dumps({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                                                      "kv_connector_extra_config": lmcache.extra_config()})]
+    trace = work / f"steps-{system}"  # with per_request: vLLM's scheduler steps (step_trace.py), same for every system
+    site = [str(step_trace.site_dir(work))] if per_request is not None else []
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
+           **({"KVFABRIC_STEP_TRACE": str(trace)} if site else {}),
+           "PYTHONPATH": os.pathsep.join(p for p in (*site, str(Path(__file__).resolve().parents[2]),
                                                      os.environ.get("PYTHONPATH", "")) if p)}
     rows = []
     try:
@@ -176,7 +184,8 @@ def run_system(system: str, workloads: Sequence[Workload], model: str, work: Pat
                 load_before = os.getloadavg()[0]
                 timings, wall = drive(server.base_url, workload)
                 if per_request is not None:
-                    write_per_request(per_request, system, workload.name, timings)
+                    steps = step_trace.per_request(step_trace.read(trace), [f"{workload.name}.{t.name}" for t in timings])
+                    write_per_request(per_request, system, workload.name, timings, steps)
                 # the machine's 1-minute load average before and after: the systems run one after the other, so a
                 # busier machine during one of them skews the comparison
                 rows.append({**summarize(system, workload, timings, wall),
@@ -292,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="kvfabric's load_nice (niceness of its load threads; default: the connector's)")
     ap.add_argument("--per-request", default=None, metavar="FILE",
                     help="append one JSON line per request (system, workload, request, sent_s, ttft_s, hit_tokens, "
-                         "prompt_tokens) to FILE")
+                         "prompt_tokens, and from vLLM's scheduler: queue_s, computed_tokens, prefill_steps, "
+                         "prefill_s, prefill_batch_tokens, prefill_peers, prefill_step_s) to FILE")
     ap.add_argument("--trace", default=None, help="conversation trace (default ../shared/data/mooncake_conversation_"
                                                   "trace.jsonl)")
     args = ap.parse_args(argv)
