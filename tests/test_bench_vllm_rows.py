@@ -1,4 +1,5 @@
-"""`kvfabric bench vllm`'s rows from its engines' results (no engine runs here): medians of the repeated hits."""
+"""`kvfabric bench vllm`'s rows from its engines' results (no engine runs here): medians of the repeated hits; what a
+failed run leaves behind."""
 from __future__ import annotations
 
 import pytest
@@ -80,3 +81,34 @@ def test_a_parallel_shape_the_model_cannot_take_is_one_line(tmp_path, monkeypatc
     monkeypatch.setattr(bench_vllm, "make_prompts", lambda *args, **kwargs: {})
     with pytest.raises(SystemExit, match=r"--tp 2 --pp 1 with .*: 3 KV heads do not split over 2 tensor ranks"):
         bench_vllm.run([1024], model=str(tmp_path), workdir=str(tmp_path / "w"), tp=2)
+
+
+def test_a_failed_engine_leaves_no_chunk_cache(tmp_path, monkeypatch):
+    """The chunks a run writes (GBs) go when an engine fails too, not only after a run that ends well; the engine's
+    log stays for a look. The engine here writes a chunk file, then exits with an error."""
+    import json
+    import sys
+    import tempfile
+
+    from kvfabric.bench import vllm as bench_vllm
+
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4,
+              "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576, "intermediate_size": 128,
+              "vocab_size": 100}
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    engine = tmp_path / "engine"
+    engine.write_text(f"#!/bin/sh\nexec {sys.executable} -c \"import json, pathlib, sys; "
+                      "cache = pathlib.Path(json.load(open(sys.argv[1]))['cache']); cache.mkdir(parents=True); "
+                      "(cache / 'chunk.kvc').write_bytes(bytes(4096)); sys.exit(3)\" \"$3\"\n")
+    engine.chmod(0o755)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(runs))
+    monkeypatch.setattr(bench_vllm, "find_python", lambda python=None: str(engine))
+    monkeypatch.setattr(bench_vllm, "make_prompts", lambda *args, **kwargs: {})
+    with pytest.raises(RuntimeError, match="engine plain failed"):
+        bench_vllm.run([1024], model=str(model), lmcache=False)
+    (work,) = runs.glob("kvfabric-bench-vllm-*")
+    assert not (work / "cache").exists() and (work / "engine-plain.log").exists()

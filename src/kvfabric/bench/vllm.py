@@ -174,45 +174,47 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
     common = {"model": model, "prompts": str(prompts_path), "cache": str(cache), "sizes": sizes, "repeats": repeats,
               "tp": tp, "pp": pp, "writers": writers}
     log = (lambda msg: None) if as_json else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    results = {}
-    for mode in ("plain", "kvfabric-cold", "kvfabric-hit"):
-        log(f"[bench vllm] engine {mode} ...")
-        spec = {**common, "mode": mode}
-        if mode == "kvfabric-hit":
-            spec["files"] = results["kvfabric-cold"]["files"]
-            # the cold engine's chunks written back first, so that no writeback runs beside the loads (the slow
-            # early loads blamed on it were later found to read the disk: see vllm_engine.read_files)
-            os.sync()
-        results[mode] = _child(python, spec, work, timeout)
-        log(f"[bench vllm] engine {mode}: start-up {results[mode]['startup_s']} s, "
-            f"{json.dumps(results[mode]['ttft'])}")
-    lmcache_python = find_lmcache_python() if lmcache else None
-    lmcache_note = "" if lmcache_python else (
-        "LMCache column skipped: no .venv-lmcache with lmcache and vllm (scripts/setup_lmcache_venv.sh)" if lmcache
-        else "LMCache: --compare none")
-    if lmcache_python:
-        # LMCache's L1 must hold every prompt its cold engine stores (sizes x repeats): at 2 GB, 5 repeats of
-        # 1k/4k/8k (3 GB of SmolLM2 KV) evicted the first prompts before the hit engine asked for them, and its
-        # column measured misses (reused 0). Sized from what kvfabric's cold engine wrote, with room to spare.
-        stored = sum(os.path.getsize(p) for names in results["kvfabric-cold"]["files"].values() for p in names
-                     if os.path.exists(p))
-        server = LMCacheServer(lmcache_python, work, l1_gb=max(2.0, round(2 * stored / 1e9, 1)))
-        try:
-            for mode in ("lmcache-cold", "lmcache-hit"):
-                log(f"[bench vllm] engine {mode} ...")
-                try:
-                    results[mode] = _child(lmcache_python, {**common, "mode": mode, "lmcache": server.extra_config()},
-                                           work, timeout)
-                except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                    lmcache_note = f"LMCache failed: {str(exc)[:300]}"
-                    break
-        finally:
-            server.stop()
-    if lmcache_note:
-        log(f"[bench vllm] {lmcache_note}")
-    rows = [{"tp": tp, "pp": pp, **_row(results, size, repeats, lmcache_note)} for size in sizes]
-    if workdir is None:  # the chunks (GBs a run) go; the logs and each engine's results stay for a look
-        shutil.rmtree(cache, ignore_errors=True)
+    try:
+        results = {}
+        for mode in ("plain", "kvfabric-cold", "kvfabric-hit"):
+            log(f"[bench vllm] engine {mode} ...")
+            spec = {**common, "mode": mode}
+            if mode == "kvfabric-hit":
+                spec["files"] = results["kvfabric-cold"]["files"]
+                # the cold engine's chunks written back first, so that no writeback runs beside the loads (the slow
+                # early loads blamed on it were later found to read the disk: see vllm_engine.read_files)
+                os.sync()
+            results[mode] = _child(python, spec, work, timeout)
+            log(f"[bench vllm] engine {mode}: start-up {results[mode]['startup_s']} s, "
+                f"{json.dumps(results[mode]['ttft'])}")
+        lmcache_python = find_lmcache_python() if lmcache else None
+        lmcache_note = "" if lmcache_python else (
+            "LMCache column skipped: no .venv-lmcache with lmcache and vllm (scripts/setup_lmcache_venv.sh)" if lmcache
+            else "LMCache: --compare none")
+        if lmcache_python:
+            # LMCache's L1 must hold every prompt its cold engine stores (sizes x repeats): at 2 GB, 5 repeats of
+            # 1k/4k/8k (3 GB of SmolLM2 KV) evicted the first prompts before the hit engine asked for them, and its
+            # column measured misses (reused 0). Sized from what kvfabric's cold engine wrote, with room to spare.
+            stored = sum(os.path.getsize(p) for names in results["kvfabric-cold"]["files"].values() for p in names
+                         if os.path.exists(p))
+            server = LMCacheServer(lmcache_python, work, l1_gb=max(2.0, round(2 * stored / 1e9, 1)))
+            try:
+                for mode in ("lmcache-cold", "lmcache-hit"):
+                    log(f"[bench vllm] engine {mode} ...")
+                    try:
+                        results[mode] = _child(lmcache_python, {**common, "mode": mode, "lmcache": server.extra_config()},
+                                               work, timeout)
+                    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                        lmcache_note = f"LMCache failed: {str(exc)[:300]}"
+                        break
+            finally:
+                server.stop()
+        if lmcache_note:
+            log(f"[bench vllm] {lmcache_note}")
+        rows = [{"tp": tp, "pp": pp, **_row(results, size, repeats, lmcache_note)} for size in sizes]
+    finally:  # the chunks (GBs a run) go, also when an engine fails or the run is stopped; the logs and each
+        if workdir is None:  # engine's results stay for a look
+            shutil.rmtree(cache, ignore_errors=True)
     itl = results["kvfabric-hit"].get("itl", {})
     if itl:  # measured with a prompt of the largest size loading
         rows[sizes.index(max(sizes))].update({k if k.startswith("itl_") else f"itl_{k}": v for k, v in itl.items()})
