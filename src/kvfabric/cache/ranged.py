@@ -24,10 +24,10 @@ import torch
 
 from kvfabric.cache.core import MISSING, EngineCore
 from kvfabric.cache.sources import ChunkMiss
-from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, check_table
+from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader, check_table
 from kvfabric.codec.heads import DIGEST, head_axis, mismatched, payload_words
 from kvfabric.host.pages import map_file
-from kvfabric.kv.blocks import as_words, to_tokens
+from kvfabric.kv.blocks import BlockLayout, as_words, to_tokens
 from kvfabric.kv.shares import Piece
 from kvfabric.tiers.stack import StackHit
 
@@ -86,7 +86,7 @@ def _read(c: EngineCore, key: bytes, found: StackHit, payload: np.ndarray, piece
     return num_bytes + header.table_len
 
 
-def _check(words: np.ndarray, table: memoryview, header, piece: Piece) -> str:  # noqa: ANN001
+def _check(words: np.ndarray, table: memoryview, header: ChunkHeader, piece: Piece) -> str:
     """Why the piece's rows cannot be trusted, or "" when the table and their digests check out."""
     try:
         check_table(table, header)
@@ -104,21 +104,19 @@ def _failed(c: EngineCore, key: bytes, found: StackHit, why: str) -> ChunkMiss:
     return c.drop(key, found.tier, why, is_damaged=True)
 
 
-def _copy(words: np.ndarray, blocks, piece: Piece, out: torch.Tensor) -> int:  # noqa: ANN001
+def _copy(words: np.ndarray, blocks: BlockLayout | None, piece: Piece, out: torch.Tensor) -> int:
     """The piece's rows of words [L, ...] (the stored payload) into piece.into(out); the bytes read."""
     (l0, l1), (h0, h1) = piece.src_layers, piece.src_heads
     rows = words[l0:l1][(slice(None),) * (head_axis(blocks) + 1) + (slice(h0, h1),)]
     target = piece.into(out)  # [l, S, h, T, D]
-    if target.dtype == piece.part.layout.torch_dtype:  # a copy of bits, strided on both sides, no buffer between
-        if blocks is None:
-            np.copyto(as_words(target), rows)
-        else:  # splits only the token axis of the target: its reshapes are views, never a copy written to
-            to_tokens(rows, blocks, as_words(target))
-        return int(rows.nbytes)
-    tokens = np.empty(tuple(target.shape), dtype=words.dtype)  # another dtype: the bits first, then converted
+    dtype = piece.part.layout.torch_dtype
+    # same dtype: a copy of bits straight into the target, strided on both sides (to_tokens splits only the
+    # target's token axis: its reshapes are views, never a copy written to); another: the bits first, then converted
+    dst = as_words(target) if target.dtype == dtype else np.empty(tuple(target.shape), dtype=words.dtype)
     if blocks is None:
-        np.copyto(tokens, rows)
+        np.copyto(dst, rows)
     else:
-        to_tokens(rows, blocks, tokens)
-    target.copy_(torch.from_numpy(tokens).view(piece.part.layout.torch_dtype))
+        to_tokens(rows, blocks, dst)
+    if target.dtype != dtype:
+        target.copy_(torch.from_numpy(dst).view(dtype))
     return int(rows.nbytes)

@@ -15,6 +15,7 @@ the one conversion), and `view` of such a payload is `block_view` (the engine of
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -38,7 +39,7 @@ from kvfabric.kv.layout import KVLayout
 
 def payload_view(blob: bytearray | memoryview | bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A zero-copy tensor over the KV of `blob`'s payload region (the head table after it left out)."""
-    count = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    count = math.prod(shape) * dtype.itemsize  # no allocation: this runs on every zero-copy read
     if isinstance(blob, bytes) or memoryview(blob).readonly:
         with warnings.catch_warnings():  # read-only buffers (bytes, mmap) are fine: we only read or copy from them
             warnings.simplefilter("ignore", UserWarning)
