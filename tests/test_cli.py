@@ -90,6 +90,25 @@ def test_bench_tiers_quick_json(tmp_path, monkeypatch):
     assert all(r["ratio"] > 0 for r in rows if "ratio" in r)
 
 
+def test_bench_tiers_shm_root(tmp_path, monkeypatch):
+    """--shm-root: the shm rows' pool lives there (and is removed after); a root that is not a writable directory
+    is one line."""
+    monkeypatch.setenv("KVFABRIC_BENCH_DIR", str(tmp_path))
+    root = tmp_path / "pool"
+    root.mkdir()
+    result = CliRunner().invoke(main, ["bench", "tiers", "--quick", "--json", "--repeats", "1", "--shm-root", str(root)])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    shm = [r for r in rows if r.get("tier") == "shm"]
+    assert {r["op"] for r in shm} == {"store", "retrieve", "retrieve-copy"} and all(r["ratio"] > 0 for r in shm)
+    assert all(r["huge_pages"] == "" for r in shm)  # not a tmpfs: no huge= option to report
+    assert not list(root.iterdir())
+    bad = CliRunner().invoke(main, ["bench", "tiers", "--shm-root", str(tmp_path / "nosuch")])
+    lines = bad.output.strip().splitlines()
+    assert bad.exit_code == 2 and len(lines) == 1 and "--shm-root" in lines[0] and "not a writable directory" in lines[0], \
+        bad.output
+
+
 def test_bench_long_doc_qa_smoke(monkeypatch):
     """A tiny run on the real model: rows per round, hits where they must be, a summary with the ratios."""
     result = CliRunner().invoke(main, ["bench", "long-doc-qa", "--json", "--docs", "1", "--length", "256",

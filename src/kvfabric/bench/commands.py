@@ -5,11 +5,12 @@ baseline measured in the same run. Heavy imports (models, vLLM, Redis) happen in
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import click
 
-from kvfabric.config import Config
+from kvfabric.config import Config, ConfigError
 from kvfabric.data.genres import TEXTS
 
 # `kvfabric --config` as the other commands take it (kvfabric.apps.cli): the same file, the same environment
@@ -30,12 +31,18 @@ def bench() -> None:
 @click.option("--mooncake", is_flag=True, help="Also measure the mooncake tier against raw Mooncake and a loopback "
               "socket (starts a private mooncake_master and a storage process on loopback).")
 @click.option("--seal", is_flag=True, help="With --redis-url: also the sealed redis tier (AES-256-GCM) vs the plain.")
-def bench_tiers(as_json: bool, repeats: int, quick: bool, redis_url: str | None, mooncake: bool, seal: bool) -> None:
+@click.option("--shm-root", default="/dev/shm", show_default=True,
+              help="The tmpfs that holds the shm rows' pool (shm.root; e.g. one mounted with huge=within_size).")
+def bench_tiers(as_json: bool, repeats: int, quick: bool, redis_url: str | None, mooncake: bool, seal: bool,
+                shm_root: str) -> None:
     """Tier store/retrieve throughput vs raw copy / file I/O of the same bytes."""
     from kvfabric.bench.tiers import run
     if seal and not redis_url:
         raise click.UsageError("--seal measures the sealed redis tier: give --redis-url too")
-    run(as_json=as_json, repeats=repeats, quick=quick, redis_url=redis_url, mooncake=mooncake, seal=seal)
+    if not os.path.isdir(shm_root) or not os.access(shm_root, os.W_OK):
+        raise ConfigError(f"--shm-root {shm_root}: not a writable directory")  # one line (apps/cli.py)
+    run(as_json=as_json, repeats=repeats, quick=quick, redis_url=redis_url, mooncake=mooncake, seal=seal,
+        shm_root=shm_root)
 
 
 @bench.command("trace")

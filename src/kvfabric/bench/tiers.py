@@ -115,7 +115,7 @@ def bench_lookup(num_tokens: int = 32768, repeats: int = 50) -> dict:
 
 
 def run(as_json: bool = False, repeats: int = 5, quick: bool = False, redis_url: str | None = None,
-        mooncake: bool = False, seal: bool = False) -> list[dict]:
+        mooncake: bool = False, seal: bool = False, shm_root: str = "/dev/shm") -> list[dict]:
     torch.set_num_threads(os.cpu_count() or 1)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kvfabric-bench-", dir=os.environ.get("KVFABRIC_BENCH_DIR")) as tmp:
@@ -125,7 +125,7 @@ def run(as_json: bool = False, repeats: int = 5, quick: bool = False, redis_url:
             rows += bench_disk(name, layout, num_chunks, repeats, Path(tmp) / name)
     try:
         from kvfabric.bench.tiers_shared import bench_redis, bench_shm
-        rows += bench_shm(repeats=max(repeats, 21))  # one chunk of 0.1-3 ms a sample: more samples are cheap
+        rows += bench_shm(repeats=max(repeats, 21), root=shm_root)  # one chunk of 0.1-3 ms a sample: more samples are cheap
         if redis_url:
             rows += bench_redis(redis_url, repeats=repeats, seal=seal)
     except ImportError:

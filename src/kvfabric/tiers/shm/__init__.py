@@ -7,6 +7,7 @@ memcpy out of the shared mapping, no socket and no serialization.
     index.py      Index: one mapping's seqlocked hash index: lock-free lookups, entry publish/retire, totals,
                   crash recovery and validation
     allocator.py  Allocator: eviction (LRU, this process's pins, table load) and first-fit arena extents
+    fit.py        first_fit: the free-extent search of every put, compiled (numba, loaded on the first put)
     arena.py      Arena: the pool file and its mapping (create, validate, replace, remap), the writers' lock,
                   fork safety, copies into and out of the data region
     tier.py       ShmTier, the Tier protocol composed of the three (no shared state but the counters)

@@ -30,6 +30,7 @@ class Allocator:
         self.counters = counters
         self._pins: Counter[bytes] = Counter()
         self._lock = threading.Lock()
+        self._scratch: tuple[np.ndarray, np.ndarray] | None = None  # first_fit's, sized to the extent table
 
     def pin(self, keys: Iterable[bytes]) -> None:
         with self._lock:
@@ -39,6 +40,14 @@ class Allocator:
         with self._lock:
             self._pins.subtract(keys)
             self._pins = +self._pins  # drop zero counts so the counter does not grow without bound
+
+    def _first_fit(self, offsets: np.ndarray, sizes: np.ndarray, num_live: int, need: int, data_bytes: int) -> int:
+        """The lowest free extent of `need` bytes, or -1 (fit.first_fit, with this allocator's scratch)."""
+        from kvfabric.tiers.shm.fit import first_fit  # numba: loaded on the first put, not at import (fit.py)
+
+        if self._scratch is None or len(self._scratch[0]) != len(sizes):
+            self._scratch = (np.empty(len(sizes), dtype=np.int64), np.empty(len(sizes), dtype=np.int64))
+        return int(first_fit(offsets, sizes, num_live, need, data_bytes, *self._scratch))
 
     def _lru_order(self, index: Index) -> list[int]:
         """READY slots, least recently used first, without this process's pinned keys."""
@@ -83,9 +92,13 @@ class Allocator:
         while stats[0] + size > geo.capacity:
             if evict_next() is None:
                 return None
-        # 3. a free extent, first fit; else evict in LRU order, merging gaps (sorted extents as a linked list)
+        # 3. a free extent, first fit (compiled: this runs on every put); else evict in LRU order, merging gaps
+        # (sorted extents as a linked list)
         offsets, sizes = index.extents()
-        slots = np.flatnonzero(sizes != 0)  # (as in _lru_order: this runs on every put)
+        at = self._first_fit(offsets, sizes, stats[1], need, geo.data_bytes)
+        if at >= 0:
+            return at
+        slots = np.flatnonzero(sizes != 0)
         starts_arr = offsets[slots]
         stops_arr = starts_arr + sizes[slots]
         del offsets, sizes
@@ -94,7 +107,7 @@ class Allocator:
         gap_starts = np.concatenate(([0], stops_arr))
         gap_stops = np.concatenate((starts_arr, [geo.data_bytes]))
         fits = np.flatnonzero(gap_stops - gap_starts >= need)
-        if fits.size:
+        if fits.size:  # (first_fit found none: only a writer that changed the table meanwhile gets here)
             return int(gap_starts[fits[0]])
         # nodes 0..n-1: extents by offset; n: start sentinel; n+1: end sentinel (n >= 1 here: an empty arena fits)
         n = len(slots)
