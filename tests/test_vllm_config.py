@@ -16,10 +16,13 @@ def test_options_are_split_from_config_keys_and_get_their_defaults(tmp_path):
     assert config.chunk_size == 64 and tuple(config.tiers) == ("disk",)
     assert options["load_threads"] == 3 and options["load_nice"] == DEFAULT_LOAD_NICE
     assert options["load_mode"] == "async" and options["key_mode"] == "tokens"
+    assert options["hold_newcomers"] is True
+    assert resolve_config({"hold_newcomers": False})[1]["hold_newcomers"] is False
 
 
 @pytest.mark.parametrize("bad", [{"load_nice": 20}, {"load_nice": -1}, {"load_nice": True}, {"load_threads": 0},
-                                 {"load_mode": "sync"}, {"key_mode": "hash"}, {"load_failure_policy": "ignore"}])
+                                 {"load_mode": "sync"}, {"key_mode": "hash"}, {"load_failure_policy": "ignore"},
+                                 {"hold_newcomers": "yes"}, {"hold_newcomers": 1}])
 def test_a_bad_option_is_a_clear_error(bad):
     name = next(iter(bad))
     with pytest.raises(ConfigError, match=name):

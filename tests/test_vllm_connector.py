@@ -621,3 +621,58 @@ def test_a_prefix_whose_window_part_is_gone_is_not_promised(tmp_path):
         assert cpu.delete(window.key(keys[3]))  # gone everywhere: the prefix ends before chunk 3
         assert side.num_new_matched_tokens(request, 0) == 768
         assert engine.lookup(tokens) == 768  # the same answer as the cache's own lookup
+
+
+def test_a_newcomer_waits_one_step_while_a_prefill_finishes(tmp_path):
+    """hold_budget (the connector's hold_newcomers, vLLM's token budget): a request the scheduler has not seen gets
+    "not yet" (None) while the step just planned left a prefill with at most the budget to compute, once; with no
+    prefill finishing, or with hold_budget 0, it is looked up at once."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from kvfabric.config import Config
+    from kvfabric.kv.layout import KVLayout
+    from tests.scheduler_fixtures import scheduler_asking
+
+    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
+    layout = KVLayout(2, 1, 4, "float32")
+    budget = 2 * CHUNK
+
+    def request(req_id, num_tokens):
+        tokens = [hash((req_id, i)) % 30000 for i in range(num_tokens)]
+        return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, lora_request=None, mm_features=[],
+                               cache_salt=None, block_hashes=[], num_tokens=num_tokens, kv_transfer_params=None)
+
+    def schedule(side, req, computed, scheduled, fresh=True):
+        new = [SimpleNamespace(req_id=req.request_id, block_ids=(list(range(40)),), num_computed_tokens=computed)]
+        cached = SimpleNamespace(req_ids=[req.request_id], new_block_ids=[None], num_computed_tokens=[computed],
+                                 resumed_req_ids=set())
+        return side.build_meta(SimpleNamespace(
+            scheduled_new_reqs=new if fresh else [],
+            scheduled_cached_reqs=cached if not fresh else SimpleNamespace(req_ids=[]),
+            num_scheduled_tokens={req.request_id: scheduled}, finished_req_ids=set(),
+            total_num_scheduled_tokens=scheduled))
+
+    with build_engine(config, layout, "m") as engine, \
+            scheduler_asking(engine, config, layout, hold_budget=budget) as side:
+        a = request("a", 5 * CHUNK)
+        assert side.num_new_matched_tokens(a, 0) == 0  # nothing finishing: looked up at once
+        side.after_alloc(a, SimpleNamespace(get_block_ids=lambda: (list(range(40)),)), 0)
+        schedule(side, a, 0, budget)  # 3 chunks left: more than the budget, a's prefill does not finish next step
+        b = request("b", 3 * CHUNK)
+        assert side.num_new_matched_tokens(b, 0) == 0
+        schedule(side, a, budget, budget, fresh=False)  # 1 chunk left: a finishes in the next step
+        c = request("c", 3 * CHUNK)
+        assert side.num_new_matched_tokens(c, 0) is None  # held ...
+        assert side.num_new_matched_tokens(c, 0) == 0  # ... once
+        assert side.num_new_matched_tokens(a, budget) == 0  # a request the scheduler knows is never held
+        schedule(side, a, 2 * budget, CHUNK, fresh=False)  # a's last chunk: nothing left to finish after it
+        assert side.num_new_matched_tokens(request("d", CHUNK), 0) == 0
+        side.forget("c")
+        assert not side.held
+    with build_engine(config, layout, "m") as engine, scheduler_asking(engine, config, layout) as side:  # off
+        a = request("a", 3 * CHUNK)
+        side.num_new_matched_tokens(a, 0)
+        side.after_alloc(a, SimpleNamespace(get_block_ids=lambda: (list(range(40)),)), 0)
+        schedule(side, a, 0, 2 * CHUNK)
+        assert side.num_new_matched_tokens(request("b", CHUNK), 0) == 0

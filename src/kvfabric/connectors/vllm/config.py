@@ -40,6 +40,10 @@ Contract:
     kv_cache_layout      on a GPU: the KVCacheLayout asked of vLLM (default "BLHNC": block-outermost, a block's KV
                          of every layer one contiguous run; "" lets vLLM choose); a backend that cannot use it gets
                          vLLM's own choice, with vLLM's warning
+    hold_newcomers       true (default): while a prefill will finish within the next step (vLLM's token budget,
+                         max_num_batched_tokens), a request the connector has not seen yet waits that one step
+                         (the lookup answers "not yet"), so the finishing prefill's step is not lengthened by the
+                         newcomer's first chunk and its first token comes sooner; false: vLLM's own order
 
 - `layout_from_vllm` / `model_id_from_vllm`: the KVLayout (layer groups from the model config, as kvfabric's HF
   engine has them: Gemma 3's window layers, so both engines' keys agree) and key namespace; anything the connector
@@ -81,7 +85,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 CONNECTOR_KEYS = ("model_id", "config_file", "load_failure_policy", "stats_path", "save_queue_bytes", "key_mode",
-                  "load_mode", "load_threads", "load_nice", "pinned_bytes", "kv_cache_layout")
+                  "load_mode", "load_threads", "load_nice", "pinned_bytes", "kv_cache_layout", "hold_newcomers")
 KEY_MODES = ("tokens", "vllm")
 LOAD_MODES = ("async", "layerwise")
 DEFAULT_LOAD_THREADS = 2
@@ -141,6 +145,8 @@ def resolve_config(extra: dict[str, Any] | None) -> tuple[Config, dict[str, Any]
     pinned = options.setdefault("pinned_bytes", DEFAULT_PINNED_BYTES)
     if not isinstance(pinned, int) or isinstance(pinned, bool) or pinned < 0:
         raise ConfigError(f"pinned_bytes: {pinned!r} is not a byte count (an integer >= 0)")
+    if not isinstance(options.setdefault("hold_newcomers", True), bool):
+        raise ConfigError(f"hold_newcomers: {options['hold_newcomers']!r} is not true or false")
     options["kv_cache_layout"] = kv_cache_layout_option(options)
     base = Config.load(options.get("config_file"), environ=_config_environ())  # YAML + KVFABRIC_* env
     return base.merged(extra), options

@@ -139,7 +139,9 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
             clients = [LookupClient(self._lookup_path(rank)) for rank in range(world)]
             self._scheduler = SchedulerSide(self.config, self.layout, self.model_id, block_size,
                                              self.options["key_mode"], self.options["load_mode"], self.kv_role,
-                                             self.groups, client=clients[0] if world == 1 else EveryRank(clients))
+                                             self.groups, client=clients[0] if world == 1 else EveryRank(clients),
+                                             hold_budget=vllm_config.scheduler_config.max_num_batched_tokens
+                                             if self.options["hold_newcomers"] else 0)
         else:
             side = DeviceWorkerSide if self._uses_mover else WorkerSide
             # each worker answers the scheduler's lookups for its share of the model's KV (connectors/lookup.py)
@@ -269,7 +271,9 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         num = self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
-        self._lookups.record(request.num_tokens, num_computed_tokens + (num or 0))
+        if num is None:  # held for a step: asked again then
+            return None, False
+        self._lookups.record(request.num_tokens, num_computed_tokens + num)
         if self._events is not None:
             self._events.remember(request.request_id, list(request.prompt_token_ids or ()),
                                   self._scheduler.request_keys(request))

@@ -24,6 +24,13 @@ Contract:
   and a chunk is saved only while vLLM still holds its window blocks (from `window_from` of the tokens computed
   before the step); older chunks not yet stored are skipped (counted in `window_chunks_skipped`): their window
   rows are gone, and a chunk is stored with both parts or not at all.
+- Holding newcomers (``hold_budget`` > 0, the connector's ``hold_newcomers``): when the step just planned leaves a
+  prefill with at most ``hold_budget`` tokens to compute (vLLM's token budget: it finishes in the next step), a
+  request the lookup has not seen answers None ("not yet": vLLM keeps it waiting and asks again next step), once
+  per request. Why: vLLM fills the budget with the finishing prefill's last tokens and the newcomer's first chunk,
+  and the finishing request's first token then waits for the newcomer's chunk as well; shortest remaining first
+  lowers the mean TTFT whenever the finishing prefill is the shorter. Measured against LMCache, whose asynchronous
+  lookup has the same effect by accident (docs/benchmarks/serve.md).
 - Per request, ``kv_transfer_params["kvfabric"] = {"load": False, "store": False}`` turns loading or storing off;
   the instance's kv_role (``Role``, config.py) turns storing off for every request of a P/D consumer;
   each finished request's ``kv_transfer_params["kvfabric"]`` carries its stats (`finished`).
@@ -132,7 +139,7 @@ class _ReqState:
 class SchedulerSide:
     def __init__(self, config: Config, layout: KVLayout, model_id: str, block_size: int, key_mode: str,
                  load_mode: str = "async", role: Role = BOTH, groups: KVGroups | None = None, *,
-                 client: LookupClient | EveryRank) -> None:
+                 client: LookupClient | EveryRank, hold_budget: int = 0) -> None:
         self.chunk_size = config.chunk_size
         self.groups = groups or KVGroups(block_size)
         self.window_chunks_skipped = 0  # chunks not saved: vLLM had freed their window blocks
@@ -150,6 +157,9 @@ class SchedulerSide:
         self.keys: dict[str, list[ChunkKey]] = {}  # per request: keys of its prompt's whole chunks
         self.pending: dict[str, _Match] = {}
         self.waiting: set[str] = set()  # async loads to emit in the next build_meta (the request is not scheduled)
+        self.hold_budget = hold_budget  # 0: never hold a newcomer (see the module doc)
+        self.is_finishing = False  # the last step planned left a prefill that finishes within hold_budget tokens
+        self.held: set[str] = set()  # requests held once already
 
     def request_keys(self, request: Request) -> list[ChunkKey]:
         """Keys of the request's whole prompt chunks ([] when it must not be cached in this key mode)."""
@@ -183,9 +193,14 @@ class SchedulerSide:
         self.keys[req_id] = keys
         return keys
 
-    def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Tokens the connector can load beyond num_computed_tokens, or None: ask again next step (a held
+        newcomer, see the module doc)."""
         load, _ = _request_flags(request, self.role)
         req_id = request.request_id
+        if self.is_finishing and req_id not in self.held and req_id not in self.states:
+            self.held.add(req_id)
+            return None
         keys = self.request_keys(request) if load else []
         hit = self.lookup.prefix(keys, len(request.prompt_token_ids or ())) if keys else KeyLookup()
         self.pending[req_id] = _Match(hit, num_computed_tokens)
@@ -252,6 +267,9 @@ class SchedulerSide:
             self._plan(meta, req_id, state, cached.num_computed_tokens[i], out.num_scheduled_tokens[req_id], resumed)
         for req_id in out.finished_req_ids:
             self.forget(req_id)
+        self.is_finishing = self.hold_budget > 0 and any(
+            0 < state.num_prompt_tokens - state.next_computed <= self.hold_budget
+            for state in (self.states.get(req_id) for req_id in out.num_scheduled_tokens) if state is not None)
         return meta
 
     def _plan(self, meta: KVFabricMetadata, req_id: str, state: _ReqState, computed: int, scheduled: int,
@@ -313,6 +331,7 @@ class SchedulerSide:
         self.keys.pop(req_id, None)
         self.pending.pop(req_id, None)
         self.waiting.discard(req_id)
+        self.held.discard(req_id)
 
 
 def allocated_blocks(out: SchedulerOutput) -> frozenset[int]:
