@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -30,7 +30,8 @@ class Allocator:
         self.counters = counters
         self._pins: Counter[bytes] = Counter()
         self._lock = threading.Lock()
-        self._scratch: tuple[np.ndarray, np.ndarray] | None = None  # first_fit's, sized to the extent table
+        # fit.first_fit (imported on the first put) and its scratch, sized to the extent table
+        self._fit: tuple[Callable[..., int], np.ndarray, np.ndarray] | None = None
 
     def pin(self, keys: Iterable[bytes]) -> None:
         with self._lock:
@@ -43,11 +44,12 @@ class Allocator:
 
     def _first_fit(self, offsets: np.ndarray, sizes: np.ndarray, num_live: int, need: int, data_bytes: int) -> int:
         """The lowest free extent of `need` bytes, or -1 (fit.first_fit, with this allocator's scratch)."""
-        from kvfabric.tiers.shm.fit import first_fit  # numba: loaded on the first put, not at import (fit.py)
+        if self._fit is None or len(self._fit[1]) != len(sizes):
+            from kvfabric.tiers.shm.fit import first_fit  # numba: loaded on the first put, not at import (fit.py)
 
-        if self._scratch is None or len(self._scratch[0]) != len(sizes):
-            self._scratch = (np.empty(len(sizes), dtype=np.int64), np.empty(len(sizes), dtype=np.int64))
-        return int(first_fit(offsets, sizes, num_live, need, data_bytes, *self._scratch))
+            self._fit = (first_fit, np.empty(len(sizes), dtype=np.int64), np.empty(len(sizes), dtype=np.int64))
+        fit, starts, stops = self._fit
+        return int(fit(offsets, sizes, num_live, need, data_bytes, starts, stops))
 
     def _lru_order(self, index: Index) -> list[int]:
         """READY slots, least recently used first, without this process's pinned keys."""
@@ -95,6 +97,7 @@ class Allocator:
         # 3. a free extent, first fit (compiled: this runs on every put); else evict in LRU order, merging gaps
         # (sorted extents as a linked list)
         offsets, sizes = index.extents()
+        # stats[1] (live entries) is the count of nonzero extents: publish and retire change both together
         at = self._first_fit(offsets, sizes, stats[1], need, geo.data_bytes)
         if at >= 0:
             return at
@@ -104,11 +107,6 @@ class Allocator:
         del offsets, sizes
         by_offset = np.argsort(starts_arr, kind="stable")
         slots, starts_arr, stops_arr = slots[by_offset], starts_arr[by_offset], stops_arr[by_offset]
-        gap_starts = np.concatenate(([0], stops_arr))
-        gap_stops = np.concatenate((starts_arr, [geo.data_bytes]))
-        fits = np.flatnonzero(gap_stops - gap_starts >= need)
-        if fits.size:  # (first_fit found none: only a writer that changed the table meanwhile gets here)
-            return int(gap_starts[fits[0]])
         # nodes 0..n-1: extents by offset; n: start sentinel; n+1: end sentinel (n >= 1 here: an empty arena fits)
         n = len(slots)
         starts = starts_arr.tolist() + [0, geo.data_bytes]

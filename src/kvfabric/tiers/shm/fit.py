@@ -3,8 +3,8 @@ the writers' extent table, without the GIL.
 
 Why compiled: a put runs it on every call, over a table of one slot per 64 KiB of budget (16,384 for the default
 1 GiB pool), while most slots are empty. The same search in numpy (nonzero, argsort, two concatenations, a
-comparison) cost tens of microseconds a put, as much as a third of the memcpy of a 5.9 MB chunk into the pool;
-one loop over the table costs a few (docs/design/measurements.md).
+comparison) was more than a third of a put's index work; one loop that stops at the last live extent costs a
+fraction of that (docs/design/measurements.md).
 
 Imported on the first put, never when kvfabric is imported (numba loaded at start-up breaks hosts that walk every
 loaded module's attributes: see codec/stream_kernel.py); compiled once and cached on disk.
