@@ -1,0 +1,286 @@
+"""The host test bed: N emulated hosts on one machine, joined by real, shaped kernel links.
+
+Contract:
+- `HostBed(num_hosts, shape)`, a context manager: host i is the network namespace `kvf-<pid>-<run>-h<i>` (loopback
+  up, `eth0` at `<subnet>.<i + 1>/24`), joined by a veth pair to one bridge that lives in a namespace of its own
+  (`kvf-<pid>-<run>-sw`, the switch). Nothing is added to the root namespace: it cannot reach the hosts, nor they it.
+- `LinkShape(rate_mbit, delay_ms, loss_pct)`: the rate caps both directions of a host's link (tbf at both ends);
+  delay and loss apply to what the host sends (netem on its end), so two hosts of one shape see an RTT of
+  2 x delay_ms and loss_pct each way. Delay and loss need the kernel's sch_netem: without it (`is_netem` False)
+  asking for them raises HostBedError; rate shaping (tbf) works alone.
+- `run(host, argv)` / `python(host, module, *args)`: a process inside the host's namespace (`ip netns exec`), in a
+  process group of its own, the environment carried (`python`: this kvfabric's source on PYTHONPATH).
+  `partition(host)` takes the switch's end of the host's link down (a pulled cable: the host keeps its address,
+  its packets go nowhere); `heal(host)` brings it back, shaping kept. `reshape`, `remove(host)` (its processes
+  killed, its namespace deleted), `address(host)`.
+- Cleanup: on exit (normal or by an exception), at interpreter exit and on SIGTERM, every process in the bed's
+  namespaces is killed and every namespace deleted (veth pairs and bridge go with them). `sweep_stale()` (also run
+  on entry) does the same for beds whose owning pid is gone, so a killed run leaves nothing for the next.
+- Needs root and iproute2 (`ip`, `tc`): without them HostBedError, whose message is one line.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kvfabric
+
+PREFIX = "kvf-"
+NAME = re.compile(r"^kvf-(\d+)-([0-9a-f]+)-(sw|h\d+)$")
+
+
+class HostBedError(RuntimeError):
+    """The bed cannot be made or used here (no root, no iproute2, no sch_netem, a command refused)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LinkShape:
+    rate_mbit: float = 0.0  # 0: not rate-limited
+    delay_ms: float = 0.0  # one way, on what the host sends
+    loss_pct: float = 0.0  # of what the host sends
+
+    def __post_init__(self) -> None:
+        if self.rate_mbit < 0 or self.delay_ms < 0 or not 0 <= self.loss_pct <= 100:
+            raise ValueError(f"bad link shape {self}: rate and delay >= 0, loss in [0, 100]")
+
+    @property
+    def is_netem(self) -> bool:
+        return self.delay_ms > 0 or self.loss_pct > 0
+
+
+def _cmd(*argv: str, check: bool = True) -> str:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if check and proc.returncode:
+        raise HostBedError(f"`{' '.join(argv)}` failed: {proc.stderr.strip() or proc.returncode}")
+    return proc.stdout
+
+
+def check_available() -> None:
+    """Raise HostBedError (one line) unless this process can build a bed."""
+    if os.geteuid() != 0:
+        raise HostBedError("the host test bed needs root (network namespaces, veth links and tc)")
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise HostBedError(f"the host test bed needs iproute2: {', '.join(missing)} not found")
+
+
+def namespaces() -> list[str]:
+    """The names of every named network namespace (`ip netns list`)."""
+    return [line.split()[0] for line in _cmd("ip", "netns", "list").splitlines() if line.strip()]
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def delete_namespace(name: str) -> None:
+    """Kill every process inside the namespace, then delete it (a host's veth end, and so the pair, goes too)."""
+    for pid in _cmd("ip", "netns", "pids", name, check=False).split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    _cmd("ip", "netns", "del", name, check=False)
+
+
+def sweep_stale() -> list[str]:
+    """Delete the namespaces of beds whose owning process is gone; return their names."""
+    stale = [n for n in namespaces() if (m := NAME.match(n)) and not _is_alive(int(m.group(1)))]
+    for name in sorted(stale, key=lambda n: n.endswith("-sw")):  # hosts first, the switch last
+        delete_namespace(name)
+    return stale
+
+
+def read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The next line the process writes to its stdout (a pipe), waiting at most timeout_s."""
+    assert proc.stdout is not None
+    fd, line, deadline = proc.stdout.fileno(), bytearray(), time.monotonic() + timeout_s
+    what = " ".join(map(str, proc.args[3:] if isinstance(proc.args, list) else [proc.args]))
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise HostBedError(f"no line from `{what}` within {timeout_s:.0f} s")
+        byte = os.read(fd, 1)
+        if not byte:
+            raise HostBedError(f"`{what}` ended (exit {proc.wait(5)}) before writing a line")
+        line += byte
+    return line.decode()
+
+
+class HostBed:
+    def __init__(self, num_hosts: int, shape: LinkShape = LinkShape(), *, subnet: str = "10.213.0") -> None:
+        if not 1 <= num_hosts <= 250:
+            raise ValueError(f"num_hosts must be in 1..250, got {num_hosts}")
+        self.num_hosts, self.shape, self.subnet = num_hosts, shape, subnet
+        self.run_id = f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
+        self.switch = f"{self.run_id}-sw"
+        self.is_netem = False
+        self._procs: dict[int, list[subprocess.Popen]] = {}
+        self._shapes: dict[int, LinkShape] = {}
+        self._removed: set[int] = set()
+        self._previous_sigterm: Any = None
+        self._is_closed = False
+
+    def namespace(self, host: int) -> str:
+        return f"{self.run_id}-h{host}"
+
+    def address(self, host: int) -> str:
+        self._check(host)
+        return f"{self.subnet}.{host + 1}"
+
+    def owned(self) -> list[str]:
+        """The namespaces of this bed that exist now."""
+        return [n for n in namespaces() if n.startswith(f"{self.run_id}-")]
+
+    # ---- making and ending -----------------------------------------------------------------------------------
+    def __enter__(self) -> HostBed:
+        check_available()
+        sweep_stale()
+        atexit.register(self.close)
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        sw = ("ip", "-n", self.switch)
+        _cmd("ip", "netns", "add", self.switch)
+        _cmd(*sw, "link", "add", "br0", "type", "bridge")
+        _cmd(*sw, "link", "set", "br0", "up")
+        probe = subprocess.run(["tc", "-n", self.switch, "qdisc", "add", "dev", "br0", "root", "netem"],
+                               capture_output=True)
+        self.is_netem = probe.returncode == 0
+        _cmd("tc", "-n", self.switch, "qdisc", "del", "dev", "br0", "root", check=False)
+        for i in range(self.num_hosts):
+            ns = self.namespace(i)
+            _cmd("ip", "netns", "add", ns)
+            _cmd(*sw, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _cmd(*sw, "link", "set", f"v{i}", "master", "br0", "up")
+            _cmd("ip", "-n", ns, "addr", "add", f"{self.subnet}.{i + 1}/24", "dev", "eth0")
+            _cmd("ip", "-n", ns, "link", "set", "eth0", "up")
+            _cmd("ip", "-n", ns, "link", "set", "lo", "up")
+            self.reshape(i, self.shape)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        previous = self._previous_sigterm
+        self.close()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def close(self) -> None:
+        """Kill every process of the bed and delete every namespace it made. Idempotent."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        for host in list(self._procs):
+            self._stop(host)
+        for name in sorted(self.owned(), key=lambda n: n.endswith("-sw")):
+            delete_namespace(name)
+        atexit.unregister(self.close)
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+
+    # ---- verbs -----------------------------------------------------------------------------------------------
+    def _check(self, host: int) -> None:
+        if not 0 <= host < self.num_hosts or host in self._removed:
+            raise HostBedError(f"no host {host} in this bed (hosts 0..{self.num_hosts - 1}, removed {self._removed})")
+
+    def run(self, host: int, argv: list[str], **popen: Any) -> subprocess.Popen:
+        """Start argv inside the host's namespace, in a process group of its own."""
+        self._check(host)
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(host), *argv], start_new_session=True,
+                                **popen)
+        self._procs.setdefault(host, []).append(proc)
+        return proc
+
+    def python(self, host: int, module: str, *args: str, **popen: Any) -> subprocess.Popen:
+        """`python -m module args` inside the host, importing this kvfabric; stdout a pipe unless given."""
+        src = str(Path(kvfabric.__file__).resolve().parents[1])
+        env = dict(popen.pop("env", os.environ))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+        popen.setdefault("stdout", subprocess.PIPE)
+        return self.run(host, [sys.executable, "-m", module, *args], env=env, **popen)
+
+    def reshape(self, host: int, shape: LinkShape) -> None:
+        self._check(host)
+        if shape.is_netem and not self.is_netem:
+            raise HostBedError(f"{shape}: delay and loss need the kernel's sch_netem qdisc, which this kernel "
+                               "lacks (rate alone is shaped with tbf)")
+        _shape(self.namespace(host), "eth0", shape)
+        _shape(self.switch, f"v{host}", LinkShape(shape.rate_mbit))
+        self._shapes[host] = shape
+
+    def partition(self, host: int) -> None:
+        self._check(host)
+        _cmd("ip", "-n", self.switch, "link", "set", f"v{host}", "down")
+
+    def heal(self, host: int) -> None:
+        self._check(host)
+        _cmd("ip", "-n", self.switch, "link", "set", f"v{host}", "up")
+
+    def remove(self, host: int) -> None:
+        """The host is gone: its processes killed, its namespace (and link) deleted."""
+        self._check(host)
+        self._stop(host)
+        delete_namespace(self.namespace(host))
+        self._removed.add(host)
+
+    def _stop(self, host: int, grace_s: float = 2.0) -> None:
+        procs = self._procs.pop(host, [])
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+
+
+def _shape(ns: str, dev: str, shape: LinkShape) -> None:
+    """Replace the root qdisc of dev: netem (delay, loss, rate) or tbf (rate), or none."""
+    tc = ("tc", "-n", ns, "qdisc")
+    if shape.is_netem:
+        rate = ("rate", f"{shape.rate_mbit}mbit") if shape.rate_mbit else ()
+        _cmd(*tc, "replace", "dev", dev, "root", "netem", "delay", f"{shape.delay_ms}ms", "loss",
+             f"{shape.loss_pct}%", *rate, "limit", "100000")
+    elif shape.rate_mbit:
+        burst = max(64 << 10, int(shape.rate_mbit * 1e6 / 8 / 1000))  # 1 ms at the rate, at least 64 KiB
+        _cmd(*tc, "replace", "dev", dev, "root", "tbf", "rate", f"{shape.rate_mbit}mbit", "burst", str(burst),
+             "latency", "20ms")
+    else:
+        _cmd(*tc, "del", "dev", dev, "root", check=False)
