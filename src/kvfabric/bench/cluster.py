@@ -57,10 +57,10 @@ def make_chunks(num_chunks: int) -> tuple[list[bytes], list[bytes]]:
 class RawServer:
     """The baseline: one request byte in, the blobs out with sendall, back to back (no framing, no auth)."""
 
-    def __init__(self, blobs: list[bytes]) -> None:
+    def __init__(self, blobs: list[bytes], host: str = "127.0.0.1") -> None:
         self.blobs = blobs
         self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind((host, 0))
         self.sock.listen(4)
         self.port = self.sock.getsockname()[1]
         threading.Thread(target=self._run, daemon=True).start()
@@ -81,8 +81,8 @@ class RawServer:
 
 
 class RawClient:
-    def __init__(self, port: int, sizes: list[int]) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port))
+    def __init__(self, port: int, sizes: list[int], host: str = "127.0.0.1") -> None:
+        self.sock = socket.create_connection((host, port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sizes = sizes
         self.reused = bytearray(max(sizes))

@@ -102,8 +102,17 @@ def bench_soak(duration: float, num_threads: int, as_json: bool, plot: str | Non
 @click.option("--repeats", default=5, show_default=True)
 @click.option("--quick", is_flag=True, help="Fewer chunks (a smoke run).")
 @click.option("--tls", is_flag=True, help="Also fetch over TLS (a throw-away certificate), vs plain P2P.")
-def bench_p2p(as_json: bool, repeats: int, quick: bool, tls: bool) -> None:
+@click.option("--hosts", "is_hosts", is_flag=True, help="Instead: between two emulated hosts (network namespaces, "
+              "shaped veth links; root), vs raw TCP on the same link.")
+@click.option("--rates", default="1000,10000", show_default=True, help="With --hosts: link rates in Mbit/s.")
+@click.option("--delay-ms", default=0.25, show_default=True, help="With --hosts: one-way delay (needs sch_netem).")
+def bench_p2p(as_json: bool, repeats: int, quick: bool, tls: bool, is_hosts: bool, rates: str,
+              delay_ms: float) -> None:
     """Peer-to-peer fetch vs a raw loopback socket of the same bytes; a `move` of a 4k-token prompt."""
+    if is_hosts:
+        from kvfabric.bench.hosts_p2p import command
+        command(as_json, repeats, quick, tls, rates, delay_ms)
+        return
     from kvfabric.bench.cluster import run
     run(as_json=as_json, repeats=repeats, quick=quick, tls=tls)
 
