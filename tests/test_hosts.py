@@ -16,21 +16,12 @@ import pytest
 
 from kvfabric.bench import hosts_probe
 from kvfabric.bench.hosts import HostBed, HostBedError, LinkShape, check_available, namespaces, read_line, sweep_stale
-
-
-def _need_bed() -> None:
-    try:
-        check_available()
-    except HostBedError as exc:
-        pytest.skip(str(exc))
+from tests.host_fixtures import host_bed, need_bed
 
 
 @pytest.fixture
 def bed():
-    _need_bed()
-    with HostBed(3) as made:
-        yield made
-    assert made.owned() == []
+    yield from host_bed(3)
 
 
 def _probe(bed: HostBed, server: int, client: int, num_bytes: int = 1000, timeout_s: float = 30) -> dict:
@@ -55,7 +46,7 @@ def test_without_root_the_error_is_one_line(monkeypatch):
 
 
 def test_a_bed_leaves_nothing_after_its_exit_and_after_an_exception():
-    _need_bed()
+    need_bed()
     links_before = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.count("\n")
     with HostBed(2) as bed:
         assert sorted(bed.owned()) == sorted([bed.namespace(0), bed.namespace(1), bed.switch])
@@ -70,7 +61,7 @@ def test_a_bed_leaves_nothing_after_its_exit_and_after_an_exception():
 
 
 def test_sweep_stale_removes_the_namespaces_of_a_dead_pid_only():
-    _need_bed()
+    need_bed()
     dead = subprocess.Popen(["true"])
     dead.wait()  # its pid is free now
     stale, live = f"kvf-{dead.pid}-abc123-h0", f"kvf-{os.getpid()}-abc123-h0"
@@ -85,7 +76,7 @@ def test_sweep_stale_removes_the_namespaces_of_a_dead_pid_only():
 
 
 def test_sigterm_cleans_up_the_bed_of_the_killed_process():
-    _need_bed()
+    need_bed()
     code = ("import sys; from kvfabric.bench.hosts import HostBed; bed = HostBed(2).__enter__(); "
             "p = bed.run(0, ['sleep', '60']); print(bed.run_id, p.pid, flush=True); sys.stdin.read()")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)

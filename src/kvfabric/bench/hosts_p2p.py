@@ -9,6 +9,11 @@ moving the same bytes over the same shaped link, in the same run.
   Writes `{"ready": true}`; then, for each line read from stdin, checks both return the stored bytes and times
   `PeerClient.fetch_all` of the N chunks against the raw fetch, alternated (`bench.common.paired`), and writes
   `{"p2p_s", "raw_s", "bytes", "is_equal"}` (median seconds).
+- `fetch-checked` (a process in host B, for the fault tests): a PeerClient with the deadlines a peer tier uses
+  (`--fetch-timeout`, `--connect-timeout`: ClusterConfig's). For each line read from stdin, one fetch of the N
+  chunks: writes `{"event": "first"}` once the first answer is in, then `{"received", "is_correct", "error",
+  "ended"}`: the chunks that arrived (the rest are misses), whether each is an intact chunk under its key and
+  equal to the stored bytes, the PeerError if the fetch failed, and time.monotonic() at its end.
 - `run` (the benchmark, in the root namespace): a bed of two hosts; for each rate both links are reshaped
   (`LinkShape(rate, delay)`; the delay only where the kernel has sch_netem, said on stderr otherwise) and the fetch
   process measures once. Rows: `rate_mbit`, `delay_ms` (as shaped), `mb`, `gbps`, `baseline_gbps`, `ratio`
@@ -26,6 +31,7 @@ import time
 from kvfabric.bench.cluster import TOKEN, RawClient, RawServer, make_chunks
 from kvfabric.bench.common import emit, paired, threads_note
 from kvfabric.bench.hosts import HostBed, HostBedError, LinkShape, read_line
+from kvfabric.config import ClusterConfig
 
 MODULE = "kvfabric.bench.hosts_p2p"
 TARGET = 0.9
@@ -62,6 +68,35 @@ def fetch(address: str, port: int, raw_port: int, num_chunks: int, repeats: int)
         print(json.dumps({"p2p_s": p2p_s, "raw_s": raw_s, "bytes": sum(map(len, blobs)), "is_equal": is_equal}),
               flush=True)
     raw.close()
+    client.close()
+
+
+def fetch_checked(address: str, port: int, num_chunks: int, fetch_timeout_s: float, connect_timeout_s: float,
+                  ) -> None:
+    from kvfabric.cluster.p2p_client import PeerClient, PeerError
+    from kvfabric.codec.format import ChunkFormatError, parse
+
+    keys, blobs = make_chunks(num_chunks)
+    stored = dict(zip(keys, blobs))
+    client = PeerClient(address, port, TOKEN, connect_timeout_s=connect_timeout_s, io_timeout_s=fetch_timeout_s)
+    print(json.dumps({"ready": True}), flush=True)
+    while sys.stdin.readline():
+        received, is_correct, error = 0, True, None
+        try:
+            for key, blob in client.fetch(keys):
+                if received == 0:
+                    print(json.dumps({"event": "first"}), flush=True)
+                if blob is None:  # the peer lacks it: a miss
+                    continue
+                received += 1
+                try:
+                    is_correct &= parse(blob, key) is not None and blob == stored[key]
+                except ChunkFormatError:
+                    is_correct = False
+        except PeerError as exc:
+            error = str(exc)
+        print(json.dumps({"received": received, "is_correct": is_correct, "error": error, "ended": time.monotonic()}),
+              flush=True)
     client.close()
 
 
@@ -126,9 +161,17 @@ def main(argv: list[str] | None = None) -> None:
     f.add_argument("raw_port", type=int)
     f.add_argument("--chunks", type=int, default=16)
     f.add_argument("--repeats", type=int, default=5)
+    c = sub.add_parser("fetch-checked")
+    c.add_argument("address")
+    c.add_argument("port", type=int)
+    c.add_argument("--chunks", type=int, default=16)
+    c.add_argument("--fetch-timeout", type=float, default=ClusterConfig().fetch_timeout_s)
+    c.add_argument("--connect-timeout", type=float, default=ClusterConfig().connect_timeout_s)
     args = parser.parse_args(argv)
     if args.verb == "serve":
         serve(args.address, args.chunks)
+    elif args.verb == "fetch-checked":
+        fetch_checked(args.address, args.port, args.chunks, args.fetch_timeout, args.connect_timeout)
     else:
         fetch(args.address, args.port, args.raw_port, args.chunks, args.repeats)
 
