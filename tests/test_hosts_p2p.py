@@ -12,6 +12,7 @@ from kvfabric.bench import hosts_p2p
 from kvfabric.bench.hosts import HostBed, LinkShape, read_line
 from kvfabric.config import ClusterConfig
 from tests.host_fixtures import host_bed, need_bed
+from tests.reliability.harness import report
 
 pytestmark = pytest.mark.slow
 NUM_CHUNKS = 8  # 47 MB: 3.8 s at 100 Mbit, so a partition after the first chunk lands mid-transfer
@@ -80,6 +81,10 @@ def test_a_partition_mid_transfer_is_a_miss_within_the_deadline_and_heal_serves_
             assert answer["error"] and answer["received"] == 0 and answer["is_correct"], answer
     assert healed is not None and healed["error"] is None and healed["received"] == NUM_CHUNKS, healed
     assert healed["is_correct"], healed
+    report("P2P fetch partitioned mid-transfer across emulated hosts (100 Mbit, 8 chunks of 5.9 MB)", wrong=0,
+           received_before_cut=cut_off["received"], cut_to_miss_s=cut_off["ended"] - cut,
+           deadline_s=settings.fetch_timeout_s, partitioned_fetch_s=refused["ended"] - asked,
+           recovery_s=healed["ended"] - healed_at)
 
     bed.close()
     assert server.poll() is not None and client.poll() is not None
