@@ -89,6 +89,17 @@ def test_sigterm_cleans_up_the_bed_of_the_killed_process():
         os.kill(int(sleeper), 0)
 
 
+def test_a_removed_host_is_gone_with_its_processes_and_the_others_stay(bed):
+    sleeper = bed.run(2, ["sleep", "60"])
+    bed.remove(2)
+    assert sleeper.poll() is not None and bed.namespace(2) not in namespaces()
+    assert sorted(bed.owned()) == sorted([bed.namespace(0), bed.namespace(1), bed.switch])
+    with pytest.raises(HostBedError, match="no host 2"):
+        bed.address(2)
+    links = subprocess.run(["ip", "-n", bed.switch, "-o", "link"], capture_output=True, text=True).stdout
+    assert " v0@" in links and " v2@" not in links  # its link went with it
+
+
 def test_delay_and_loss_without_netem_fail_with_one_line(bed):
     if bed.is_netem:
         bed.reshape(0, LinkShape(100, 1.0, 0.0))  # accepted where the kernel has sch_netem

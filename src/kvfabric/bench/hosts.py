@@ -251,6 +251,7 @@ class HostBed:
         """The host is gone: its processes killed, its namespace (and link) deleted."""
         self._check(host)
         self._stop(host)
+        _cmd("ip", "-n", self.switch, "link", "del", f"v{host}", check=False)  # now: a namespace's end is async
         delete_namespace(self.namespace(host))
         self._removed.add(host)
 
@@ -267,7 +268,10 @@ class HostBed:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 proc.wait(5)
 
 
