@@ -134,7 +134,6 @@ class HostBed:
         self.switch = f"{self.run_id}-sw"
         self.is_netem = False
         self._procs: dict[int, list[subprocess.Popen]] = {}
-        self._shapes: dict[int, LinkShape] = {}
         self._removed: set[int] = set()
         self._previous_sigterm: Any = None
         self._is_closed = False
@@ -237,7 +236,6 @@ class HostBed:
                                "lacks (rate alone is shaped with tbf)")
         _shape(self.namespace(host), "eth0", shape)
         _shape(self.switch, f"v{host}", LinkShape(shape.rate_mbit))
-        self._shapes[host] = shape
 
     def partition(self, host: int) -> None:
         self._check(host)
