@@ -249,10 +249,18 @@ def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int,
 @click.option("--trace-seconds", "trace_s", default=10.0, show_default=True, help="Duration of each trace run.")
 @click.option("--ladder", default="0,5,6", show_default=True, metavar="L1,L2,..",
               help="Video levels on the trace (each within the quality floor), beside raw.")
+@click.option("--hosts", "on_hosts", is_flag=True,
+              help="From another emulated host over tc-shaped kernel links (root; see docs/testbed.md) instead of "
+                   "a token bucket on loopback: adaptive vs every fixed choice at each of --rates.")
+@click.option("--rates", default="500,1000,2000,5000,10000", show_default=True, metavar="MBIT,..",
+              help="With --hosts: the link rates in Mbit/s.")
+@click.option("--repeats", default=5, show_default=True, help="With --hosts: requests per strategy and rate.")
 def bench_stream(as_json: bool, plot: str | None, prompt_tokens: int, ttft_target_s: float, quick: bool,
-                 trace: bool, trace_only: bool, trace_s: float, ladder: str) -> None:
+                 trace: bool, trace_only: bool, trace_s: float, ladder: str, on_hosts: bool, rates: str,
+                 repeats: int) -> None:
     """KV streaming over a throttled loopback link: raw vs adaptive cachegen vs recompute, at 100 Mbit/s, 1 Gbit/s
-    and unthrottled; then adaptive resolution (video levels) vs fixed settings on a fluctuating link."""
+    and unthrottled; then adaptive resolution (video levels) vs fixed settings on a fluctuating link. With
+    --hosts, between two emulated hosts over shaped kernel links."""
     from kvfabric.bench.stream import run
     try:
         levels = tuple(int(x) for x in ladder.split(","))
@@ -260,6 +268,21 @@ def bench_stream(as_json: bool, plot: str | None, prompt_tokens: int, ttft_targe
             raise ValueError("levels are 0..9")
     except ValueError as e:
         raise click.BadParameter(f"{ladder!r}: {e}", param_hint="--ladder") from None
+    if on_hosts:
+        from kvfabric.bench.hosts import HostBedError
+        from kvfabric.bench.hosts_stream import run as run_hosts
+        try:
+            mbits = tuple(int(x) for x in rates.split(","))
+            if not mbits or min(mbits) <= 0:
+                raise ValueError("rates are positive Mbit/s")
+        except ValueError as e:
+            raise click.BadParameter(f"{rates!r}: {e}", param_hint="--rates") from None
+        try:
+            run_hosts(as_json, mbits, max(1, repeats), min(prompt_tokens, 1024) if quick else prompt_tokens,
+                      ttft_target_s)
+        except HostBedError as e:
+            raise click.ClickException(str(e)) from None
+        return
     run(as_json=as_json, plot=plot, prompt_tokens=prompt_tokens, ttft_target_s=ttft_target_s, quick=quick,
         trace=trace or trace_only, trace_only=trace_only, ladder=levels, trace_s=trace_s)
 
