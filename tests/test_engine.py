@@ -481,3 +481,38 @@ def test_both_caches_offer_the_kvcache_seam(config):
                 callable(getattr(CacheEngine, name, None)), name
     finally:
         remote.close()
+
+
+class _AskingNode:
+    """A cluster node whose reporting thread asks for the engine's stats the moment it is given the source (the
+    real one runs from before the engine exists, on its own schedule)."""
+
+    def __init__(self) -> None:
+        self.first_stats: dict | None = None
+
+    @property
+    def stats_source(self):  # noqa: ANN201
+        return None
+
+    @stats_source.setter
+    def stats_source(self, source) -> None:  # noqa: ANN001
+        self.first_stats = source()
+
+    def flush_reports(self, timeout_s: float = 10.0) -> bool:
+        return True
+
+    def p2p_counters(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_node_asking_for_stats_at_once_gets_the_engines_summary():
+    node = _AskingNode()
+    engine = CacheEngine(Config(chunk_size=16, tiers=("cpu",)), KVLayout(2, 1, 8, "float32"), "m", node=node)
+    try:
+        assert node.first_stats == {"lookup_tokens": 0, "hit_tokens": 0, "retrieved_tokens": 0, "stored_chunks": 0,
+                                    "evictions": 0, "errors": 0}
+    finally:
+        engine.close()

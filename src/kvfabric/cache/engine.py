@@ -98,8 +98,6 @@ class CacheEngine:
                                  "kvfabric.cache.builder.build_engine(config, layout, model_id)")
             tiers = build_tiers(config, config.tiers)
         self.node = node
-        if node is not None:
-            node.stats_source = self.summary
         self.stack = TierStack(tiers, config.write_queue_chunks, config.placement)  # for tests' and benches' eyes
         self.core = EngineCore(config, self.layout, shape, self.stack)
         self.histograms = self.core.histograms
@@ -110,6 +108,8 @@ class CacheEngine:
         self._retriever = Retriever(self.core, self.key_space, self._reads.from_alternatives)
         self.metrics_endpoint: MetricsEndpoint | None = None  # serving this engine's /metrics (attach_observers)
         self.publisher: EventPublisher | None = None  # publishing `events` on ZMQ (attach_observers)
+        if node is not None:  # last: the node's reporting thread is already running and may ask at once
+            node.stats_source = self.summary
 
     def _tier_codecs(self, codec: Codec) -> dict[int, Codec]:
         """Stack level -> its codec, for tiers whose config names another than the engine's (e.g. raw in process
