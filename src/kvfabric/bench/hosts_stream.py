@@ -110,7 +110,7 @@ def _serve(namespace: str, address: str, prompt: PreparedPrompt, ready: Any) -> 
                 last_bps = policy.estimate_bps() or last_bps
 
 
-def _link_mbit(bed: HostBed, num_bytes: int = 32 << 20) -> float:
+def link_mbit(bed: HostBed, num_bytes: int = 32 << 20) -> float:
     """Raw TCP from host 0 to host 1 on the link as shaped now: one sendall of num_bytes, received into one buffer."""
     srv = inside(bed.namespace(1), lambda: _listener(bed.address(1)))
     cli = inside(bed.namespace(0), lambda: socket.create_connection(srv.getsockname(), timeout=30))
@@ -177,7 +177,7 @@ def run(as_json: bool = False, rates_mbit: tuple[int, ...] = RATES_MBIT, repeats
             for rate in rates_mbit:
                 for host in (0, 1):
                     bed.reshape(host, LinkShape(rate))
-                link = statistics.median(_link_mbit(bed) for _ in range(3))
+                link = statistics.median(link_mbit(bed) for _ in range(3))
                 samples: dict[str, list[tuple[float, Any, Any]]] = {n: [] for n in names}
                 for r in range(repeats):
                     for name in names[r % len(names):] + names[:r % len(names)]:

@@ -63,17 +63,36 @@ PATHS = ("colocated", "shm", "p2p", "redis")  # redis only with a server's URL
 COPIES = {"shm": 3, "p2p": 4, "redis": 6}
 
 
+@dataclass(frozen=True, slots=True)
+class Site:
+    """Where a process of a path runs: a network namespace (None: this process's) and the address it listens on."""
+    netns: str | None = None
+    host: str = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where the parts of a path run: the prefill instance (and the colocated one), the decode instance, and the
+    address of the controller, which this process serves (bench.hosts_pd puts each on an emulated host)."""
+    prefill: Site = Site()
+    decode: Site = Site()
+    controller_host: str = "127.0.0.1"
+
+
 def pd_extra(pool: str, stats: Path, capacity: str = "2GiB", redis_url: str | None = None,
-             controller_url: str | None = None, instance_id: str = "") -> dict[str, Any]:
+             controller_url: str | None = None, instance_id: str = "", p2p_host: str = "127.0.0.1") -> dict[str, Any]:
     """kv_connector_extra_config of one instance of a pair: one shm pool; with redis_url, one Redis; with
-    controller_url, process memory served to the other member of the cluster (P2P)."""
+    controller_url, process memory served to the other member of the cluster (P2P, listening on p2p_host)."""
     if redis_url:
         tiers: dict[str, Any] = {"tiers": ["redis"], "redis": {"url": redis_url, "timeout_s": 10.0}}
     elif controller_url:
         tiers = {"tiers": ["cpu", "peer"], "cpu": {"capacity": capacity},
                  "cluster": {"controller_url": controller_url, "token": TOKEN, "instance_id": instance_id,
+                             "p2p_host": p2p_host,
                              "serve_tiers": ["cpu"], "keep_fetched": False, "report_interval_s": 0.05,
                              "lookup_timeout_s": 5.0, "fetch_timeout_s": 60.0}}
+        if p2p_host != "127.0.0.1":  # an emulated host's address (bench.hosts_pd): the bed's links are private
+            tiers["cluster"]["insecure"] = True
     else:
         tiers = {"tiers": ["shm"], "shm": {"name": pool, "capacity": capacity}}
     return {"chunk_size": CHUNK, **tiers, "model_id": "kvfabric-bench-pd", "stats_path": str(stats)}
@@ -81,11 +100,14 @@ def pd_extra(pool: str, stats: Path, capacity: str = "2GiB", redis_url: str | No
 
 def start_instance(python: str, model: str, work: Path, name: str, cores: str, kv_role: str | None = None,
                    extra: dict[str, Any] | None = None, max_len: int = 2048,
-                   kv_bytes: int = 1 << 30, tp: int = 1) -> VllmServer:
+                   kv_bytes: int = 1 << 30, tp: int = 1, at: Site = Site()) -> VllmServer:
     """A `vllm serve` process pinned to `cores` ("0|1": a core per tensor rank; not yet ready: call wait_ready); with
-    kv_role, KVFabricConnector."""
+    kv_role, KVFabricConnector; `at`: on an emulated host (bench.hosts) instead of this namespace's loopback."""
     port = free_port()
-    argv = server_argv(python, model, port, kv_bytes, max_len) + (["--tensor-parallel-size", str(tp)] if tp > 1 else [])
+    argv = server_argv(python, model, port, kv_bytes, max_len, at.host) + \
+        (["--tensor-parallel-size", str(tp)] if tp > 1 else [])
+    if at.netns:
+        argv = ["ip", "netns", "exec", at.netns, *argv]
     if kv_role is not None:
         argv += ["--kv-transfer-config", json.dumps({
             "kv_connector": "KVFabricConnector", "kv_connector_module_path": "kvfabric.connectors.vllm",
@@ -93,7 +115,7 @@ def start_instance(python: str, model: str, work: Path, name: str, cores: str, k
     src = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cores, "OMP_WAIT_POLICY": "PASSIVE",
            "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)}
-    return VllmServer(argv, port, work / f"serve-{name}.log", env)
+    return VllmServer(argv, port, work / f"serve-{name}.log", env, at.host)
 
 
 def pool_name() -> str:
@@ -193,7 +215,7 @@ def _loaded(stats: Path) -> Loaded:
 
 def run_path(path: str, python: str, model: str, work: Path, groups: list[tuple[int, int]], max_tokens: int,
              max_len: int, log, redis_url: str | None = None,  # noqa: ANN001
-             prefill_tp: int = 1) -> dict[tuple[int, int], GroupResult]:
+             prefill_tp: int = 1, at: Placement = Placement()) -> dict[tuple[int, int], GroupResult]:
     """Start the path's instances, run every (prompt_tokens, concurrency) group, stop. prefill_tp 2: the prefill
     instance at tensor parallel size 2, a rank on each core (the decode instance shares core 1 with its rank 1)."""
     out: dict[tuple[int, int], GroupResult] = {}
@@ -202,24 +224,25 @@ def run_path(path: str, python: str, model: str, work: Path, groups: list[tuple[
     with contextlib.ExitStack() as stack:
         if path == "colocated":
             server = stack.enter_context(start_instance(python, model, work, path, "0-1", max_len=max_len,
-                                                        kv_bytes=kv_bytes))
+                                                        kv_bytes=kv_bytes, at=at.prefill))
             server.wait_ready(900)
-            url = f"http://127.0.0.1:{server.port}"
+            url = f"http://{at.prefill.host}:{server.port}"
         else:
             stack.callback(ShmTier.destroy, pool)
             url_or_none = redis_url if path == "redis" else None
             controller = None
             if path == "p2p":
-                server, thread, controller = start_controller()
+                server, thread, controller = start_controller(at.controller_host)
                 stack.callback(thread.join, 30)
                 stack.callback(setattr, server, "should_exit", True)
             prefill = stack.enter_context(start_instance(
                 python, model, work, f"prefill-{path}", "0|1" if prefill_tp == 2 else "0", "kv_producer",
-                pd_extra(pool, work / f"prefill-{path}.json", "4GiB", url_or_none, controller, "prefill"),
-                max_len, kv_bytes, prefill_tp))
+                pd_extra(pool, work / f"prefill-{path}.json", "4GiB", url_or_none, controller, "prefill",
+                         at.prefill.host), max_len, kv_bytes, prefill_tp, at.prefill))
             decode = stack.enter_context(start_instance(
                 python, model, work, f"decode-{path}", "1", "kv_consumer",
-                pd_extra(pool, stats, "4GiB", url_or_none, controller, "decode"), max_len, kv_bytes))
+                pd_extra(pool, stats, "4GiB", url_or_none, controller, "decode", at.decode.host), max_len, kv_bytes,
+                at=at.decode))
             prefill.wait_ready(900)
             decode.wait_ready(900)
             url = stack.enter_context(ProxyThread(prefill.base_url, decode.base_url, free_port())).url

@@ -141,9 +141,10 @@ def summarize(system: str, workload: Workload, timings: list[Timing], wall: floa
             "wall_s": wall}
 
 
-def server_argv(python: str, model: str, port: int, kv_bytes: int, max_len: int) -> list[str]:
+def server_argv(python: str, model: str, port: int, kv_bytes: int, max_len: int,
+                host: str = "127.0.0.1") -> list[str]:
     return [python, "-c", "import sys; from vllm.entrypoints.cli.main import main; sys.exit(main())", "serve", model,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+            "--host", host, "--port", str(port), "--dtype", "float32", "--enforce-eager",
             "--max-model-len", str(max_len), "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(kv_bytes),
             "--seed", "0", "--enable-prompt-tokens-details"]
 

@@ -57,8 +57,10 @@ def leftover_segments() -> Iterator[None]:
 
 
 class VllmServer:
-    def __init__(self, argv: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, argv: list[str], port: int, log: Path, env: dict[str, str] | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.port = port
+        self.host = host  # where it listens (an emulated host's address: bench.hosts)
         self.log = log
         self._segments_before = _segments()
         self._log_file = open(log, "w")  # noqa: SIM115 - closed in stop()
@@ -67,7 +69,7 @@ class VllmServer:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"http://{self.host}:{self.port}/v1"
 
     def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
@@ -76,7 +78,7 @@ class VllmServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log.read_text()[-5000:]}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as reply:
+                with urllib.request.urlopen(f"http://{self.host}:{self.port}/health", timeout=5) as reply:
                     if reply.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
