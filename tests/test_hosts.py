@@ -156,10 +156,14 @@ def test_a_lossy_link_drops_its_share_each_way_and_loss_0_drops_none(bed):
         bed.reshape(host, LinkShape(0, 0, 5.0))  # replaces host 0's rule
     lost = [1 - _datagrams_through(bed, a, b) / 4000 for a, b in ((0, 1), (1, 0))]
     assert all(0.03 <= share <= 0.08 for share in lost), lost
+    if not bed.is_netem:  # the rule's counters: what arrived at host 0, and what it dropped of it
+        arrived, dropped = bed.input_counts(0)
+        assert arrived >= 4000 and abs(dropped - round(lost[1] * 4000)) <= 5, (arrived, dropped, lost)
     for host in (0, 1):
         bed.reshape(host, LinkShape(0))
     assert _datagrams_through(bed, 0, 1) == _datagrams_through(bed, 1, 0) == 4000
     if not bed.is_netem:  # the rule is gone, not set to 0
+        assert bed.input_counts(0) is None
         rules = subprocess.run(["ip", "netns", "exec", bed.namespace(0), "nft", "list", "ruleset"],
                                capture_output=True, text=True)
         assert "kvf" not in rules.stdout

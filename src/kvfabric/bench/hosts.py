@@ -7,9 +7,10 @@ Contract:
 - `LinkShape(rate_mbit, delay_ms, loss_pct)`: the rate caps both directions of a host's link (tbf at both ends).
   Where the kernel has sch_netem (`is_netem`), delay and loss apply to what the host sends (netem on its end).
   Without it, loss applies to what the host receives on eth0 instead (an nftables rule in the host's namespace,
-  `table inet kvf`: `numgen random` drops that share of the input; replaced on reshape, deleted at loss 0; needs
-  `nft`, the nftables package), and delay cannot be shaped (HostBedError). Either way two hosts of one shape see
-  an RTT of 2 x delay_ms and loss_pct each way.
+  `table inet kvf`: `numgen random` drops that share of the input, frame by frame, the switch's end segmenting
+  what it sends a lossy host (gso_max_segs 1); replaced on reshape, deleted at loss 0; needs
+  `nft`, the nftables package; `input_counts(host)`: packets in and dropped), and delay cannot be shaped
+  (HostBedError). Either way two hosts of one shape see an RTT of 2 x delay_ms and loss_pct each way.
 - `run(host, argv)` / `python(host, module, *args)`: a process inside the host's namespace (`ip netns exec`), in a
   process group of its own, the environment carried (`python`: this kvfabric's source on PYTHONPATH).
   `partition(host)` takes the switch's end of the host's link down (a pulled cable: the host keeps its address,
@@ -38,11 +39,12 @@ from pathlib import Path
 from typing import Any
 
 import kvfabric
-from kvfabric.bench.hosts_shape import HostBedError, LinkShape, drop_input, shape_qdisc
+from kvfabric.bench.hosts_shape import HostBedError, LinkShape, drop_input, input_counts, shape_qdisc
 from kvfabric.bench.hosts_shape import cmd as _cmd
 
 PREFIX = "kvf-"
 NAME = re.compile(r"^kvf-(\d+)-([0-9a-f]+)-(sw|h\d+)$")
+GSO_MAX_SEGS = 65535  # the kernel's default for a veth
 
 
 def check_available() -> None:
@@ -223,11 +225,20 @@ class HostBed:
             shape_qdisc(ns, "eth0", LinkShape(shape.rate_mbit))
             if shape.loss_pct or host in self._lossy:  # made, replaced, or deleted at 0
                 drop_input(ns, shape.loss_pct)
+                # the switch's end then segments what it sends the host (GSO in software), so the rule drops
+                # single frames as a lossy wire would, not 64 KB bursts of segments
+                _cmd("ip", "-n", self.switch, "link", "set", f"v{host}", "gso_max_segs",
+                     "1" if shape.loss_pct else str(GSO_MAX_SEGS))
             if shape.loss_pct:
                 self._lossy.add(host)
             else:
                 self._lossy.discard(host)
         shape_qdisc(self.switch, f"v{host}", LinkShape(shape.rate_mbit))
+
+    def input_counts(self, host: int) -> tuple[int, int] | None:
+        """(packets in, packets dropped) by the host's nftables loss rule since it was made; None without one."""
+        self._check(host)
+        return input_counts(self.namespace(host)) if host in self._lossy else None
 
     def partition(self, host: int) -> None:
         self._check(host)

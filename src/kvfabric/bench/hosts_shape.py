@@ -5,13 +5,15 @@ Contract:
 - `shape_qdisc(ns, dev, shape)` replaces dev's root qdisc in namespace ns: netem (delay, loss, rate) where the shape
   needs netem, tbf (rate) where it has a rate only, none otherwise.
 - `drop_input(ns, loss_pct)` replaces, in one nftables transaction, the namespace's table `inet kvf`: a rule on the
-  input hook dropping loss_pct % (in millionths, `numgen random`) of what arrives on eth0; at 0 the table is deleted.
+  input hook dropping loss_pct % (in millionths, `numgen random`) of what arrives on eth0, with counters
+  (`input_counts(ns)`: packets in, packets dropped); at 0 the table is deleted.
   It is how the bed shapes loss where the kernel has no sch_netem (nftables reaches the input path of a namespace;
   `tc` without netem cannot drop at random).
 - `cmd(*argv)` runs a command, its stdout returned; a failure raises HostBedError with a one-line message.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 from dataclasses import dataclass
 
@@ -64,5 +66,15 @@ def drop_input(ns: str, loss_pct: float) -> None:
     script = "table inet kvf\ndelete table inet kvf\n"  # made if absent, so the delete never fails
     if loss_pct:
         script += ("table inet kvf {\n chain inp {\n  type filter hook input priority 0; policy accept;\n"
-                   f"  iifname \"eth0\" numgen random mod 1000000 < {round(loss_pct * 10_000)} drop\n }}\n}}\n")
+                   '  iifname "eth0" counter\n'  # every packet in (the first rule's counter)
+                   f'  iifname "eth0" numgen random mod 1000000 < {round(loss_pct * 10_000)} counter drop\n'
+                   " }\n}\n")
     cmd("ip", "netns", "exec", ns, "nft", "-f", "-", stdin=script)
+
+
+def input_counts(ns: str) -> tuple[int, int]:
+    """(packets that arrived on eth0, packets dropped) since drop_input last made the namespace's rule."""
+    table = json.loads(cmd("ip", "netns", "exec", ns, "nft", "-j", "list", "table", "inet", "kvf"))
+    counts = [e["counter"]["packets"] for item in table["nftables"] if "rule" in item
+              for e in item["rule"]["expr"] if "counter" in e]
+    return counts[0], counts[1]
