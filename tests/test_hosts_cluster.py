@@ -18,7 +18,7 @@ from kvfabric.bench import hosts_cluster
 from kvfabric.bench.hosts import HostBed, LinkShape, read_line
 from kvfabric.config import ClusterConfig
 from tests.host_fixtures import host_bed
-from tests.reliability.harness import report
+from tests.reliability.harness import report, time_until
 
 pytestmark = pytest.mark.slow
 TOKEN = "hosts-cluster-token"
@@ -70,14 +70,6 @@ def retrieve(node: subprocess.Popen, prompts: list[int]) -> dict:
     return got
 
 
-def poll(what, timeout_s: float) -> float:
-    """Seconds until what() is true, asking again and again (each call is itself bounded); fails after timeout_s."""
-    started = time.monotonic()
-    while not what():
-        assert time.monotonic() - started < timeout_s, f"not within {timeout_s} s"
-    return time.monotonic() - started
-
-
 def test_a_node_cut_off_misses_on_the_other_and_is_served_again_after_the_heal(bed: HostBed, tmp_path: Path):
     for host in range(3):
         bed.reshape(host, LinkShape(1000))
@@ -110,10 +102,10 @@ def test_a_node_cut_off_misses_on_the_other_and_is_served_again_after_the_heal(b
         assert time.monotonic() - cut < 60, "the controller never dropped the cut node"
 
     bed.heal(1)
-    reregistered_s = poll(lambda: "a" in call(b, {"op": "instances"})["instances"], 60)
-    served_s = poll(lambda: retrieve(b, A_PROMPTS)["hit_chunks"] == before["chunks"], 60)
+    reregistered_s = time_until(lambda: "a" in call(b, {"op": "instances"})["instances"], 60)
+    served_s = time_until(lambda: retrieve(b, A_PROMPTS)["hit_chunks"] == before["chunks"], 60)
     # a's own lookups through the controller: after its breaker's backoff (at most 10 s)
-    a_served_s = poll(lambda: retrieve(a, B_PROMPTS)["hit_chunks"] > 0, 60)
+    a_served_s = time_until(lambda: retrieve(a, B_PROMPTS)["hit_chunks"] > 0, 60)
     report("controller cut off from one node: its link partitioned (3 emulated hosts: controller, node a, node b; "
            "1 Gbit)", wrong=0, hangs=0, rounds_during_cut=rounds, calls_during_cut=rounds * 40,
            max_call_during_cut_s=max_call_cut, deadline_s=DEADLINE_S, controller_dropped_a_s=dropped_s,
