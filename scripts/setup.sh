@@ -48,13 +48,15 @@ debian() {
   # redis-server: the redis tier's tests; chromium: the controller's status page in a headless browser;
   # prometheus: the deploy example's Prometheus scraping a demo instance (tests/test_deploy.py); faketime:
   # clock jumps under a running redis-server and controller (tests/reliability); libibverbs1: the Mooncake
-  # client links it (no RDMA device needed)
+  # client links it (no RDMA device needed); nftables: the host test bed's loss (tests/test_hosts*.py) where the
+  # kernel has no sch_netem (an `nft` rule dropping a share of each emulated host's input)
   local missing=()
   command -v redis-server >/dev/null || missing+=(redis-server)
   command -v chromium >/dev/null || missing+=(chromium)
   command -v prometheus >/dev/null || missing+=(prometheus)
   command -v faketime >/dev/null || missing+=(faketime)
   dpkg -s libibverbs1 >/dev/null 2>&1 || missing+=(libibverbs1)
+  command -v nft >/dev/null || missing+=(nftables)
   if [ ${#missing[@]} -gt 0 ]; then
     say "installing ${missing[*]} (Debian)"
     export DEBIAN_FRONTEND=noninteractive

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +18,7 @@ import pytest
 
 from kvfabric.bench import hosts_probe
 from kvfabric.bench.hosts import HostBed, HostBedError, LinkShape, check_available, namespaces, read_line, sweep_stale
+from kvfabric.bench.hosts_stream import inside
 from tests.host_fixtures import host_bed, need_bed
 
 
@@ -100,7 +103,7 @@ def test_a_removed_host_is_gone_with_its_processes_and_the_others_stay(bed):
     assert " v0@" in links and " v2@" not in links  # its link went with it
 
 
-def test_delay_and_loss_without_netem_fail_with_one_line(bed):
+def test_delay_without_netem_fails_with_one_line_and_loss_does_not(bed, monkeypatch):
     if bed.is_netem:
         bed.reshape(0, LinkShape(100, 1.0, 0.0))  # accepted where the kernel has sch_netem
         return
@@ -109,6 +112,61 @@ def test_delay_and_loss_without_netem_fail_with_one_line(bed):
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError):
         LinkShape(100, 0, 101)
+    if shutil.which("nft") is None:
+        pytest.skip("nft not found (the nftables package): loss cannot be shaped without sch_netem")
+    bed.reshape(0, LinkShape(100, 0, 1.0))  # loss alone: nftables
+    monkeypatch.setattr(shutil, "which", lambda tool: None)
+    with pytest.raises(HostBedError, match="nftables package") as info:
+        bed.reshape(1, LinkShape(100, 0, 1.0))
+    assert "\n" not in str(info.value)
+    bed.reshape(1, LinkShape(100))  # no loss asked: nft not needed
+
+
+SO_RCVBUFFORCE = 33  # Linux; not in Python's socket module: a buffer past rmem_max (root)
+
+
+def _datagrams_through(bed: HostBed, sender: int, receiver: int, count: int = 4000) -> int:
+    """UDP datagrams sent from one host to the other (sockets made inside them): how many distinct ones arrive."""
+    def sink() -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 32 << 20)  # all of them fit: only the link drops
+        sock.bind((bed.address(receiver), 0))
+        return sock
+    rx = inside(bed.namespace(receiver), sink)
+    tx = inside(bed.namespace(sender), lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+    seen: set[int] = set()
+    with rx, tx:
+        for i in range(count):
+            tx.sendto(i.to_bytes(4, "little"), rx.getsockname())
+        rx.settimeout(0.5)  # the end: half a second without a datagram
+        try:
+            while len(seen) < count:
+                seen.add(int.from_bytes(rx.recv(4), "little"))
+        except TimeoutError:
+            pass
+    return len(seen)
+
+
+def test_a_lossy_link_drops_its_share_each_way_and_loss_0_drops_none(bed):
+    if not bed.is_netem and shutil.which("nft") is None:
+        pytest.skip("nft not found (the nftables package): loss cannot be shaped without sch_netem")
+    bed.reshape(0, LinkShape(0, 0, 30.0))
+    assert 0.25 <= 1 - _datagrams_through(bed, 1, 0) / 4000 <= 0.35
+    for host in (0, 1):
+        bed.reshape(host, LinkShape(0, 0, 5.0))  # replaces host 0's rule
+    lost = [1 - _datagrams_through(bed, a, b) / 4000 for a, b in ((0, 1), (1, 0))]
+    assert all(0.03 <= share <= 0.08 for share in lost), lost
+    if not bed.is_netem:  # the rule's counters: what arrived at host 0, and what it dropped of it
+        arrived, dropped = bed.input_counts(0)
+        assert arrived >= 4000 and abs(dropped - round(lost[1] * 4000)) <= 5, (arrived, dropped, lost)
+    for host in (0, 1):
+        bed.reshape(host, LinkShape(0))
+    assert _datagrams_through(bed, 0, 1) == _datagrams_through(bed, 1, 0) == 4000
+    if not bed.is_netem:  # the rule is gone, not set to 0
+        assert bed.input_counts(0) is None
+        rules = subprocess.run(["ip", "netns", "exec", bed.namespace(0), "nft", "list", "ruleset"],
+                               capture_output=True, text=True)
+        assert "kvf" not in rules.stdout
 
 
 # ---- links (processes inside the hosts: slow) ---------------------------------------------------------------

@@ -3,7 +3,6 @@ transfer. Real processes in separate network namespaces over shaped veth links: 
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from kvfabric.bench import hosts_p2p
 from kvfabric.bench.hosts import HostBed, LinkShape, read_line
 from kvfabric.config import ClusterConfig
-from tests.host_fixtures import host_bed, need_bed
+from tests.host_fixtures import ask, host_bed, need_bed, start_pair
 from tests.reliability.harness import report
 
 pytestmark = pytest.mark.slow
@@ -33,25 +32,13 @@ def test_bench_p2p_across_hosts_reports_sane_rows(capsys):
     assert capsys.readouterr().out.count("\n") == 1
 
 
-def _ask(client: subprocess.Popen) -> None:
-    assert client.stdin is not None
-    client.stdin.write(b"go\n")
-    client.stdin.flush()
-
-
 def test_a_partition_mid_transfer_is_a_miss_within_the_deadline_and_heal_serves_again(bed: HostBed):
     settings = ClusterConfig(fetch_timeout_s=1.0, connect_timeout_s=0.5)  # the deadlines a peer tier would use
     for host in (0, 1):
         bed.reshape(host, LinkShape(100))
-    server = bed.python(0, hosts_p2p.MODULE, "serve", bed.address(0), "--chunks", str(NUM_CHUNKS),
-                        stdin=subprocess.PIPE)
-    port = json.loads(read_line(server, 120))["port"]
-    client = bed.python(1, hosts_p2p.MODULE, "fetch-checked", bed.address(0), str(port), "--chunks", str(NUM_CHUNKS),
-                        "--fetch-timeout", str(settings.fetch_timeout_s), "--connect-timeout",
-                        str(settings.connect_timeout_s), stdin=subprocess.PIPE)
-    assert json.loads(read_line(client, 120)) == {"ready": True}
+    server, client = start_pair(bed, settings, NUM_CHUNKS)
 
-    _ask(client)
+    ask(client)
     assert json.loads(read_line(client, 30)) == {"event": "first"}
     bed.partition(0)  # host A's cable pulled while B is fetching
     cut = time.monotonic()
@@ -61,7 +48,7 @@ def test_a_partition_mid_transfer_is_a_miss_within_the_deadline_and_heal_serves_
     assert cut_off["ended"] - cut <= settings.fetch_timeout_s + 1.0, cut_off["ended"] - cut
 
     asked = time.monotonic()
-    _ask(client)  # still partitioned: nothing arrives, within the connect deadline
+    ask(client)  # still partitioned: nothing arrives, within the connect deadline
     refused = json.loads(read_line(client, 30))
     assert refused["error"] and refused["received"] == 0 and refused["is_correct"], refused
     assert refused["ended"] - asked <= settings.connect_timeout_s + 1.0
@@ -73,7 +60,7 @@ def test_a_partition_mid_transfer_is_a_miss_within_the_deadline_and_heal_serves_
     while healed is None and time.monotonic() - healed_at < 10:
         # A's ARP entry for B failed during the partition and is retried once a second (neigh retrans_time), as on
         # a real network: the first fetches after the heal may still miss, each within its deadline
-        _ask(client)
+        ask(client)
         answer = json.loads(read_line(client, 30))
         if answer == {"event": "first"}:
             healed = json.loads(read_line(client, 30))

@@ -4,10 +4,13 @@ Contract:
 - `HostBed(num_hosts, shape)`, a context manager: host i is the network namespace `kvf-<pid>-<run>-h<i>` (loopback
   up, `eth0` at `<subnet>.<i + 1>/24`), joined by a veth pair to one bridge that lives in a namespace of its own
   (`kvf-<pid>-<run>-sw`, the switch). Nothing is added to the root namespace: it cannot reach the hosts, nor they it.
-- `LinkShape(rate_mbit, delay_ms, loss_pct)`: the rate caps both directions of a host's link (tbf at both ends);
-  delay and loss apply to what the host sends (netem on its end), so two hosts of one shape see an RTT of
-  2 x delay_ms and loss_pct each way. Delay and loss need the kernel's sch_netem: without it (`is_netem` False)
-  asking for them raises HostBedError; rate shaping (tbf) works alone.
+- `LinkShape(rate_mbit, delay_ms, loss_pct)`: the rate caps both directions of a host's link (tbf at both ends).
+  Where the kernel has sch_netem (`is_netem`), delay and loss apply to what the host sends (netem on its end).
+  Without it, loss applies to what the host receives on eth0 instead (an nftables rule in the host's namespace,
+  `table inet kvf`: `numgen random` drops that share of the input, frame by frame, the switch's end segmenting
+  what it sends a lossy host (gso_max_segs 1); replaced on reshape, deleted at loss 0; needs
+  `nft`, the nftables package; `input_counts(host)`: packets in and dropped), and delay cannot be shaped
+  (HostBedError). Either way two hosts of one shape see an RTT of 2 x delay_ms and loss_pct each way.
 - `run(host, argv)` / `python(host, module, *args)`: a process inside the host's namespace (`ip netns exec`), in a
   process group of its own, the environment carried (`python`: this kvfabric's source on PYTHONPATH).
   `partition(host)` takes the switch's end of the host's link down (a pulled cable: the host keeps its address,
@@ -16,7 +19,8 @@ Contract:
 - Cleanup: on exit (normal or by an exception), at interpreter exit and on SIGTERM, every process in the bed's
   namespaces is killed and every namespace deleted (veth pairs and bridge go with them). `sweep_stale()` (also run
   on entry) does the same for beds whose owning pid is gone, so a killed run leaves nothing for the next.
-- Needs root and iproute2 (`ip`, `tc`): without them HostBedError, whose message is one line.
+- Needs root and iproute2 (`ip`, `tc`), and `nft` for loss without sch_netem: without them HostBedError, whose
+  message is one line.
 """
 from __future__ import annotations
 
@@ -31,40 +35,16 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import kvfabric
+from kvfabric.bench.hosts_shape import HostBedError, LinkShape, drop_input, input_counts, shape_qdisc
+from kvfabric.bench.hosts_shape import cmd as _cmd
 
 PREFIX = "kvf-"
 NAME = re.compile(r"^kvf-(\d+)-([0-9a-f]+)-(sw|h\d+)$")
-
-
-class HostBedError(RuntimeError):
-    """The bed cannot be made or used here (no root, no iproute2, no sch_netem, a command refused)."""
-
-
-@dataclass(frozen=True, slots=True)
-class LinkShape:
-    rate_mbit: float = 0.0  # 0: not rate-limited
-    delay_ms: float = 0.0  # one way, on what the host sends
-    loss_pct: float = 0.0  # of what the host sends
-
-    def __post_init__(self) -> None:
-        if self.rate_mbit < 0 or self.delay_ms < 0 or not 0 <= self.loss_pct <= 100:
-            raise ValueError(f"bad link shape {self}: rate and delay >= 0, loss in [0, 100]")
-
-    @property
-    def is_netem(self) -> bool:
-        return self.delay_ms > 0 or self.loss_pct > 0
-
-
-def _cmd(*argv: str, check: bool = True) -> str:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    if check and proc.returncode:
-        raise HostBedError(f"`{' '.join(argv)}` failed: {proc.stderr.strip() or proc.returncode}")
-    return proc.stdout
+GSO_MAX_SEGS = 65535  # the kernel's default for a veth
 
 
 def check_available() -> None:
@@ -133,6 +113,7 @@ class HostBed:
         self.run_id = f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
         self.switch = f"{self.run_id}-sw"
         self.is_netem = False
+        self._lossy: set[int] = set()  # hosts with an nftables loss rule (no netem)
         self._procs: dict[int, list[subprocess.Popen]] = {}
         self._removed: set[int] = set()
         self._previous_sigterm: Any = None
@@ -231,11 +212,33 @@ class HostBed:
 
     def reshape(self, host: int, shape: LinkShape) -> None:
         self._check(host)
-        if shape.is_netem and not self.is_netem:
-            raise HostBedError(f"{shape}: delay and loss need the kernel's sch_netem qdisc, which this kernel "
-                               "lacks (rate alone is shaped with tbf)")
-        _shape(self.namespace(host), "eth0", shape)
-        _shape(self.switch, f"v{host}", LinkShape(shape.rate_mbit))
+        if shape.delay_ms and not self.is_netem:
+            raise HostBedError(f"{shape}: delay needs the kernel's sch_netem qdisc, which this kernel lacks (rate is "
+                               "shaped with tbf, loss with nftables)")
+        if shape.loss_pct and not self.is_netem and shutil.which("nft") is None:
+            raise HostBedError(f"{shape}: loss without the kernel's sch_netem needs nftables (`nft` not found: "
+                               "install the nftables package)")
+        ns = self.namespace(host)
+        if self.is_netem:
+            shape_qdisc(ns, "eth0", shape)
+        else:
+            shape_qdisc(ns, "eth0", LinkShape(shape.rate_mbit))
+            if shape.loss_pct or host in self._lossy:  # made, replaced, or deleted at 0
+                drop_input(ns, shape.loss_pct)
+                # the switch's end then segments what it sends the host (GSO in software), so the rule drops
+                # single frames as a lossy wire would, not 64 KB bursts of segments
+                _cmd("ip", "-n", self.switch, "link", "set", f"v{host}", "gso_max_segs",
+                     "1" if shape.loss_pct else str(GSO_MAX_SEGS))
+            if shape.loss_pct:
+                self._lossy.add(host)
+            else:
+                self._lossy.discard(host)
+        shape_qdisc(self.switch, f"v{host}", LinkShape(shape.rate_mbit))
+
+    def input_counts(self, host: int) -> tuple[int, int] | None:
+        """(packets in, packets dropped) by the host's nftables loss rule since it was made; None without one."""
+        self._check(host)
+        return input_counts(self.namespace(host)) if host in self._lossy else None
 
     def partition(self, host: int) -> None:
         self._check(host)
@@ -271,18 +274,3 @@ class HostBed:
                 except ProcessLookupError:
                     pass
                 proc.wait(5)
-
-
-def _shape(ns: str, dev: str, shape: LinkShape) -> None:
-    """Replace the root qdisc of dev: netem (delay, loss, rate) or tbf (rate), or none."""
-    tc = ("tc", "-n", ns, "qdisc")
-    if shape.is_netem:
-        rate = ("rate", f"{shape.rate_mbit}mbit") if shape.rate_mbit else ()
-        _cmd(*tc, "replace", "dev", dev, "root", "netem", "delay", f"{shape.delay_ms}ms", "loss",
-             f"{shape.loss_pct}%", *rate, "limit", "100000")
-    elif shape.rate_mbit:
-        burst = max(64 << 10, int(shape.rate_mbit * 1e6 / 8 / 1000))  # 1 ms at the rate, at least 64 KiB
-        _cmd(*tc, "replace", "dev", dev, "root", "tbf", "rate", f"{shape.rate_mbit}mbit", "burst", str(burst),
-             "latency", "20ms")
-    else:
-        _cmd(*tc, "del", "dev", dev, "root", check=False)

@@ -12,8 +12,9 @@ moving the same bytes over the same shaped link, in the same run.
 - `fetch-checked` (a process in host B, for the fault tests): a PeerClient with the deadlines a peer tier uses
   (`--fetch-timeout`, `--connect-timeout`: ClusterConfig's). For each line read from stdin, one fetch of the N
   chunks: writes `{"event": "first"}` once the first answer is in, then `{"received", "is_correct", "error",
-  "ended"}`: the chunks that arrived (the rest are misses), whether each is an intact chunk under its key and
-  equal to the stored bytes, the PeerError if the fetch failed, and time.monotonic() at its end.
+  "started", "ended", "max_wait_s"}`: the chunks that arrived (the rest are misses), whether each is an intact
+  chunk under its key and equal to the stored bytes, the PeerError if the fetch failed, time.monotonic() at its
+  start and end, and the longest wait for one answer (or for the error) from the previous one or the start.
 - `run` (the benchmark, in the root namespace): a bed of two hosts; for each rate both links are reshaped
   (`LinkShape(rate, delay)`; the delay only where the kernel has sch_netem, said on stderr otherwise) and the fetch
   process measures once. Rows: `rate_mbit`, `delay_ms` (as shaped), `mb`, `gbps`, `baseline_gbps`, `ratio`
@@ -81,10 +82,14 @@ def fetch_checked(address: str, port: int, num_chunks: int, fetch_timeout_s: flo
     client = PeerClient(address, port, TOKEN, connect_timeout_s=connect_timeout_s, io_timeout_s=fetch_timeout_s)
     print(json.dumps({"ready": True}), flush=True)
     while sys.stdin.readline():
-        received, is_correct, error = 0, True, None
+        received, answers, is_correct, error = 0, 0, True, None
+        started = last = time.monotonic()
+        max_wait = 0.0
         try:
             for key, blob in client.fetch(keys):
-                if received == 0:
+                max_wait, last = max(max_wait, time.monotonic() - last), time.monotonic()
+                answers += 1
+                if answers == 1:
                     print(json.dumps({"event": "first"}), flush=True)
                 if blob is None:  # the peer lacks it: a miss
                     continue
@@ -95,8 +100,9 @@ def fetch_checked(address: str, port: int, num_chunks: int, fetch_timeout_s: flo
                     is_correct = False
         except PeerError as exc:
             error = str(exc)
-        print(json.dumps({"received": received, "is_correct": is_correct, "error": error, "ended": time.monotonic()}),
-              flush=True)
+        ended = time.monotonic()
+        print(json.dumps({"received": received, "is_correct": is_correct, "error": error, "started": started,
+                          "ended": ended, "max_wait_s": max(max_wait, ended - last)}), flush=True)
     client.close()
 
 
