@@ -18,7 +18,7 @@ import pytest
 
 from kvfabric.bench import hosts_probe
 from kvfabric.bench.hosts import HostBed, HostBedError, LinkShape, check_available, namespaces, read_line, sweep_stale
-from kvfabric.bench.hosts_stream import inside
+from kvfabric.bench.hosts_netns import inside
 from tests.host_fixtures import host_bed, need_bed
 
 

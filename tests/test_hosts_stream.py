@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvfabric.bench.hosts import HostBed, LinkShape
-from kvfabric.bench.hosts_stream import inside, link_mbit
+from kvfabric.bench.hosts_netns import inside, link_mbit
 from tests.host_fixtures import host_bed, need_bed
 
 

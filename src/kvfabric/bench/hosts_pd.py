@@ -25,7 +25,7 @@ from typing import Any
 
 from kvfabric.bench.common import emit
 from kvfabric.bench.hosts import HostBed, LinkShape
-from kvfabric.bench.hosts_stream import inside, link_mbit
+from kvfabric.bench.hosts_netns import inside, link_mbit
 from kvfabric.bench.pd import GroupResult, Placement, Site, run_path
 from kvfabric.bench.serve import percentile
 

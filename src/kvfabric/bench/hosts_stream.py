@@ -24,58 +24,22 @@ faster than raw at the slowest.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import multiprocessing
-import os
 import socket
 import statistics
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from kvfabric.bench.common import emit, threads_note
 from kvfabric.bench.hosts import HostBed, LinkShape
+from kvfabric.bench.hosts_netns import inside, join_namespace, link_mbit
 from kvfabric.bench.stream import StreamRig, make_rig, quality, receive_ttft
 from kvfabric.stream.policy import RAW, RECOMPUTE, AdaptivePolicy, FixedPolicy, ResolutionPolicy
 from kvfabric.stream.sender import PreparedPrompt, send_prompt
 
 RATES_MBIT = (500, 1000, 2000, 5000, 10000)
-CLONE_NEWNET = 0x40000000
-T = TypeVar("T")
-
-
-def join_namespace(name: str) -> None:
-    """Move the calling thread into the named network namespace (sockets it makes from now on live there)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
-
-def inside(name: str, make: Callable[[], T]) -> T:
-    """make() run on a short-lived thread inside the namespace: a socket it returns stays in that namespace,
-    while this thread (and the process's others) stay where they are."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            join_namespace(name)
-            box["value"] = make()
-        except BaseException as exc:  # handed to the caller's thread
-            box["error"] = exc
-    thread = threading.Thread(target=target, name="kvfabric-netns")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def _policy(spec: dict, last_bps: float | None) -> Any:
@@ -108,38 +72,6 @@ def _serve(namespace: str, address: str, prompt: PreparedPrompt, ready: Any) -> 
             send_prompt(conn, prompt, policy)
             if not isinstance(policy, FixedPolicy):
                 last_bps = policy.estimate_bps() or last_bps
-
-
-def link_mbit(bed: HostBed, num_bytes: int = 32 << 20) -> float:
-    """Raw TCP from host 0 to host 1 on the link as shaped now: one sendall of num_bytes, received into one buffer."""
-    srv = inside(bed.namespace(1), lambda: _listener(bed.address(1)))
-    cli = inside(bed.namespace(0), lambda: socket.create_connection(srv.getsockname(), timeout=30))
-    conn, _ = srv.accept()
-    got = [0]
-
-    def drain() -> None:
-        buf = bytearray(1 << 20)
-        while got[0] < num_bytes:
-            n = conn.recv_into(buf)
-            if not n:
-                return
-            got[0] += n
-    thread = threading.Thread(target=drain)
-    started = time.perf_counter()
-    thread.start()
-    cli.sendall(bytes(num_bytes))
-    thread.join()
-    took = time.perf_counter() - started
-    for s in (cli, conn, srv):
-        s.close()
-    return num_bytes * 8 / took / 1e6
-
-
-def _listener(address: str) -> socket.socket:
-    srv = socket.socket()
-    srv.bind((address, 0))
-    srv.listen(1)
-    return srv
 
 
 def _request(bed: HostBed, port: int, rig: StreamRig, spec: dict) -> tuple[float, Any, Any]:
