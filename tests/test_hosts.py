@@ -217,3 +217,15 @@ def test_a_partitioned_host_is_unreachable_until_healed(bed):
     assert json.loads(read_line(bed.python(1, *measure, "10"), 60))["bytes"] > 0
     qdisc = subprocess.run(["tc", "-n", bed.switch, "qdisc", "show", "dev", "v0"], capture_output=True, text=True)
     assert "tbf" in qdisc.stdout and "1Gbit" in qdisc.stdout  # the shaping survives the partition
+
+
+@pytest.mark.slow
+def test_two_hosts_cut_apart_still_reach_the_third_until_mended(bed):
+    srv = bed.python(0, "kvfabric.bench.hosts_probe", "serve", bed.address(0))
+    port = json.loads(read_line(srv, 60))["port"]
+    measure = ("kvfabric.bench.hosts_probe", "measure", bed.address(0), str(port), "--pings", "1", "--timeout")
+    bed.cut(0, 1)
+    assert "error" in json.loads(read_line(bed.python(1, *measure, "1"), 60))  # 1 cannot reach 0
+    assert json.loads(read_line(bed.python(2, *measure, "10"), 60))["bytes"] > 0  # 2 still can
+    bed.mend(1, 0)
+    assert json.loads(read_line(bed.python(1, *measure, "10"), 60))["bytes"] > 0

@@ -14,7 +14,8 @@ Contract:
 - `run(host, argv)` / `python(host, module, *args)`: a process inside the host's namespace (`ip netns exec`), in a
   process group of its own, the environment carried (`python`: this kvfabric's source on PYTHONPATH).
   `partition(host)` takes the switch's end of the host's link down (a pulled cable: the host keeps its address,
-  its packets go nowhere); `heal(host)` brings it back, shaping kept. `reshape`, `remove(host)` (its processes
+  its packets go nowhere); `heal(host)` brings it back, shaping kept. `cut(a, b)` drops what the switch forwards between two hosts
+  (nftables in the switch, `nft` needed; each still reaches the others), `mend(a, b)` ends it. `reshape`, `remove(host)` (its processes
   killed, its namespace deleted), `address(host)`.
 - Cleanup: on exit (normal or by an exception), at interpreter exit and on SIGTERM, every process in the bed's
   namespaces is killed and every namespace deleted (veth pairs and bridge go with them). `sweep_stale()` (also run
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import kvfabric
-from kvfabric.bench.hosts_shape import HostBedError, LinkShape, drop_input, input_counts, shape_qdisc
+from kvfabric.bench.hosts_shape import HostBedError, LinkShape, drop_between, drop_input, input_counts, shape_qdisc
 from kvfabric.bench.hosts_shape import cmd as _cmd
 
 PREFIX = "kvf-"
@@ -114,6 +115,7 @@ class HostBed:
         self.switch = f"{self.run_id}-sw"
         self.is_netem = False
         self._lossy: set[int] = set()  # hosts with an nftables loss rule (no netem)
+        self._cuts: set[tuple[int, int]] = set()  # pairs of hosts cut apart (cut / mend)
         self._procs: dict[int, list[subprocess.Popen]] = {}
         self._removed: set[int] = set()
         self._previous_sigterm: Any = None
@@ -247,6 +249,19 @@ class HostBed:
     def heal(self, host: int) -> None:
         self._check(host)
         _cmd("ip", "-n", self.switch, "link", "set", f"v{host}", "up")
+
+    def cut(self, a: int, b: int) -> None:
+        """Hosts a and b no longer reach each other (both still reach every other host): `mend` ends it."""
+        self._check(a)
+        self._check(b)
+        if shutil.which("nft") is None:
+            raise HostBedError("cutting two hosts apart needs nftables (`nft` not found: install the nftables package)")
+        self._cuts.add((min(a, b), max(a, b)))
+        drop_between(self.switch, [(self.address(x), self.address(y)) for x, y in sorted(self._cuts)])
+
+    def mend(self, a: int, b: int) -> None:
+        self._cuts.discard((min(a, b), max(a, b)))
+        drop_between(self.switch, [(self.address(x), self.address(y)) for x, y in sorted(self._cuts)])
 
     def remove(self, host: int) -> None:
         """The host is gone: its processes killed, its namespace (and link) deleted."""

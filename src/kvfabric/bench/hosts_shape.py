@@ -9,6 +9,9 @@ Contract:
   (`input_counts(ns)`: packets in, packets dropped); at 0 the table is deleted.
   It is how the bed shapes loss where the kernel has no sch_netem (nftables reaches the input path of a namespace;
   `tc` without netem cannot drop at random).
+- `drop_between(switch_ns, pairs)` replaces, in one transaction, the switch namespace's table `bridge kvfcut`: IPv4
+  packets the bridge forwards between the two addresses of each pair are dropped, both ways (a firewall between
+  two hosts: each still reaches every other host); with no pair the table is deleted.
 - `cmd(*argv)` runs a command, its stdout returned; a failure raises HostBedError with a one-line message.
 """
 from __future__ import annotations
@@ -70,6 +73,16 @@ def drop_input(ns: str, loss_pct: float) -> None:
                    f'  iifname "eth0" numgen random mod 1000000 < {round(loss_pct * 10_000)} counter drop\n'
                    " }\n}\n")
     cmd("ip", "netns", "exec", ns, "nft", "-f", "-", stdin=script)
+
+
+def drop_between(switch_ns: str, pairs: list[tuple[str, str]]) -> None:
+    """Replace the switch's table `bridge kvfcut` (one transaction): drop what is bridged between each pair."""
+    script = "table bridge kvfcut\ndelete table bridge kvfcut\n"  # made if absent, so the delete never fails
+    if pairs:
+        rules = "".join(f"  ip saddr {a} ip daddr {b} drop\n  ip saddr {b} ip daddr {a} drop\n" for a, b in pairs)
+        script += ("table bridge kvfcut {\n chain cut {\n  type filter hook forward priority 0; policy accept;\n"
+                   + rules + " }\n}\n")
+    cmd("ip", "netns", "exec", switch_ns, "nft", "-f", "-", stdin=script)
 
 
 def input_counts(ns: str) -> tuple[int, int]:
