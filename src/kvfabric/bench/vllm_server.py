@@ -76,7 +76,9 @@ class VllmServer:
         delay = 0.5
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log.read_text()[-5000:]}")
+                text = self.log.read_text()
+                causes = "\n".join(dict.fromkeys(line for line in text.splitlines() if "Error:" in line))  # roots
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{causes[-3000:]}\n{text[-3000:]}")
             try:
                 with urllib.request.urlopen(f"http://{self.host}:{self.port}/health", timeout=5) as reply:
                     if reply.status == 200:
