@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import pytest
 from click.testing import CliRunner
 
 from kvfabric.bench.hosts import HostBed, LinkShape
 from kvfabric.bench.hosts_netns import inside, link_mbit
+from kvfabric.stream.meter import LinkMeter
 from tests.host_fixtures import host_bed, need_bed
 
 
@@ -80,3 +82,26 @@ def _listen(address: str) -> socket.socket:
     srv.bind((address, 0))
     srv.listen(1)
     return srv
+
+
+def test_a_send_that_fits_the_buffer_is_timed_by_the_meter_at_the_links_pace(bed: HostBed):
+    """On a 100 Mbit link a 1 MB send returns at once (the socket's buffer takes it); the kernel's count of what
+    was acknowledged moves at 12.5 MB/s, and that is what the meter reads (stream/meter.py)."""
+    for host in (0, 1):
+        bed.reshape(host, LinkShape(100))
+    srv = inside(bed.namespace(1), lambda: _listen(bed.address(1)))
+    with srv:
+        cli = inside(bed.namespace(0), lambda: socket.create_connection(srv.getsockname(), timeout=5))
+        conn, _ = srv.accept()
+        with cli, conn:
+            cli.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            meter = LinkMeter(cli, min_window_s=0.02)
+            started = time.perf_counter()
+            cli.sendall(bytes(1 << 20))
+            send_s = time.perf_counter() - started
+            got = 0
+            while got < 1 << 19:  # half of it delivered: the link has been busy for ~40 ms
+                got += len(conn.recv(1 << 20))
+            rate = meter.rate_bps()
+    assert (1 << 20) / send_s > 50e6  # the send call alone would say > 400 Mbit
+    assert rate is not None and 5e6 < rate < 16e6, rate  # the meter: the link's 12.5 MB/s

@@ -154,3 +154,21 @@ def test_a_jumpy_link_prices_in_the_risk_of_big_chunks(monkeypatch):
     risky = jumpy.send_s(RAW_BYTES, 125e6)
     assert RAW_BYTES / 125e6 * 1.2 < risky < RAW_BYTES / 12.5e6
     assert jumpy.send_s(V7_BYTES, 125e6) / (V7_BYTES / 125e6) < risky / (RAW_BYTES / 125e6)  # small chunks: less
+
+
+def _busy_worker_policy() -> ResolutionPolicy:
+    """A 2 Gbit/s link (250 MB/s) and a receiver whose worker has ~30 ms of L9 chunks queued."""
+    policy = ResolutionPolicy(["raw", "L9"], {"raw": 0.001, "L9": 0.006}, initial_bps=250e6)
+    for _ in range(5):
+        # chunks whose raw form would take the link 0.2 s: L9 each time, and the worker's queue grows
+        assert policy.choose({"raw": [50_000_000] * 3, "L9": [600_000] * 3}, 0.0).option == "L9"
+        policy.observe(600_000, 600_000 / 250e6)
+    return policy
+
+
+def test_a_link_still_busy_with_queued_bytes_is_not_taken_for_a_free_one():
+    last = {"raw": [5_900_000], "L9": [600_000]}
+    # the link free now, the worker busy: the last chunk goes raw (on the wire while the worker catches up)
+    assert _busy_worker_policy().choose(last, 0.0).option == "raw"
+    # 10 MB still in the sender's socket (40 ms of this link): raw would wait behind them, L9 is sooner
+    assert _busy_worker_policy().choose(last, 0.0, queued_bytes=10_000_000).option == "L9"

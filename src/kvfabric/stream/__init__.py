@@ -6,6 +6,8 @@ keeps the whole load within a TTFT target, or as tokens for the receiver to reco
 - protocol.py: the framing (bounds-checked: a frame never makes the receiver allocate more than the chunk it
   announced can need);
 - policy.py: the per-chunk choice (raw, a cachegen level, or recompute) from the measured throughput;
+- meter.py: that throughput as the kernel counts it (bytes the receiver acknowledged, TCP_INFO), not as long as
+  send calls took (a send into a megabyte socket buffer returns at memory speed);
 - sender.py / receiver.py: the two ends; the receiver decodes while the next chunk is on the wire and recomputes
   token chunks with a callback (the model), in order.
 Everything listens on 127.0.0.1 only.

@@ -70,8 +70,8 @@ class AdaptivePolicy:
             return self.initial_bps
         return sum(b for b, _ in recent) / sum(s for _, s in recent)
 
-    def choose(self, remaining_sizes: dict[str, list[int]], elapsed_s: float) -> Choice:
-        """remaining_sizes[option] = wire bytes of chunks i, i+1, ... at that option."""
+    def choose(self, remaining_sizes: dict[str, list[int]], elapsed_s: float, queued_bytes: int = 0) -> Choice:
+        """remaining_sizes[option] = wire bytes of chunks i, i+1, ... at that option (queued_bytes: not used)."""
         left = (self.ttft_target_s - self.finish_s - elapsed_s) * self.headroom
         bps = self.estimate_bps()
         if bps is None:  # no estimate yet: the middle of the options
@@ -126,8 +126,9 @@ class ResolutionPolicy:
         p = min(1.0, jumps / span * t)
         return (1 - p) * t + p * max(t, nbytes / min(r for _, r in rates))
 
-    def choose(self, remaining_sizes: dict[str, list[int]], elapsed_s: float) -> Choice:
-        """remaining_sizes[option] = wire bytes of chunks i, i+1, ... at that option."""
+    def choose(self, remaining_sizes: dict[str, list[int]], elapsed_s: float, queued_bytes: int = 0) -> Choice:
+        """remaining_sizes[option] = wire bytes of chunks i, i+1, ... at that option; queued_bytes: what the
+        sender's socket still holds of the chunks already sent (the link is busy with them first)."""
         bps = self.estimate_bps()
         if bps is None:  # nothing measured yet: the middle of the options
             pick = self.options[len(self.options) // 2]
@@ -140,8 +141,9 @@ class ResolutionPolicy:
             cost[RECOMPUTE] = (self.send_s(remaining_sizes[RECOMPUTE][0], bps), self.recompute_s)
         later = len(remaining_sizes[self.options[0]]) - 1
         score = {}
+        backlog_s = queued_bytes / bps
         for o, (send, work) in cost.items():
-            link_free = now + send
+            link_free = now + backlog_s + send
             done = max(link_free, self._decoder_free) + work  # this chunk in the buffer
             score[o] = (plan_s(link_free, done, later, list(cost.values())), done)
         pick = min(score, key=score.__getitem__)  # full ties: the first listed, i.e. the higher quality
@@ -179,5 +181,5 @@ class FixedPolicy:
     def observe(self, nbytes: int, seconds: float) -> None:
         return None
 
-    def choose(self, remaining_sizes: dict[str, list[int]], elapsed_s: float) -> Choice:
+    def choose(self, remaining_sizes: dict[str, list[int]], elapsed_s: float, queued_bytes: int = 0) -> Choice:
         return Choice(self.option, None, 0.0)

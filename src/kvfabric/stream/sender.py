@@ -4,8 +4,9 @@
 level ("V<level>"), as a store that keeps chunks at several levels would (CacheGen stores each chunk at every
 level): the send loop only picks and sends bytes, so its timing is the link's. With `time_decode`, it also
 measures what one chunk of each option costs the receiver to decode (ResolutionPolicy needs it).
-`send_prompt(sock, prompt, policy)` sends HELLO, then each chunk as KV or TOKENS, then END, feeding the policy the
-measured seconds of each send.
+`send_prompt(sock, prompt, policy)` sends HELLO, then each chunk as KV or TOKENS, then END, feeding the policy each
+chunk's seconds on the link: its bytes at the rate the kernel saw acknowledged (stream/meter.py), or, where TCP_INFO
+is not available, the seconds its send took.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from kvfabric.codec.registry import parse_codec
 from kvfabric.kv.hashing import KeySpace
 from kvfabric.kv.layout import KVLayout
 from kvfabric.stream import protocol as W
+from kvfabric.stream.meter import LinkMeter
 from kvfabric.stream.policy import RAW, RECOMPUTE, Choice
 
 
@@ -115,8 +117,9 @@ def send_prompt(sock: socket.socket, prompt: PreparedPrompt, policy, t0: float |
     options = [o for o in prompt.blobs] + [RECOMPUTE]
     sizes = {o: prompt.wire_sizes(o) for o in options}
     choices, wire, secs = [], [], []
+    meter, rate = LinkMeter(sock), None  # the link's pace, not the send calls' (stream/meter.py says why)
     for i in range(prompt.num_chunks):
-        choice = policy.choose({o: sizes[o][i:] for o in options}, time.perf_counter() - t0)
+        choice = policy.choose({o: sizes[o][i:] for o in options}, time.perf_counter() - t0, meter.queued_bytes())
         start = time.perf_counter()
         if choice.option == RECOMPUTE:
             s, e = prompt.span(i)
@@ -128,7 +131,10 @@ def send_prompt(sock: socket.socket, prompt: PreparedPrompt, policy, t0: float |
             n = W.send_frame(sock, W.KV, i, blob, level)
         took = time.perf_counter() - start
         if choice.option != RECOMPUTE:
-            policy.observe(n, took)
+            rate = meter.rate_bps() or rate  # a reading too soon after the last one keeps the last rate
+            if not rate and meter.is_available:  # no reading yet: the policy's prior, never the send call's time
+                rate = getattr(policy, "estimate_bps", lambda: None)()
+            policy.observe(n, n / rate if rate else took)
         choices.append(choice)
         wire.append(n)
         secs.append(took)
