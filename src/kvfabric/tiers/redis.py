@@ -5,7 +5,8 @@ Contract:
   chunk blobs, passed to SET as they are (bytes, bytearray or memoryview; redis-py sends large arguments
   without copying) and returned from GET as the bytes redis-py built: no extra copy on either side.
 - `contains_many` is one pipelined round trip (one EXISTS per key; a single multi-key EXISTS only counts).
-  In cluster mode (`is_cluster`) the client splits the pipeline per node: one round trip per node touched.
+  In cluster mode (`is_cluster`) the keys are grouped by the node serving their slot: one pipeline (one round
+  trip) per node touched, each under that node's breaker.
 - The server owns the bound: `ttl_s > 0` stores with SET EX, and the server's maxmemory policy evicts. An
   evicted or expired key is a clean miss. `capacity_bytes` is informational (and rejects a single blob larger
   than it); pin/unpin are no-ops because this process cannot stop the server from evicting a key.
@@ -16,7 +17,13 @@ Contract:
   call is let through after a backoff (0.1 s, doubling, capped at `backoff_max_s`); its success closes it. redis-py
   reconnects by itself, so the tier recovers when the server comes back. Failed or skipped stores are dropped
   and counted in `counters`, never retried.
-- Thread safe: redis-py's clients use a connection pool; the breaker has its own lock.
+- One breaker (`breaker`) for a single server. In cluster mode a keyed call (get, put, delete, contains_many's
+  per-node batch) goes under the breaker of the node serving the key's slot (`node_breakers`,
+  kvfabric.tiers.redis_nodes; the node read from the client's slot map, no network): an unreachable node's keys
+  miss at once once its breaker opens, the other nodes' keys are served. `breaker` then guards the client's set-up,
+  the calls to every node (keys, usage, clear) and keys whose slot the map does not cover. The client is kept
+  when a node fails: redis-py refreshes its slot map itself (from the other nodes first) after a node's error.
+- Thread safe: redis-py's clients use a connection pool; the breakers have their own locks.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ from redis.retry import Retry
 from kvfabric.net.breaker import CircuitBreaker
 from kvfabric.observe.counters import Counters
 from kvfabric.tiers.base import Blob, TierBase, TierUsage
+from kvfabric.tiers.redis_nodes import NodeBreakers, by_node, node_of
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +82,7 @@ class RedisTier(TierBase):
         self.keys_limit = keys_limit
         self.counters = Counters()
         self.breaker = CircuitBreaker(breaker_failures, backoff_max_s)
+        self.node_breakers = NodeBreakers(breaker_failures, backoff_max_s)  # cluster mode: per node, see above
         self._client: Any = None
         self._client_lock = threading.Lock()
 
@@ -99,9 +108,17 @@ class RedisTier(TierBase):
                 client = self._client
         return client
 
-    def _call(self, op: str, fn: Callable[[Any], T]) -> T:
-        """Run fn(client) under the breaker; raise _Unavailable (breaker open) or the error after counting it."""
-        if not self.breaker.allow():
+    def _node(self, name: bytes) -> str | None:
+        """Cluster mode: the node serving key `name` (None: no client yet, or a slot not in the map)."""
+        client = self._client
+        return None if not self.is_cluster or client is None else node_of(client, name)
+
+    def _call(self, op: str, fn: Callable[[Any], T], node: str | None = None) -> T:
+        """Run fn(client) under the breaker of `node` (None: the tier's); raise _Unavailable (that breaker is open)
+        or the error after counting it."""
+        breaker = self.breaker if node is None else self.node_breakers.get(node)
+        where = self.url if node is None else f"{self.url} node {node}"
+        if not breaker.allow():
             self.counters.add(f"{op}.skipped")
             raise _Unavailable
         try:
@@ -109,20 +126,18 @@ class RedisTier(TierBase):
         except (RedisError, RedisClusterException, OSError) as exc:
             if isinstance(exc, ResponseError) and not isinstance(exc, ClusterError):
                 # The server answered (e.g. OOM under maxmemory noeviction): it is alive, the breaker stays shut.
-                self.breaker.success()
+                breaker.success()
                 self.counters.add(f"{op}.rejected")
                 log.debug("redis %s rejected: %s", op, exc)
                 raise
             self.counters.add(f"{op}.errors")
-            if self.breaker.failure():
+            if breaker.failure():
                 self.counters.add("breaker.opened")
-                log.warning("redis tier %s unreachable (%s: %s); circuit open", self.url, type(exc).__name__, exc)
-                if self.is_cluster:
-                    self._reset_client()  # re-read the slot map on the next try
+                log.warning("redis tier %s unreachable (%s: %s); circuit open", where, type(exc).__name__, exc)
             raise
-        if self.breaker.success():
+        if breaker.success():
             self.counters.add("breaker.closed")
-            log.warning("redis tier %s reachable again; circuit closed", self.url)
+            log.warning("redis tier %s reachable again; circuit closed", where)
         return result
 
     def _reset_client(self) -> None:
@@ -139,20 +154,27 @@ class RedisTier(TierBase):
         if not keys:
             return []
 
-        def run(client: Any) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(redis_key(key))
-            return pipe.execute()
+        names = [redis_key(key) for key in keys]
+        found = [False] * len(keys)
+        batches = by_node(self._client, names) if self.is_cluster else by_node(None, names)
+        for batch in batches:
+            def run(client: Any, positions: tuple[int, ...] = batch.positions) -> list[Any]:
+                pipe = client.pipeline(transaction=False)
+                for position in positions:
+                    pipe.exists(names[position])
+                return pipe.execute()
 
-        try:
-            return [bool(n) for n in self._call("contains", run)]
-        except Exception:  # noqa: BLE001 - a fault is a miss, never an error for the caller
-            return [False] * len(keys)
+            try:
+                for position, n in zip(batch.positions, self._call("contains", run, batch.node), strict=True):
+                    found[position] = bool(n)
+            except Exception:  # noqa: BLE001 - a fault is a miss, never an error for the caller
+                continue
+        return found
 
     def get(self, key: bytes) -> Blob | None:
         try:
-            value = self._call("get", lambda client: client.get(redis_key(key)))
+            name = redis_key(key)
+            value = self._call("get", lambda client: client.get(name), self._node(name))
         except Exception:  # noqa: BLE001
             return None
         if value is None:
@@ -168,7 +190,7 @@ class RedisTier(TierBase):
         name = redis_key(key)
         ttl = self.ttl_s if self.ttl_s > 0 else None
         try:
-            self._call("put", lambda client: client.set(name, blob, ex=ttl))
+            self._call("put", lambda client: client.set(name, blob, ex=ttl), self._node(name))
         except Exception:  # noqa: BLE001 - dropped and counted (counters["put.*"]), never retried
             self.counters.add("put.dropped")
             return False
@@ -176,7 +198,8 @@ class RedisTier(TierBase):
 
     def delete(self, key: bytes) -> bool:
         try:
-            return bool(self._call("delete", lambda client: client.unlink(redis_key(key))))
+            name = redis_key(key)
+            return bool(self._call("delete", lambda client: client.unlink(name), self._node(name)))
         except Exception:  # noqa: BLE001
             return False
 
