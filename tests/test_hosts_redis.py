@@ -98,8 +98,6 @@ def test_one_redis_cluster_node_partitioned_misses_within_the_timeout_and_serves
            other_nodes_served_share=share, note="recovery: from the heal until a get of the cut node's keys hits")
 
 
-@pytest.mark.xfail(strict=True, reason="the redis tier has one circuit breaker for a whole Redis Cluster: the cut "
-                   "node's timeouts open it, and the other nodes' keys miss with it")
 def test_while_one_redis_cluster_node_is_cut_the_others_keys_are_served(bed: HostBed, tmp_path: Path):
     figures = cut_one_node(bed, tmp_path)
     assert figures["other_missed"] == 0, figures

@@ -15,6 +15,7 @@ from kvfabric.net.breaker import CircuitBreaker
 from kvfabric.tiers.disk import DiskTier
 from kvfabric.tiers.factory import build_tiers
 from kvfabric.tiers.redis import RedisTier, redis_key
+from kvfabric.tiers.redis_nodes import NodeBreakers
 from kvfabric.tiers.stack import TierStack
 from tests.cluster_scripts.helpers import FakeClock, finishes, wait_for
 from tests.redis_fixtures import (  # noqa: F401 - fixtures are used by name
@@ -336,6 +337,49 @@ def test_cluster_unreachable_is_misses(tmp_path: Path) -> None:
 
     finishes(calls)
     assert network_calls(tier) == 3 and tier.breaker.is_open  # every failure counted; the third opened it
+
+
+def test_cluster_node_hung_costs_only_its_own_keys(redis_cluster) -> None:
+    """A breaker per cluster node: a silent node's timeouts open its breaker only, the other nodes' keys are
+    served (with one breaker for the whole cluster they would all miss), and its keys come back after it."""
+    clock = FakeClock()  # the breakers' backoffs move only when the test says
+    tier = RedisTier(redis_cluster.url, is_cluster=True, timeout_s=0.2)
+    tier.breaker = CircuitBreaker(failures=3, backoff_max_s=0.4, clock=clock)
+    tier.node_breakers = NodeBreakers(failures=3, backoff_max_s=0.4, clock=clock)
+    tier.clear()
+    keys = [key_of(i) for i in range(60)]
+    assert all(tier.put(key, key) for key in keys)
+    node_of = {key: tier.client().get_node_from_key(redis_key(key)).name for key in keys}
+    hung = redis_cluster.nodes[2]
+    hung_name = next(name for name in node_of.values() if name.endswith(f":{hung.port}"))
+    theirs = [key for key in keys if node_of[key] == hung_name]
+    ours = [key for key in keys if node_of[key] != hung_name]
+    assert theirs and ours
+    os.kill(hung.proc.pid, signal.SIGSTOP)  # alive but silent (well within the cluster's node timeout, 2 s)
+
+    def calls() -> None:
+        assert all(tier.get(key) is None for key in theirs[:3])  # three timeouts open that node's breaker
+        assert tier.node_breakers.open_nodes() == [hung_name]
+        assert all(tier.get(key) == key for key in ours)
+        assert tier.contains_many(keys) == [node_of[key] != hung_name for key in keys]
+        assert all(tier.get(key) is None and not tier.put(key, b"x") for key in theirs)  # at once: its breaker
+
+    try:
+        finishes(calls)
+        assert network_calls(tier) == 3 and not tier.breaker.is_open
+        assert tier.counters["breaker.opened"] == 1
+    finally:
+        os.kill(hung.proc.pid, signal.SIGCONT)
+
+    def recovered() -> bool:
+        clock.advance(1.0)  # past the backoff: the next call on that node is its probe
+        return tier.get(theirs[0]) == theirs[0]
+
+    wait_for(recovered, 30)
+    assert tier.node_breakers.open_nodes() == [] and tier.counters["breaker.closed"] == 1
+    assert all(tier.get(key) == key for key in keys)
+    tier.clear()
+    tier.close()
 
 
 # ---- the shared tier contract (tests/tier_contract.py) -----------------------------------------------------
