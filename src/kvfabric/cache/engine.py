@@ -282,7 +282,8 @@ class CacheEngine:
     def stats(self) -> EngineStats:
         tiers = self.stack.tiers
         tier_counters = {t.name: c.snapshot() for t in tiers if isinstance(c := getattr(t, "counters", None), Counters)}
-        breakers = {t.name: b.is_open for t in tiers if (b := getattr(t, "breaker", None)) is not None}
+        breakers = {t.name: bool(getattr(t, "is_breaker_open", b.is_open))  # a tier with several breakers: any
+                    for t in tiers if (b := getattr(t, "breaker", None)) is not None}
         return EngineStats(merged(self.core.counters, self.stack.counters), tuple(t.usage() for t in tiers),
                            tier_counters, breakers, self.stack.queue_depth, self.stack.queue_capacity,
                            self.node.p2p_counters() if self.node is not None else {},

@@ -81,7 +81,7 @@ class EngineStats:
     counters: dict[str, int]  # the engine's and its tier stack's counters, summed
     tiers: tuple[TierUsage, ...]  # fastest first
     tier_counters: dict[str, dict[str, int]] = field(default_factory=dict)  # each tier's own counters, by name
-    breakers_open: dict[str, bool] = field(default_factory=dict)  # tiers with a circuit breaker: is it open
+    breakers_open: dict[str, bool] = field(default_factory=dict)  # tiers with breakers: is one open
     write_queue_depth: int = 0
     write_queue_capacity: int = 0
     p2p_server: dict[str, int] = field(default_factory=dict)  # the cluster node's P2P server counters

@@ -86,6 +86,11 @@ class RedisTier(TierBase):
         self._client: Any = None
         self._client_lock = threading.Lock()
 
+    @property
+    def is_breaker_open(self) -> bool:
+        """The tier's breaker or (cluster mode) any node's is open: what the engine reports for this tier."""
+        return self.breaker.is_open or bool(self.node_breakers.open_nodes())
+
     # ---- connection + fault handling ---------------------------------------------------------------------
     def _make_client(self) -> Any:
         common = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
