@@ -1,8 +1,9 @@
 """The rate a TCP link delivers, as the kernel counts it, for the sender's policy.
 
 Why: a send returns once its bytes are in the socket's send buffer, which Linux autotunes to megabytes. A chunk
-smaller than the free buffer "sends" at memory speed whatever the link, so timing send calls tells a policy that a
-2 Gbit/s link runs at 10 GB/s right after a few small chunks, and it picks big options it cannot afford. The
+smaller than the free buffer "sends" at memory speed whatever the link, so timing send calls tells a policy that the
+link is many times faster than it is right after a few small chunks, and it picks big options it cannot afford
+(docs/design/measurements.md has the figures). The
 kernel's count of the bytes the receiver acknowledged (TCP_INFO `tcpi_bytes_acked`) moves at the link's pace.
 
 Contract:
