@@ -60,8 +60,9 @@ def run(sizes: list[int], concurrencies: list[int], rates_mbit: tuple[int, ...] 
                     bed.reshape(host, LinkShape(rate))
                 link = statistics.median(link_mbit(bed) for _ in range(3))
                 log(f"[bench pd --hosts] {rate} Mbit links: raw TCP host 0 -> 1 at {link:.0f} Mbit")
-                by_rate[rate] = (link, run_path("p2p", python, model, Path(tmp), groups, max_tokens, max_len, log,
-                                                at=at))
+                work = Path(tmp) / f"{rate}mbit"  # the pair's own logs and stats files: a new pair counts from 0
+                work.mkdir()
+                by_rate[rate] = (link, run_path("p2p", python, model, work, groups, max_tokens, max_len, log, at=at))
             return colocated, by_rate
 
         colocated, by_rate = inside(bed.namespace(2), measure)
