@@ -70,7 +70,8 @@ def retrieve(node: subprocess.Popen, prompts: list[int]) -> dict:
     return got
 
 
-def test_a_node_cut_off_misses_on_the_other_and_is_served_again_after_the_heal(bed: HostBed, tmp_path: Path):
+def start_cluster(bed: HostBed, tmp_path: Path) -> tuple[subprocess.Popen, subprocess.Popen, subprocess.Popen]:
+    """1 Gbit links; the controller in host 0, node a (A_PROMPTS stored) in host 1, node b (B_PROMPTS) in host 2."""
     for host in range(3):
         bed.reshape(host, LinkShape(1000))
     (tmp_path / "token").write_text(TOKEN)
@@ -79,6 +80,11 @@ def test_a_node_cut_off_misses_on_the_other_and_is_served_again_after_the_heal(b
                             "--insecure", "--log-level", "error", stdout=subprocess.DEVNULL)
     a = start_node(bed, 1, "a", A_PROMPTS)
     b = start_node(bed, 2, "b", B_PROMPTS)
+    return controller, a, b
+
+
+def test_a_node_cut_off_misses_on_the_other_and_is_served_again_after_the_heal(bed: HostBed, tmp_path: Path):
+    controller, a, b = start_cluster(bed, tmp_path)
     before = retrieve(b, A_PROMPTS)  # a's chunks, fetched peer to peer through the controller's index
     assert before["hit_chunks"] == before["chunks"] > 0, before
     assert retrieve(a, B_PROMPTS)["hit_chunks"] > 0
@@ -124,14 +130,7 @@ def test_the_controller_cut_off_from_one_node_only_while_the_nodes_still_reach_e
     """`cut(controller, a)`: a firewall between the controller and node a only. Each node's own chunks are served
     throughout; a's chunks reach b peer to peer where a location still names a; the controller drops a after its
     instance TTL and lists it again after the mend; nothing wrong, no call past the deadline."""
-    for host in range(3):
-        bed.reshape(host, LinkShape(1000))
-    (tmp_path / "token").write_text(TOKEN)
-    controller = bed.python(0, "kvfabric.cluster.controller", "--host", bed.address(0), "--port", str(PORT),
-                            "--token-file", str(tmp_path / "token"), "--instance-ttl", str(INSTANCE_TTL_S),
-                            "--insecure", "--log-level", "error", stdout=subprocess.DEVNULL)
-    a = start_node(bed, 1, "a", A_PROMPTS)
-    b = start_node(bed, 2, "b", B_PROMPTS)
+    controller, a, b = start_cluster(bed, tmp_path)
     before = retrieve(b, A_PROMPTS)
     assert before["hit_chunks"] == before["chunks"] > 0, before
 

@@ -10,17 +10,34 @@ import sys
 
 import click
 
-from kvfabric.config import Config, ConfigError
+from kvfabric.bench.commands_research import RESEARCH_COMMANDS
+from kvfabric.config import ConfigError
 from kvfabric.data.genres import TEXTS
-
-# `kvfabric --config` as the other commands take it (kvfabric.apps.cli): the same file, the same environment
-config_option = click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
-                             help="YAML config file (default: $KVFABRIC_CONFIG, then built-in defaults).")
 
 
 @click.group()
 def bench() -> None:
     """Benchmarks: each speed is printed beside a baseline measured in the same run."""
+
+
+def link_rates(rates: str) -> tuple[float, ...]:
+    """`--rates` of a `--hosts` run: positive Mbit/s, comma-separated (a mistake is one line)."""
+    try:
+        mbits = tuple(float(x) for x in rates.split(","))
+        if not all(r > 0 for r in mbits):
+            raise ValueError("rates are positive Mbit/s")
+    except ValueError as e:
+        raise click.BadParameter(f"{rates!r}: {e}", param_hint="--rates") from None
+    return mbits
+
+
+def on_hosts(run, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+    """A `--hosts` run: the bed's own refusals (not root, no iproute2 or nft) are one line."""
+    from kvfabric.bench.hosts import HostBedError
+    try:
+        run(*args, **kwargs)
+    except HostBedError as e:
+        raise click.ClickException(str(e)) from None
 
 
 @bench.command("tiers")
@@ -110,8 +127,10 @@ def bench_p2p(as_json: bool, repeats: int, quick: bool, tls: bool, is_hosts: boo
               delay_ms: float) -> None:
     """Peer-to-peer fetch vs a raw loopback socket of the same bytes; a `move` of a 4k-token prompt."""
     if is_hosts:
-        from kvfabric.bench.hosts_p2p import command
-        command(as_json, repeats, quick, tls, rates, delay_ms)
+        from kvfabric.bench.hosts_p2p import run as run_hosts
+        if tls or delay_ms < 0 or repeats < 1:
+            raise click.UsageError("--hosts: --delay-ms >= 0, --repeats >= 1, and no --tls (plain P2P only)")
+        on_hosts(run_hosts, as_json=as_json, repeats=repeats, quick=quick, rates=link_rates(rates), delay_ms=delay_ms)
         return
     from kvfabric.bench.cluster import run
     run(as_json=as_json, repeats=repeats, quick=quick, tls=tls)
@@ -152,24 +171,20 @@ def bench_vllm(ctx: click.Context) -> None:
 @click.option("--redis-url", default=None, help="Also the P/D pair over this Redis server (chunks are stored there).")
 @click.option("--prefill-tp", default=1, show_default=True, type=int,
               help="Tensor parallel size of the prefill instance (2: Qwen2.5-Coder-0.5B; the decode instance at 1).")
-@click.option("--hosts", "on_hosts", is_flag=True,
+@click.option("--hosts", "is_hosts", is_flag=True,
               help="The prefill and decode instances on two emulated hosts, KV over P2P on tc-shaped links at each of "
                    "--rates (root; see docs/testbed.md).")
 @click.option("--rates", default="1000,10000", show_default=True, metavar="MBIT,..", help="With --hosts: link rates.")
 def bench_pd(as_json: bool, sizes: str, concurrency: str, python: str | None, redis_url: str | None,
-             prefill_tp: int, on_hosts: bool, rates: str) -> None:
+             prefill_tp: int, is_hosts: bool, rates: str) -> None:
     """P/D disaggregation: TTFT of a prefill+decode vLLM pair over the shm pool (and Redis) vs one colocated
     instance; with --hosts, the pair on two emulated hosts over P2P."""
     size_list, concurrency_list = [int(s) for s in sizes.split(",")], [int(c) for c in concurrency.split(",")]
-    if on_hosts:
-        from kvfabric.bench.hosts import HostBedError
+    if is_hosts:
         from kvfabric.bench.hosts_pd import run as run_hosts
         if redis_url or prefill_tp != 1:
             raise click.UsageError("--hosts runs the P2P pair at TP=1 (no --redis-url, no --prefill-tp)")
-        try:
-            run_hosts(size_list, concurrency_list, tuple(int(r) for r in rates.split(",")), as_json, python=python)
-        except HostBedError as e:
-            raise click.ClickException(str(e)) from None
+        on_hosts(run_hosts, size_list, concurrency_list, link_rates(rates), as_json, python=python)
         return
     from kvfabric.bench.pd import run
     run(size_list, concurrency_list, as_json=as_json, python=python, redis_url=redis_url, prefill_tp=prefill_tp)
@@ -263,14 +278,14 @@ def bench_codec(as_json: bool, plot: str | None, num_docs: int, ctx_tokens: int,
 @click.option("--trace-seconds", "trace_s", default=10.0, show_default=True, help="Duration of each trace run.")
 @click.option("--ladder", default="0,5,6", show_default=True, metavar="L1,L2,..",
               help="Video levels on the trace (each within the quality floor), beside raw.")
-@click.option("--hosts", "on_hosts", is_flag=True,
+@click.option("--hosts", "is_hosts", is_flag=True,
               help="From another emulated host over tc-shaped kernel links (root; see docs/testbed.md) instead of "
                    "a token bucket on loopback: adaptive vs every fixed choice at each of --rates.")
 @click.option("--rates", default="500,1000,2000,5000,10000", show_default=True, metavar="MBIT,..",
               help="With --hosts: the link rates in Mbit/s.")
 @click.option("--repeats", default=5, show_default=True, help="With --hosts: requests per strategy and rate.")
 def bench_stream(as_json: bool, plot: str | None, prompt_tokens: int, ttft_target_s: float, quick: bool,
-                 trace: bool, trace_only: bool, trace_s: float, ladder: str, on_hosts: bool, rates: str,
+                 trace: bool, trace_only: bool, trace_s: float, ladder: str, is_hosts: bool, rates: str,
                  repeats: int) -> None:
     """KV streaming over a throttled loopback link: raw vs adaptive cachegen vs recompute, at 100 Mbit/s, 1 Gbit/s
     and unthrottled; then adaptive resolution (video levels) vs fixed settings on a fluctuating link. With
@@ -282,20 +297,10 @@ def bench_stream(as_json: bool, plot: str | None, prompt_tokens: int, ttft_targe
             raise ValueError("levels are 0..9")
     except ValueError as e:
         raise click.BadParameter(f"{ladder!r}: {e}", param_hint="--ladder") from None
-    if on_hosts:
-        from kvfabric.bench.hosts import HostBedError
+    if is_hosts:
         from kvfabric.bench.hosts_stream import run as run_hosts
-        try:
-            mbits = tuple(int(x) for x in rates.split(","))
-            if not mbits or min(mbits) <= 0:
-                raise ValueError("rates are positive Mbit/s")
-        except ValueError as e:
-            raise click.BadParameter(f"{rates!r}: {e}", param_hint="--rates") from None
-        try:
-            run_hosts(as_json, mbits, max(1, repeats), min(prompt_tokens, 1024) if quick else prompt_tokens,
-                      ttft_target_s)
-        except HostBedError as e:
-            raise click.ClickException(str(e)) from None
+        on_hosts(run_hosts, as_json, link_rates(rates), max(1, repeats),
+                 min(prompt_tokens, 1024) if quick else prompt_tokens, ttft_target_s)
         return
     run(as_json=as_json, plot=plot, prompt_tokens=prompt_tokens, ttft_target_s=ttft_target_s, quick=quick,
         trace=trace or trace_only, trace_only=trace_only, ladder=levels, trace_s=trace_s)
@@ -318,95 +323,5 @@ def bench_video(as_json: bool, num_docs: int, ctx_tokens: int, context_tokens: i
         quick=quick)
 
 
-@bench.command("blend")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per question and setting, then summaries.")
-@click.option("--questions", "limit", default=150, show_default=True, help="MuSiQue questions to run.")
-@click.option("--start", default=0, show_default=True, help="First question.")
-@click.option("--stride", default=1, show_default=True, help="Take every STRIDE-th question (a spread sample).")
-@click.option("--check-layers", "check_layers", default=None, metavar="L1,L2,..",
-              help="BlendConfig.check_layers (default: the config's).")
-@click.option("--passages", default=10, show_default=True, help="Passages per question.")
-@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
-@click.option("--auto", is_flag=True, help="Also run the load controller's own choice of ratio.")
-@click.option("--oracle", is_flag=True,
-              help="Also run the 25.5 % compute with tokens ranked from a full prefill (a study: one more prefill "
-                   "per question).")
-@click.option("--report", "report_path", default=None, metavar="JSONL",
-              help="Only summarise the JSON lines of an earlier (possibly unfinished) --json run.")
-@click.option("--model", default="smollm2-135m-instruct", show_default=True,
-              help="Builtin Llama-family model (qwen2.5-coder-0.5b / -1.5b, ...) or a local folder; "
-                   "sliding-window models (Gemma 3) are refused at start-up.")
-def bench_blend(as_json: bool, limit: int, start: int, stride: int, check_layers: str | None, passages: int,
-                data: str | None, auto: bool, oracle: bool, report_path: str | None, model: str) -> None:
-    """CacheBlend on the real model: full prefill vs full reuse vs blend recomputing 15/25.5/41% vs random."""
-    from kvfabric.bench import blend
-    if report_path:
-        blend.report(report_path, as_json)
-        return
-    if stride < 1:
-        raise click.BadParameter("must be >= 1", param_hint="--stride")
-    layers = None
-    if check_layers:
-        from kvfabric.blend import BlendConfig
-        try:
-            layers = tuple(int(x) for x in check_layers.split(","))
-            BlendConfig(check_layers=layers)
-        except ValueError as e:
-            raise click.BadParameter(f"{check_layers!r}: {e}", param_hint="--check-layers") from None
-    from kvfabric.blend.runner import UnsupportedModel
-    try:
-        blend.run(as_json=as_json, limit=limit, start=start, stride=stride, check_layers=layers, passages=passages,
-                  data=data, auto=auto, oracle=oracle, model=model)
-    except UnsupportedModel as exc:  # e.g. Gemma 3's sliding windows: say so, never compute wrong KV
-        raise click.ClickException(f"bench blend on {model}: {exc}") from None
-
-
-@bench.command("droidspeak")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per question and method, then summaries.")
-@click.option("--pair", default="finetuned", type=click.Choice(["finetuned", "qwen-0.5b-1.5b", "qwen-1.5b-0.5b"]),
-              show_default=True, help="finetuned: a block recomputed (DroidSpeak); qwen-*: linear KV maps across sizes.")
-@click.option("--questions", "limit", default=3, show_default=True, help="MuSiQue questions to run.")
-@click.option("--start", default=110, show_default=True, help="First question (held out from training/profiling).")
-@click.option("--passages", default=None, type=int, help="Passages per question [default: 10; 2 for qwen-*].")
-@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
-def bench_droidspeak(as_json: bool, pair: str, limit: int, start: int, passages: int | None, data: str | None) -> None:
-    """A receiver reusing a sibling's KV: full prefill vs naive reuse vs DroidSpeak at three budgets (finetuned), or
-    linear KV maps across model sizes with the first layers recomputed (qwen-*)."""
-    if pair.startswith("qwen-"):
-        from kvfabric.bench.droidspeak_size import run as run_size
-        run_size(pair, as_json=as_json, limit=limit, start=start, passages=passages or 2, data=data)
-        return
-    from kvfabric.bench.droidspeak import run
-    run(pair=pair, as_json=as_json, limit=limit, start=start, passages=passages or 10, data=data)
-
-
-@bench.command("flexicache")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per (method, budget), then a summary.")
-@click.option("--plot", default=None, metavar="PNG", help="Write agreement and KL vs resident fraction.")
-@click.option("--data", default=None, help="MuSiQue-style JSON (default: ../shared/data/musique_s.json).")
-@click.option("--steps", default=256, show_default=True, help="Teacher-forced decode steps per prompt.")
-@click.option("--budgets", default="10,20,30,50", show_default=True, help="Resident KV budgets, in percent.")
-@click.option("--methods", default="flexicache,quest,streaming,h2o,shuffled", show_default=True)
-@click.option("--musique", "num_musique", default=2, show_default=True, help="MuSiQue prompts (besides the document).")
-@click.option("--prompt", "only", multiple=True, help="Run only these prompts (doc:q2, musique:100, ...); repeatable.")
-@click.option("--study", "run_study", is_flag=True, help="Run the head-stability study instead.")
-@config_option
-def bench_flexicache(as_json: bool, plot: str | None, data: str | None, steps: int, budgets: str, methods: str,
-                     num_musique: int, only: tuple[str, ...], run_study: bool, config_path: str | None) -> None:
-    """FlexiCache decode KV memory vs dense KV, quest, streaming, h2o and a shuffled-split control (the config's
-    flexicache section sets page size, re-rank interval, slow pool ...; its kv_budget is ignored)."""
-    from kvfabric.bench import flexicache
-    if run_study:
-        flexicache.study(as_json=as_json, data=data, steps=steps)
-        return
-    try:
-        fractions = tuple(float(b) / 100 for b in budgets.split(","))
-    except ValueError:
-        raise click.BadParameter(f"{budgets!r}: expected percentages like 10,20,30", param_hint="--budgets") from None
-    chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
-    unknown = set(chosen) - set(flexicache.METHODS)
-    if unknown or any(not 0 < f <= 1 for f in fractions):
-        raise click.BadParameter(f"methods from {', '.join(flexicache.METHODS)}, budgets in (0, 100]",
-                                 param_hint="--methods/--budgets")
-    flexicache.run(as_json=as_json, plot=plot, data=data, steps=steps, budgets=fractions, methods=chosen,
-                   num_musique=num_musique, only=only, config=Config.load(config_path).flexicache)
+for _command in RESEARCH_COMMANDS:  # kvfabric.bench.commands_research: CacheBlend, DroidSpeak, FlexiCache
+    bench.add_command(_command)

@@ -31,7 +31,7 @@ import time
 
 from kvfabric.bench.cluster import TOKEN, RawClient, RawServer, make_chunks
 from kvfabric.bench.common import emit, paired, threads_note
-from kvfabric.bench.hosts import HostBed, HostBedError, LinkShape, read_line
+from kvfabric.bench.hosts import HostBed, LinkShape, read_line
 from kvfabric.config import ClusterConfig
 
 MODULE = "kvfabric.bench.hosts_p2p"
@@ -137,22 +137,6 @@ def run(as_json: bool = False, repeats: int = 5, quick: bool = False, num_chunks
     emit(rows, as_json, f"kvfabric bench p2p --hosts ({threads_note()}, {time.strftime('%H:%M:%S')})",
          ["op", "rate_mbit", "delay_ms", "mb", "gbps", "baseline_gbps", "ratio", "target"])
     return rows
-
-
-def command(as_json: bool, repeats: int, quick: bool, tls: bool, rates: str, delay_ms: float) -> None:
-    """`kvfabric bench p2p --hosts`: its options checked (a mistake is one line), then `run`."""
-    import click
-
-    try:
-        rate_list = tuple(float(r) for r in rates.split(","))
-    except ValueError:
-        raise click.UsageError(f"--rates: expected comma-separated numbers, got {rates!r}") from None
-    if tls or not all(r > 0 for r in rate_list) or delay_ms < 0 or repeats < 1:
-        raise click.UsageError("--hosts: rates > 0, --delay-ms >= 0, --repeats >= 1, and no --tls (plain P2P only)")
-    try:
-        run(as_json=as_json, repeats=repeats, quick=quick, rates=rate_list, delay_ms=delay_ms)
-    except HostBedError as exc:
-        raise click.ClickException(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,8 +36,9 @@ class LinkMeter:
     def __init__(self, sock: socket.socket, min_window_s: float = 0.002) -> None:
         self.sock = getattr(sock, "sock", sock)  # a ThrottledSocket's own socket
         self.min_window_s = min_window_s
-        self.is_available = sys.platform.startswith("linux") and self._acked() is not None
-        self._last = (time.perf_counter(), self._acked() or 0) if self.is_available else (0.0, 0)
+        acked = self._acked() if sys.platform.startswith("linux") else None
+        self.is_available = acked is not None
+        self._last = (time.perf_counter(), acked or 0)
 
     def _acked(self) -> int | None:
         try:
