@@ -70,6 +70,7 @@ def test_bench_stream_across_hosts_reports_every_strategy_at_each_rate():
         assert all(r["ttft_s"] > 0 and len(r["ttft_samples"]) == 1 and r["same_first"] is not None
                    for r in got.values())
         assert got["recompute"]["options"] == "recomputex4" and got["raw"]["options"] == "rawx4"
+        assert got["L9"]["work_ms"] > 0 and got["L9"]["work_alone_ms"] > 0 and got["adaptive"]["work_alone_ms"] is None
         assert 0.5 * rate <= got["raw"]["link_mbit"] <= 1.1 * rate
     slow_raw = next(r for r in rows if r["rate_mbit"] == 300 and r["strategy"] == "raw")
     fast_raw = next(r for r in rows if r["rate_mbit"] == 3000 and r["strategy"] == "raw")

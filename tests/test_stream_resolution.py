@@ -12,7 +12,7 @@ from kvfabric.codec.video import VideoCodec
 from kvfabric.kv.layout import KVLayout
 from kvfabric.stream import Receiver, ThrottledSocket, TokenBucket, loopback_pair, prepare, send_prompt
 from kvfabric.stream import policy as policy_module
-from kvfabric.stream.policy import RAW, RECOMPUTE, ResolutionPolicy
+from kvfabric.stream.policy import RAW, RECOMPUTE, ResolutionPolicy, WorkCosts
 
 RAW_BYTES, V7_BYTES = 5_900_000, 1_550_000
 DECODE = {RAW: 0.005, "V0": 0.030, "V7": 0.040}
@@ -172,3 +172,98 @@ def test_a_link_still_busy_with_queued_bytes_is_not_taken_for_a_free_one():
     assert _busy_worker_policy().choose(last, 0.0).option == "raw"
     # 10 MB still in the sender's socket (40 ms of this link): raw would wait behind them, L9 is sooner
     assert _busy_worker_policy().choose(last, 0.0, queued_bytes=10_000_000).option == "L9"
+
+
+def test_reported_decode_costs_turn_a_fast_link_to_raw(monkeypatch):
+    """At 10 Gbit/s (1.25 GB/s) a raw chunk is 4.7 ms on the link: with L9 decoding in 1.5 ms (measured alone) L9 is
+    sooner for most chunks; once the receiver reports 12 ms per L9 chunk (its cores also receive), raw is."""
+    sizes = {RAW: [RAW_BYTES] * 8, "L9": [600_000] * 8}
+    alone = ResolutionPolicy([RAW, "L9"], {RAW: 0.001, "L9": 0.0015}, initial_bps=1.25e9)
+    assert simulate_picks(monkeypatch, alone, sizes).count("L9") >= 6
+    learned = WorkCosts({RAW: 0.001, "L9": 0.0015})  # one per receiver, across streams
+    taught = ResolutionPolicy([RAW, "L9"], learned, initial_bps=1.25e9)
+    for _ in range(8):
+        taught.observe_work("L9", 0.012)
+    assert learned.get("L9") == pytest.approx(0.012, rel=0.15)  # the sender's next stream starts here
+    assert simulate_picks(monkeypatch, ResolutionPolicy([RAW, "L9"], learned, initial_bps=1.25e9), sizes) \
+        .count(RAW) >= 6
+    taught.observe_work(RECOMPUTE, 0.2)  # recompute reports move recompute_s, not a decode cost
+    assert taught.recompute_s == 0.2 and learned.get(RECOMPUTE) == 0.0
+
+
+def test_options_not_reported_yet_share_the_receivers_slowdown():
+    """Reports that L9 costs 3x its alone time make L5 (never sent) cost 3x too: the avoided option must not look
+    cheap only because the used one was measured under load; L5's own reports then take over."""
+    costs = WorkCosts({RAW: 0.001, "L5": 0.006, "L9": 0.005})
+    for _ in range(12):
+        costs.observe("L9", 0.015)
+    assert costs.get("L9") == pytest.approx(0.015, rel=0.05) and costs.get("L5") == pytest.approx(0.018, rel=0.1)
+    for _ in range(12):
+        costs.observe("L5", 0.007)
+    assert costs.get("L5") == pytest.approx(0.007, rel=0.05)
+
+
+def simulate_picks(monkeypatch, policy: ResolutionPolicy, sizes: dict[str, list[int]]) -> list[str]:
+    clock = Clock()
+    monkeypatch.setattr(policy_module, "time", clock)
+    picks = []
+    for i in range(len(sizes[RAW])):
+        option = policy.choose({o: s[i:] for o, s in sizes.items()}, 0.0).option
+        clock.now += sizes[option][i] / 1.25e9
+        policy.observe(sizes[option][i], sizes[option][i] / 1.25e9)
+        picks.append(option)
+    return picks
+
+
+class Recorder:
+    """A fixed policy that records the receiver's reports it is handed."""
+
+    def __init__(self, option: str) -> None:
+        self.option, self.reports = option, []
+
+    def choose(self, remaining, elapsed_s, queued_bytes=0):
+        return policy_module.Choice(self.option, None, 0.0)
+
+    def observe(self, nbytes, seconds):
+        return None
+
+    def observe_work(self, option, seconds):
+        self.reports.append((option, seconds))
+
+
+def _stream(prompt, policy, layout, num_tokens, reply=None):
+    """Send `prompt` to a Receiver over loopback; `reply`: bytes the receiving side writes back first instead."""
+    buf = torch.zeros(layout.shape(num_tokens))
+    rx = Receiver(layout, "m", buf, None)
+    cli, conn = loopback_pair()
+    box = {}
+    if reply is not None:
+        conn.sendall(reply)
+    th = threading.Thread(target=lambda: box.setdefault("rx", rx.receive(conn)))
+    th.start()
+    report = send_prompt(cli, prompt, policy, report_wait_s=10.0)
+    th.join(30)
+    for closeable in (cli, conn, rx):
+        closeable.close()
+    return report, box["rx"], buf
+
+
+def test_the_receiver_reports_each_chunks_work_to_the_sender():
+    layout = KVLayout(2, 2, 16, "float16")
+    kv = torch.randn(layout.shape(200), generator=torch.Generator().manual_seed(1)).half()
+    prompt = prepare(list(range(200)), kv, layout, "m", 64, levels=(9,))
+    policy = Recorder("L9")
+    report, rx, _ = _stream(prompt, policy, layout, 200)
+    assert len(rx.chunks) == 4 and all(w is not None and w > 0 for w in report.work_s)  # every chunk, after END too
+    assert [o for o, _ in policy.reports] == ["L9"] * 4
+    assert sorted(s for _, s in policy.reports) == sorted(report.work_s)
+
+
+def test_a_receiver_that_writes_garbage_loses_its_say_not_the_stream():
+    layout = KVLayout(2, 2, 16, "float16")
+    kv = torch.randn(layout.shape(130), generator=torch.Generator().manual_seed(2)).half()
+    prompt = prepare(list(range(130)), kv, layout, "m", 64, levels=())
+    policy = Recorder(RAW)
+    report, rx, buf = _stream(prompt, policy, layout, 130, reply=b"HTTP/1.1 200 OK\r\n" * 4)
+    assert policy.reports == [] and report.work_s == [None] * 3
+    assert torch.equal(buf, kv.float())  # every chunk arrived intact all the same

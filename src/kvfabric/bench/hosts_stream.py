@@ -11,14 +11,18 @@ Per link rate, each strategy `repeats` times, the strategies' order rotated from
 - fixed: `raw`, each cachegen level `L<n>`, `recompute` (tokens only; the receiver prefills);
 - `adaptive`: kvfabric.stream.policy.ResolutionPolicy over raw, the levels and recompute: before each chunk, the
   option with which the prompt is predicted to be in the receiver's buffer soonest, from the link rate measured
-  on the previous chunk and each option's measured decode time;
-  the sender keeps the rate the last adaptive request measured as the next one's first estimate (a sender that
-  serves one receiver again knows its link; the first request at a new rate starts from the old one's rate);
+  on the previous chunk and each option's decode time: measured alone at first, then as the receiver reports it
+  (DONE frames: what a chunk cost its worker while it also received);
+  the sender keeps the rate the last adaptive request measured as the next one's first estimate, and the costs the
+  receiver reported to the adaptive requests so far (a sender that serves one receiver again knows its link and
+  its decoder; the first request at a new rate starts from the old one's rate; fixed requests teach it nothing);
 - `adaptive-slo`: CacheGen's AdaptivePolicy toward `--target` (the best quality whose bytes still arrive in time),
   for reference: it trades time for quality by design.
 Rows: `rate_mbit`, `strategy`, `ttft_s` (median) and `ttft_samples`, `best_fixed` and `vs_best_fixed` (TTFT over
 the best fixed strategy's median on the same link), `link_mbit` (raw TCP between the two hosts on the same link,
-measured in the run: the baseline), `wire_mb`, `options` (what the chunks went as), `kl_first` / `same_first`
+measured in the run: the baseline), `wire_mb`, `options` (what the chunks went as), `work_ms` (the receiver's
+worker seconds per chunk, median over the strategy's chunks: what it reports to the sender) and `work_alone_ms`
+(the same option decoded with nothing else running, the policy's starting point), `kl_first` / `same_first`
 (first-token quality against raw). Target: adaptive within 1.1x of the best fixed choice at every rate, and
 faster than raw at the slowest.
 """
@@ -36,17 +40,19 @@ from kvfabric.bench.common import emit, threads_note
 from kvfabric.bench.hosts import HostBed, LinkShape
 from kvfabric.bench.hosts_netns import inside, join_namespace, link_mbit
 from kvfabric.bench.stream import StreamRig, make_rig, quality, receive_ttft
-from kvfabric.stream.policy import RAW, RECOMPUTE, AdaptivePolicy, FixedPolicy, ResolutionPolicy
+from kvfabric.stream.policy import RAW, RECOMPUTE, AdaptivePolicy, FixedPolicy, ResolutionPolicy, WorkCosts
 from kvfabric.stream.sender import PreparedPrompt, send_prompt
 
 RATES_MBIT = (500, 1000, 2000, 5000, 10000)
 
 
-def _policy(spec: dict, last_bps: float | None) -> Any:
+def _policy(spec: dict, last_bps: float | None, learned: dict) -> Any:
     if spec["policy"] == "fixed":
         return FixedPolicy(spec["option"])
     if spec["policy"] == "adaptive":
-        return ResolutionPolicy(spec["options"], spec["decode_s"], recompute_s=spec["recompute_s"],
+        if not learned:  # the first adaptive stream starts from the costs measured alone
+            learned.update(decode_s=WorkCosts(dict(spec["decode_s"])), recompute_s=spec["recompute_s"])
+        return ResolutionPolicy(spec["options"], learned["decode_s"], recompute_s=learned["recompute_s"],
                                 initial_bps=last_bps)
     return AdaptivePolicy(spec["target_s"], spec["options"], recompute_s=spec["recompute_s"],
                           finish_s=spec["finish_s"], initial_bps=last_bps)
@@ -61,6 +67,7 @@ def _serve(namespace: str, address: str, prompt: PreparedPrompt, ready: Any) -> 
     srv.listen(4)
     ready.send(srv.getsockname()[1])
     last_bps: float | None = None  # the link rate the last adaptive request measured (the receiver is the same)
+    learned: dict = {}  # the receiver's costs as its reports to adaptive streams left them (decode_s, recompute_s)
     while True:
         conn, _ = srv.accept()
         with conn:
@@ -68,10 +75,12 @@ def _serve(namespace: str, address: str, prompt: PreparedPrompt, ready: Any) -> 
             spec = json.loads(conn.makefile("rb").readline())
             if spec.get("policy") == "stop":
                 return
-            policy = _policy(spec, last_bps)
+            policy = _policy(spec, last_bps, learned)
             send_prompt(conn, prompt, policy)
             if not isinstance(policy, FixedPolicy):
                 last_bps = policy.estimate_bps() or last_bps
+            if isinstance(policy, ResolutionPolicy):
+                learned["recompute_s"] = policy.recompute_s  # decode_s: the same WorkCosts, updated in place
 
 
 def _request(bed: HostBed, port: int, rig: StreamRig, spec: dict) -> tuple[float, Any, Any]:
@@ -129,7 +138,7 @@ def run(as_json: bool = False, rates_mbit: tuple[int, ...] = RATES_MBIT, repeats
     emit(rows, as_json, f"TTFT of a {rig.num_tokens}-token prompt's KV from another emulated host, tbf-shaped links "
          f"(medians of {repeats}; recompute {rig.recompute_s * 1000:.0f} ms/chunk; {threads_note()})",
          ["rate_mbit", "strategy", "ttft_s", "vs_best_fixed", "best_fixed", "link_mbit", "wire_mb", "options",
-          "kl_first", "same_first"])
+          "work_ms", "work_alone_ms", "kl_first", "same_first"])
     return rows
 
 
@@ -145,17 +154,25 @@ def _rows(rate: int, link_mbit: float, samples: dict[str, list[tuple[float, Any,
     medians = {name: statistics.median(s[0] for s in got) for name, got in samples.items()}
     fixed = {name: t for name, t in medians.items() if not name.startswith("adaptive")}
     best = min(fixed, key=fixed.__getitem__)
+    alone = {**rig.prompt.decode_s, RECOMPUTE: rig.recompute_s}
     rows = []
     for name, got in samples.items():
         typical = min(got, key=lambda s: abs(s[0] - medians[name]))  # the sample at the median: its options
         picks: Counter[str] = Counter()
         for chunk in typical[1].chunks:
-            picks[RECOMPUTE if chunk.kind == "tokens" else (RAW if chunk.level == 0 else f"L{chunk.level}")] += 1
+            picks[_option(chunk)] += 1
+        work = [c.work_s for s in got for c in s[1].chunks]
         rows.append({"rate_mbit": rate, "strategy": name, "ttft_s": round(medians[name], 3),
                      "ttft_samples": [round(s[0], 3) for s in got], "best_fixed": best,
                      "vs_best_fixed": round(medians[name] / fixed[best], 3), "link_mbit": round(link_mbit),
                      "wire_mb": round(typical[1].wire_bytes / 1e6, 2),
                      "options": " ".join(f"{o}x{n}" for o, n in picks.items()),
+                     "work_ms": round(1000 * statistics.median(work), 2),
+                     "work_alone_ms": round(1000 * alone[name], 2) if name in alone else None,
                      "target_s": target_s if name == "adaptive-slo" else None, "tokens": rig.num_tokens,
                      "held_out": rig.held_out, "_lp": typical[2]})
     return rows
+
+
+def _option(chunk: Any) -> str:
+    return RECOMPUTE if chunk.kind == "tokens" else (RAW if chunk.level == 0 else f"L{chunk.level}")

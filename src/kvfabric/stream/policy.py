@@ -18,7 +18,10 @@ link), with the risk of a jump during the send priced in (`send_s`); the receive
 work already sent, since the receiver has one worker that decodes while later chunks are on the wire. The chunks
 after this one are planned as the best mix of two options (`plan_s`), so the choice weighs what an option costs
 the link against what it costs the worker: a slow link gets the smallest frames; a fast one, where decoding is the
-bottleneck, gets cheap-to-decode chunks (raw) in between, which keeps both busy.
+bottleneck, gets cheap-to-decode chunks (raw) in between, which keeps both busy. The decode times (`WorkCosts`)
+start as measured alone and follow what the receiver reports (`observe_work`): a decoder that shares its cores with
+the receiving thread costs more than alone, and the policy must see that to know when raw is the faster way. A
+sender keeps one WorkCosts per receiver across its streams.
 
 `FixedPolicy(option)`: every chunk the same way (the raw-transfer and full-recompute baselines, fixed levels).
 """
@@ -64,6 +67,9 @@ class AdaptivePolicy:
     def observe(self, nbytes: int, seconds: float) -> None:
         self._sent.append((nbytes, max(seconds, 1e-6)))
 
+    def observe_work(self, option: str, seconds: float) -> None:
+        return None  # the time budget is the link's: the receiver's reports are not used
+
     def estimate_bps(self) -> float | None:
         recent = self._sent[-self.window:]
         if not recent:
@@ -89,9 +95,35 @@ class AdaptivePolicy:
 
 
 @dataclass
+class WorkCosts:
+    """Seconds one chunk of each option costs a receiver's worker. Starts from `alone_s` (measured with nothing
+    else running: prepare(time_decode=True)); each report moves the option's cost `weight` of the way toward it,
+    so one slow chunk does not flip a policy and a steady change does within a few. An option not reported yet
+    costs its alone time times the receiver's slowdown seen so far (reports over alone times, over every option):
+    otherwise the options a policy avoids would look cheap only because the ones it used were measured under load."""
+
+    alone_s: dict[str, float]
+    weight: float = 0.25
+    _learned: dict[str, float] = field(default_factory=dict)
+    _slowdown: float = 1.0
+
+    def observe(self, option: str, seconds: float) -> None:
+        alone = self.alone_s.get(option, 0.0)
+        if alone > 0:
+            self._slowdown += self.weight * (seconds / alone - self._slowdown)
+        old = self._learned.get(option, seconds)
+        self._learned[option] = old + self.weight * (seconds - old)
+
+    def get(self, option: str) -> float:
+        if option in self._learned:
+            return self._learned[option]
+        return self.alone_s.get(option, 0.0) * self._slowdown
+
+
+@dataclass
 class ResolutionPolicy:
     options: list[str]  # the allowed options by decreasing quality, e.g. ["raw", "V0", "V5", "V7"]
-    decode_s: dict[str, float]  # receiver seconds to decode one chunk of each option (measured)
+    decode_s: WorkCosts | dict[str, float]  # the receiver's costs, or seconds per chunk measured alone (its prior)
     recompute_s: float = float("inf")  # receiver's seconds to recompute one chunk (it shares the decode worker)
     initial_bps: float | None = None
     window_s: float = 10.0  # how far back the link's rate changes are counted
@@ -108,6 +140,25 @@ class ResolutionPolicy:
         if self._pending is not None:
             self._decoder_free = max(time.perf_counter(), self._decoder_free) + self._pending[1]
             self._pending = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.decode_s, WorkCosts):
+            self.decode_s = WorkCosts(dict(self.decode_s))
+
+    @property
+    def costs(self) -> WorkCosts:
+        assert isinstance(self.decode_s, WorkCosts)  # __post_init__
+        return self.decode_s
+
+    def observe_work(self, option: str, seconds: float) -> None:
+        """The receiver reports that a chunk sent as `option` took its worker `seconds` (recompute: its own cost,
+        a forward on every core, not a decode)."""
+        if option != RECOMPUTE:
+            self.costs.observe(option, seconds)
+        elif self.recompute_s == float("inf"):
+            self.recompute_s = seconds
+        else:
+            self.recompute_s += self.costs.weight * (seconds - self.recompute_s)
 
     def estimate_bps(self) -> float | None:
         return self._last_bps if self._last_bps is not None else self.initial_bps
@@ -132,11 +183,11 @@ class ResolutionPolicy:
         bps = self.estimate_bps()
         if bps is None:  # nothing measured yet: the middle of the options
             pick = self.options[len(self.options) // 2]
-            self._pending = (pick, self.decode_s.get(pick, 0.0))
+            self._pending = (pick, self.costs.get(pick))
             return Choice(pick, None, 0.0)
         now = time.perf_counter()
         # per option: (seconds on the link, seconds of the receiver's worker) for one chunk like this one
-        cost = {o: (self.send_s(remaining_sizes[o][0], bps), self.decode_s.get(o, 0.0)) for o in self.options}
+        cost = {o: (self.send_s(remaining_sizes[o][0], bps), self.costs.get(o)) for o in self.options}
         if self.recompute_s < float("inf"):
             cost[RECOMPUTE] = (self.send_s(remaining_sizes[RECOMPUTE][0], bps), self.recompute_s)
         later = len(remaining_sizes[self.options[0]]) - 1
@@ -150,7 +201,7 @@ class ResolutionPolicy:
         if pick == RECOMPUTE:  # not observed by the sender (tokens are tiny): book the worker's time now
             self._decoder_free = max(now, self._decoder_free) + self.recompute_s
         else:
-            self._pending = (pick, self.decode_s.get(pick, 0.0))
+            self._pending = (pick, self.costs.get(pick))
         return Choice(pick, bps, score[pick][1] - now)
 
 
@@ -179,6 +230,9 @@ class FixedPolicy:
     option: str
 
     def observe(self, nbytes: int, seconds: float) -> None:
+        return None
+
+    def observe_work(self, option: str, seconds: float) -> None:
         return None
 
     def choose(self, remaining_sizes: dict[str, list[int]], elapsed_s: float, queued_bytes: int = 0) -> Choice:

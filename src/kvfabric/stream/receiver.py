@@ -5,6 +5,8 @@ chunks recomputed, in order, by a callback.
 workspace), recompute(tokens, start, end, buf) fills buf[..., start:end, :] given buf[..., :start, :].
 `receive(conn)` handles one prompt and returns a ReceiveResult once every chunk is in buf. A chunk that fails
 its checks (wrong key, corrupt blob) is recomputed instead: a bad peer costs time, never wrong KV.
+When the HELLO asks ("report_work"), the worker tells the sender what each chunk cost it (a DONE frame, sent from
+the worker as it finishes the chunk): decode costs measured alone understate them while the same cores receive.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class ChunkLog:
     arrived_s: float
     done_s: float = 0.0
     recomputed: bool = False  # tokens, or a KV chunk that failed its checks
+    work_s: float = 0.0  # the worker's seconds on it (decode, or recompute)
 
 
 @dataclass
@@ -77,6 +80,7 @@ class Receiver:
         keys = prompt_keys(tokens, self.layout, self.model_id, cs)
         max_kv = HEADER_BYTES + 2 * self.layout.num_bytes(cs) + (1 << 20)
         result = ReceiveResult(tokens)
+        done = _Reporter(conn if meta.get("report_work") else None)
         pending: list[Future] = []
         expect = 0
         while True:
@@ -96,13 +100,14 @@ class Receiver:
                     raise W.ProtocolError("TOKENS frame does not match the prompt")
                 log = ChunkLog(fr.index, "tokens", 0, -1, W.FRAME.size + fr.length, time.perf_counter() - t0,
                                recomputed=True)
-                pending.append(self._worker.submit(self._recompute, tokens, s, e, log, t0))
+                pending.append(self._worker.submit(done.timed, log, self._recompute, tokens, s, e, log, t0))
             elif fr.kind == W.KV:
                 if fr.length > max_kv:
                     raise W.ProtocolError(f"KV frame of {fr.length} bytes exceeds {max_kv}")
                 blob = W.recv_exact(conn, fr.length)
                 log = ChunkLog(fr.index, "kv", fr.level, -1, W.FRAME.size + fr.length, time.perf_counter() - t0)
-                pending.append(self._worker.submit(self._decode, blob, keys[fr.index], tokens, s, e, log, t0))
+                pending.append(self._worker.submit(done.timed, log, self._decode, blob, keys[fr.index], tokens, s, e,
+                                                   log, t0))
             else:
                 raise W.ProtocolError(f"unexpected frame kind {fr.kind}")
             result.chunks.append(log)
@@ -129,3 +134,21 @@ class Receiver:
             raise W.ProtocolError("chunk needs recompute but the receiver has no model")
         self.recompute(tokens, s, e, self.buf)
         log.done_s = time.perf_counter() - t0
+
+
+class _Reporter:
+    """Runs a chunk's work on the worker and, where the sender asked, sends it the seconds that took (DONE)."""
+
+    def __init__(self, conn: socket.socket | None) -> None:
+        self.conn = conn
+
+    def timed(self, log: ChunkLog, work: Callable[..., None], *args: object) -> None:
+        start = time.perf_counter()
+        work(*args)
+        log.work_s = time.perf_counter() - start
+        if self.conn is None:
+            return
+        try:  # advisory: a sender that went away loses nothing
+            W.send_frame(self.conn, W.DONE, log.index, W.DONE_BODY.pack(int(log.work_s * 1e9)))
+        except OSError:
+            self.conn = None

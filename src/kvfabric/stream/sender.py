@@ -6,10 +6,13 @@ level): the send loop only picks and sends bytes, so its timing is the link's. W
 measures what one chunk of each option costs the receiver to decode (ResolutionPolicy needs it).
 `send_prompt(sock, prompt, policy)` sends HELLO, then each chunk as KV or TOKENS, then END, feeding the policy each
 chunk's seconds on the link: its bytes at the rate the kernel saw acknowledged (stream/meter.py), or, where TCP_INFO
-is not available, the seconds its send took.
+is not available, the seconds its send took. It asks the receiver to report each chunk's work (DONE frames) and
+hands those to the policy (`observe_work`) as they arrive, and, after END, those still on their way, until the
+receiver has reported every chunk or closed, or `report_wait_s` has passed.
 """
 from __future__ import annotations
 
+import select
 import socket
 import time
 from collections.abc import Sequence
@@ -107,18 +110,23 @@ class SendReport:
     wire_bytes: list[int]
     send_s: list[float]
     total_s: float
+    work_s: list[float | None] = field(default_factory=list)  # the receiver's report per chunk (None: none came)
 
 
-def send_prompt(sock: socket.socket, prompt: PreparedPrompt, policy, t0: float | None = None) -> SendReport:  # noqa: ANN001
+def send_prompt(sock: socket.socket, prompt: PreparedPrompt, policy, t0: float | None = None,  # noqa: ANN001
+                report_wait_s: float = 1.0) -> SendReport:
     """Send `prompt` over `sock` (e.g. a ThrottledSocket). t0: the request's start (perf_counter) for the
     policy's time budget; default now."""
     t0 = time.perf_counter() if t0 is None else t0
-    W.send_frame(sock, W.HELLO, 0, W.hello_body(prompt.tokens, prompt.chunk_size, prompt.model_id, prompt.layout))
+    W.send_frame(sock, W.HELLO, 0, W.hello_body(prompt.tokens, prompt.chunk_size, prompt.model_id, prompt.layout,
+                                                report_work=True))
     options = [o for o in prompt.blobs] + [RECOMPUTE]
     sizes = {o: prompt.wire_sizes(o) for o in options}
     choices, wire, secs = [], [], []
     meter, rate = LinkMeter(sock), None  # the link's pace, not the send calls' (stream/meter.py says why)
+    reports = WorkReports(sock, policy, choices)
     for i in range(prompt.num_chunks):
+        reports.poll(0.0)
         choice = policy.choose({o: sizes[o][i:] for o in options}, time.perf_counter() - t0, meter.queued_bytes())
         start = time.perf_counter()
         if choice.option == RECOMPUTE:
@@ -139,4 +147,46 @@ def send_prompt(sock: socket.socket, prompt: PreparedPrompt, policy, t0: float |
         wire.append(n)
         secs.append(took)
     W.send_frame(sock, W.END, prompt.num_chunks)
-    return SendReport(choices, wire, secs, time.perf_counter() - t0)
+    total_s = time.perf_counter() - t0
+    until = time.monotonic() + report_wait_s
+    while not reports.is_complete(prompt.num_chunks) and reports.poll(until - time.monotonic()):
+        pass
+    return SendReport(choices, wire, secs, total_s, [reports.work_s.get(i) for i in range(prompt.num_chunks)])
+
+
+class WorkReports:
+    """The receiver's DONE frames on the sender's socket, read without blocking the send loop (`poll(0)`), handed
+    to the policy as (the option the chunk went as, seconds). Anything else from the receiver ends the reading:
+    reports are advisory, and a receiver that misbehaves loses its say, not the stream."""
+
+    def __init__(self, sock: socket.socket, policy, choices: list[Choice]) -> None:  # noqa: ANN001
+        self.sock, self.policy, self.choices = sock, policy, choices  # choices: the send loop's, as they grow
+        self.work_s: dict[int, float] = {}
+        self._buf = bytearray()
+        self._is_open = True
+
+    def is_complete(self, num_chunks: int) -> bool:
+        return len(self.work_s) >= num_chunks or not self._is_open
+
+    def poll(self, timeout_s: float) -> bool:
+        """Hand on what has arrived, waiting up to timeout_s for it; False when nothing came (or nothing can)."""
+        try:
+            if not self._is_open or not select.select([self.sock], [], [], max(0.0, timeout_s))[0]:
+                return False
+            data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except (OSError, ValueError):  # reset, or closed under us
+            data = b""
+        self._is_open = bool(data)
+        self._buf += data
+        size = W.FRAME.size + W.DONE_BODY.size
+        while self._is_open and len(self._buf) >= size:
+            magic, kind, _, _, index, length = W.FRAME.unpack_from(self._buf)
+            self._is_open = magic == W.MAGIC and kind == W.DONE and length == W.DONE_BODY.size \
+                and 0 <= index < len(self.choices) and index not in self.work_s
+            if self._is_open:
+                self.work_s[index] = W.DONE_BODY.unpack_from(self._buf, W.FRAME.size)[0] / 1e9
+                del self._buf[:size]
+                self.policy.observe_work(self.choices[index].option, self.work_s[index])
+        return self._is_open
