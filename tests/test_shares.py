@@ -122,6 +122,34 @@ def test_a_missing_share_ends_the_prefix_for_every_reader(tmp_path):
         engine.close()
 
 
+def test_a_writer_skips_what_another_shape_holds_in_a_few_questions(tmp_path):
+    """A single engine storing a prompt that TP=2 ranks stored: held for every chunk, in a few questions (not one
+    per way and chunk); chunks past the stored ones are written; and where another way holds a later chunk but not
+    the first missing one, that chunk is written once more (a duplicate, never a chunk lost)."""
+    kv = _kv(4)
+    ranks = _engines(tmp_path, 1, 2)
+    for engine in ranks:
+        engine.store(TOKENS[:2 * CHUNK], _cut(kv, engine.core.shape.share)[:, :, :, :2 * CHUNK])
+        engine.flush()
+    with CacheEngine(_config(tmp_path), MODEL, "m") as whole:
+        shape, keys, asked = whole.core.shape, whole.keys(TOKENS), []
+
+        def has(found: list[bytes]) -> list[bool]:
+            asked.append(len(found))
+            return whole.stack.contains_many(found, writable_only=True)
+        assert shape.held(keys, has) == [True, True, False] == shape.present(keys, has)[:3]
+        asked.clear()
+        shape.held(keys, has)
+        assert len(asked) <= 2 + 2 and sum(asked) < sum(len(w) for w in shape.alternatives) * len(keys)
+        assert whole.store(TOKENS, kv) == 1  # only chunk 2, which no shape held
+        whole.stack.delete([ranks[0].core.shape.parts[0].key(keys[0])])  # TP rank 0's share of chunk 0
+        whole.stack.delete([keys[2]])
+        assert shape.present(keys, has)[:2] == [False, True]  # chunk 1 is still held by the TP=2 shares
+        assert shape.held(keys, has)[:2] == [False, False]
+    for engine in ranks:
+        engine.close()
+
+
 def test_a_replica_reads_and_never_writes(tmp_path):
     one_head = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16")
     kv = torch.randn(one_head.shape(len(TOKENS))).half()

@@ -90,7 +90,7 @@ class Writes:
         writes)."""
         if not self.core.shape.is_writer:
             return [True] * len(keys)
-        return self.core.shape.present(keys, lambda found: self.core.stack.contains_many(found, writable_only=True))
+        return self.core.shape.held(keys, lambda found: self.core.stack.contains_many(found, writable_only=True))
 
     def _put(self, key: bytes, kv: torch.Tensor, blob: Blob | None = None, meta: AccessMeta = NO_META) -> None:
         """Store one chunk's KV [L, 2, H, C, D] under `key`, each part of its shape under the part's key (`blob`: the

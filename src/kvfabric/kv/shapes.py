@@ -80,6 +80,10 @@ class ChunkShape:
         found = [has([part.key(k) for k in keys]) for part in self.parts]
         return [all(hits) for hits in zip(*found)]
 
+    def held(self, keys: Sequence[bytes], has: Callable[[list[bytes]], list[bool]]) -> list[bool]:
+        """For a writer: whether each chunk is stored already, so a store skips it (here: `present`)."""
+        return self.present(keys, has)
+
     def prefix(self, keys: Sequence[bytes], num_tokens: int, chunk_size: int,
                has: Callable[[list[bytes]], list[bool]]) -> int:
         """The longest prefix of chunks a load of num_tokens tokens can read: parts[0] of each, and the other parts

@@ -195,6 +195,25 @@ class ShareShape(ChunkShape):
             found[i] = bool(ways)
         return found
 
+    def held(self, keys: Sequence[bytes], has: Callable[[list[bytes]], list[bool]]) -> list[bool]:
+        """For a writer: whether each chunk's share is stored already, its own part or another way, in a few
+        questions whatever the number of chunks, like `prefix`. Why not `present`: it derives and asks every way's pieces of every chunk
+        missing its own part (dozens of keys a chunk), on the thread that saves. Here another way is asked about
+        the first such chunk only, and, where one holds it, about the others for that way. Keys are prefix-chained,
+        so a way that lacks that chunk lacks the later ones too but for evictions: at worst a chunk another way
+        holds is written once more, never one skipped that no way holds."""
+        found = has([self.parts[0].key(k) for k in keys])
+        missing = [i for i, hit in enumerate(found) if not hit]
+        if not missing or not self.alternatives:
+            return found
+        (holding,) = self._holding([keys[missing[0]]], has)
+        if holding:
+            way, rest = holding[0], missing[1:]
+            found[missing[0]] = True
+            for i, hits in zip(rest, zip(*(has([p.part.key(keys[i]) for i in rest]) for p in way))):
+                found[i] = all(hits)
+        return found
+
     def prefix(self, keys: Sequence[bytes], num_tokens: int, chunk_size: int,
                has: Callable[[list[bytes]], list[bool]]) -> int:
         """The leading chunks whose share can be read: the own parts in one question; from the first chunk they
