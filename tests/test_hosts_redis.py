@@ -1,6 +1,6 @@
-"""One Redis Cluster node partitioned, and every link lossy, across emulated hosts (kvfabric.bench.hosts): three redis-server cluster
-nodes (masters, `cluster-require-full-coverage no`) in three hosts, a redis tier (kvfabric.bench.hosts_redis) in a
-fourth. Real processes: slow.
+"""One Redis Cluster node partitioned, and every link lossy, across emulated hosts (kvfabric.bench.hosts): three
+redis-server cluster nodes (masters, `cluster-require-full-coverage no`) in three hosts, a redis tier
+(kvfabric.bench.hosts_redis) in a fourth. Real processes: slow.
 
 Asserted: while one node's link is cut, every put and get answers within the tier's timeout (timeout_s, + slack),
 the keys of that node miss (gets) or are refused (puts), nothing read back differs from what was stored; after the
