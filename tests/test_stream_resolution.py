@@ -254,9 +254,9 @@ def test_the_receiver_reports_each_chunks_work_to_the_sender():
     prompt = prepare(list(range(200)), kv, layout, "m", 64, levels=(9,))
     policy = Recorder("L9")
     report, rx, _ = _stream(prompt, policy, layout, 200)
-    assert len(rx.chunks) == 4 and all(w is not None and w > 0 for w in report.work_s)  # every chunk, after END too
+    assert len(rx.chunks) == 4 and sorted(report.work_s) == [0, 1, 2, 3]  # every chunk, after END too
     assert [o for o, _ in policy.reports] == ["L9"] * 4
-    assert sorted(s for _, s in policy.reports) == sorted(report.work_s)
+    assert [s for _, s in policy.reports] == [report.work_s[i] for i in range(4)] and min(report.work_s.values()) > 0
 
 
 def test_a_receiver_that_writes_garbage_loses_its_say_not_the_stream():
@@ -265,5 +265,29 @@ def test_a_receiver_that_writes_garbage_loses_its_say_not_the_stream():
     prompt = prepare(list(range(130)), kv, layout, "m", 64, levels=())
     policy = Recorder(RAW)
     report, rx, buf = _stream(prompt, policy, layout, 130, reply=b"HTTP/1.1 200 OK\r\n" * 4)
-    assert policy.reports == [] and report.work_s == [None] * 3
+    assert policy.reports == [] and report.work_s == {}
     assert torch.equal(buf, kv.float())  # every chunk arrived intact all the same
+
+
+def test_streams_sharing_a_connection_hand_each_report_to_its_own_stream():
+    """Two prompts back to back on one connection, one WorkReports for it: the first stream's late reports reach
+    its policy (and its SendReport) while the second is sent, nothing waits for them, and none is mixed up."""
+    from kvfabric.stream.sender import WorkReports
+    layout = KVLayout(2, 2, 16, "float16")
+    kv = torch.randn(layout.shape(200), generator=torch.Generator().manual_seed(3)).half()
+    prompt = prepare(list(range(200)), kv, layout, "m", 64, levels=(9,))
+    rx = Receiver(layout, "m", torch.zeros(layout.shape(200)), None)
+    cli, conn = loopback_pair()
+    th = threading.Thread(target=lambda: [rx.receive(conn) for _ in range(2)])
+    th.start()
+    shared = WorkReports(cli)
+    first, second = Recorder("L9"), Recorder(RAW)
+    reports = [send_prompt(cli, prompt, p, reports=shared) for p in (first, second)]
+    th.join(30)
+    deadline = time.monotonic() + 10
+    while shared.num_pending and time.monotonic() < deadline:
+        shared.poll(0.5)
+    for closeable in (cli, conn, rx):
+        closeable.close()
+    assert [o for o, _ in first.reports] == ["L9"] * 4 and [o for o, _ in second.reports] == [RAW] * 4
+    assert [sorted(r.work_s) for r in reports] == [[0, 1, 2, 3]] * 2

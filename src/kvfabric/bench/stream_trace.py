@@ -107,6 +107,7 @@ def _stream(prompt, policy, layout, model_id: str, recompute, duration_s: float 
     """Requests of `prompt`, back to back on one connection through a fresh trace, for duration_s; the receiver
     in a forked process. Returns (first send, last chunk in the receiver's buffer, options of each request)."""
     from kvfabric.stream import ThrottledSocket, send_prompt
+    from kvfabric.stream.sender import WorkReports
     ctx = multiprocessing.get_context("fork")  # the child inherits the model (recompute) without pickling
     reports, child_end = ctx.Pipe(duplex=False)
     srv = socket.socket()
@@ -119,8 +120,9 @@ def _stream(prompt, policy, layout, model_id: str, recompute, duration_s: float 
     cli.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     bucket = TraceBucket(TRACE, 256 * 1024)
     requests = []
+    work = WorkReports(cli)  # the connection's: requests go back to back, each one's reports come during the next
     while time.perf_counter() - bucket.t0 < duration_s:
-        report = send_prompt(ThrottledSocket(cli, bucket), prompt, policy)
+        report = send_prompt(ThrottledSocket(cli, bucket), prompt, policy, reports=work)
         requests.append([c.option for c in report.choices])
     cli.close()  # the receiver sees the end of the stream
     done = [reports.recv() for _ in requests]

@@ -148,7 +148,10 @@ class _Reporter:
         log.work_s = time.perf_counter() - start
         if self.conn is None:
             return
-        try:  # advisory: a sender that went away loses nothing
-            W.send_frame(self.conn, W.DONE, log.index, W.DONE_BODY.pack(int(log.work_s * 1e9)))
-        except OSError:
-            self.conn = None
+        frame = W.pack(W.DONE, log.index, W.DONE_BODY.size) + W.DONE_BODY.pack(int(log.work_s * 1e9))
+        try:  # never blocks: a sender that does not read its reports must not stall the worker (and the stream)
+            is_sent = self.conn.send(frame, socket.MSG_DONTWAIT) == len(frame)
+        except OSError:  # gone, or its buffer full: reports are advisory
+            is_sent = False
+        if not is_sent:
+            self.conn = None  # a frame cut short ends the sender's reading of reports, nothing else

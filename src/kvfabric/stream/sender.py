@@ -7,14 +7,17 @@ measures what one chunk of each option costs the receiver to decode (ResolutionP
 `send_prompt(sock, prompt, policy)` sends HELLO, then each chunk as KV or TOKENS, then END, feeding the policy each
 chunk's seconds on the link: its bytes at the rate the kernel saw acknowledged (stream/meter.py), or, where TCP_INFO
 is not available, the seconds its send took. It asks the receiver to report each chunk's work (DONE frames) and
-hands those to the policy (`observe_work`) as they arrive, and, after END, those still on their way, until the
-receiver has reported every chunk or closed, or `report_wait_s` has passed.
+hands those to the policy (`observe_work`) as they arrive (`WorkReports`): on a connection of its own, after END it
+also reads those still on their way, until every chunk is reported, the receiver closed, or `report_wait_s` passed;
+on a connection that carries several streams (`reports=` the connection's), nothing waits: a stream's late reports
+reach its policy while the next one is sent.
 """
 from __future__ import annotations
 
 import select
 import socket
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -110,13 +113,16 @@ class SendReport:
     wire_bytes: list[int]
     send_s: list[float]
     total_s: float
-    work_s: list[float | None] = field(default_factory=list)  # the receiver's report per chunk (None: none came)
+    work_s: dict[int, float] = field(default_factory=dict)  # chunk index -> the receiver's report (on a shared
+    # connection, reports that come after the stream ended are added as they are read)
 
 
 def send_prompt(sock: socket.socket, prompt: PreparedPrompt, policy, t0: float | None = None,  # noqa: ANN001
-                report_wait_s: float = 1.0) -> SendReport:
+                reports: WorkReports | None = None, report_wait_s: float = 1.0) -> SendReport:
     """Send `prompt` over `sock` (e.g. a ThrottledSocket). t0: the request's start (perf_counter) for the
-    policy's time budget; default now."""
+    policy's time budget; default now. reports: the connection's, where it carries several streams (their
+    reports then reach each stream's policy as they come, and nothing waits for them); without, this stream's
+    own, read until every chunk is reported (or report_wait_s)."""
     t0 = time.perf_counter() if t0 is None else t0
     W.send_frame(sock, W.HELLO, 0, W.hello_body(prompt.tokens, prompt.chunk_size, prompt.model_id, prompt.layout,
                                                 report_work=True))
@@ -124,7 +130,9 @@ def send_prompt(sock: socket.socket, prompt: PreparedPrompt, policy, t0: float |
     sizes = {o: prompt.wire_sizes(o) for o in options}
     choices, wire, secs = [], [], []
     meter, rate = LinkMeter(sock), None  # the link's pace, not the send calls' (stream/meter.py says why)
-    reports = WorkReports(sock, policy, choices)
+    is_own = reports is None
+    reports = WorkReports(sock) if reports is None else reports
+    work_s: dict[int, float] = {}
     for i in range(prompt.num_chunks):
         reports.poll(0.0)
         choice = policy.choose({o: sizes[o][i:] for o in options}, time.perf_counter() - t0, meter.queued_bytes())
@@ -138,6 +146,7 @@ def send_prompt(sock: socket.socket, prompt: PreparedPrompt, policy, t0: float |
             level = 0 if choice.option == RAW else int(choice.option[1:])
             n = W.send_frame(sock, W.KV, i, blob, level)
         took = time.perf_counter() - start
+        reports.sent(i, choice.option, policy, work_s)
         if choice.option != RECOMPUTE:
             rate = meter.rate_bps() or rate  # a reading too soon after the last one keeps the last rate
             if not rate and meter.is_available:  # no reading yet: the policy's prior, never the send call's time
@@ -149,33 +158,41 @@ def send_prompt(sock: socket.socket, prompt: PreparedPrompt, policy, t0: float |
     W.send_frame(sock, W.END, prompt.num_chunks)
     total_s = time.perf_counter() - t0
     until = time.monotonic() + report_wait_s
-    while not reports.is_complete(prompt.num_chunks) and reports.poll(until - time.monotonic()):
-        pass
-    return SendReport(choices, wire, secs, total_s, [reports.work_s.get(i) for i in range(prompt.num_chunks)])
+    while is_own and reports.num_pending and time.monotonic() < until:
+        reports.poll(until - time.monotonic())
+    return SendReport(choices, wire, secs, total_s, work_s)
 
 
 class WorkReports:
-    """The receiver's DONE frames on the sender's socket, read without blocking the send loop (`poll(0)`), handed
-    to the policy as (the option the chunk went as, seconds). Anything else from the receiver ends the reading:
-    reports are advisory, and a receiver that misbehaves loses its say, not the stream."""
+    """The receiver's DONE frames on a sender's connection, read without blocking the send loop (`poll(0)`) and
+    handed to the policy of the chunk each one reports, as (the option it went as, seconds). One per connection:
+    a receiver reports chunks in the order it got them (one worker), so the reports of a stream that has ended
+    still reach its policy while the next stream on the connection is sent. Anything else from the receiver ends
+    the reading: reports are advisory, and a receiver that misbehaves loses its say, not the stream."""
 
-    def __init__(self, sock: socket.socket, policy, choices: list[Choice]) -> None:  # noqa: ANN001
-        self.sock, self.policy, self.choices = sock, policy, choices  # choices: the send loop's, as they grow
-        self.work_s: dict[int, float] = {}
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._pending: deque[tuple[int, str, object, dict]] = deque()  # (index, option, policy, its stream's
+        # work_s) of each chunk sent and not reported yet
         self._buf = bytearray()
         self._is_open = True
 
-    def is_complete(self, num_chunks: int) -> bool:
-        return len(self.work_s) >= num_chunks or not self._is_open
+    def sent(self, index: int, option: str, policy, work_s: dict[int, float]) -> None:  # noqa: ANN001
+        if self._is_open:
+            self._pending.append((index, option, policy, work_s))
 
-    def poll(self, timeout_s: float) -> bool:
-        """Hand on what has arrived, waiting up to timeout_s for it; False when nothing came (or nothing can)."""
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending) if self._is_open else 0
+
+    def poll(self, timeout_s: float) -> None:
+        """Hand on what has arrived, waiting up to timeout_s for it."""
         try:
             if not self._is_open or not select.select([self.sock], [], [], max(0.0, timeout_s))[0]:
-                return False
+                return
             data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
-            return False
+            return
         except (OSError, ValueError):  # reset, or closed under us
             data = b""
         self._is_open = bool(data)
@@ -184,9 +201,10 @@ class WorkReports:
         while self._is_open and len(self._buf) >= size:
             magic, kind, _, _, index, length = W.FRAME.unpack_from(self._buf)
             self._is_open = magic == W.MAGIC and kind == W.DONE and length == W.DONE_BODY.size \
-                and 0 <= index < len(self.choices) and index not in self.work_s
+                and bool(self._pending) and self._pending[0][0] == index
             if self._is_open:
-                self.work_s[index] = W.DONE_BODY.unpack_from(self._buf, W.FRAME.size)[0] / 1e9
+                seconds = W.DONE_BODY.unpack_from(self._buf, W.FRAME.size)[0] / 1e9
                 del self._buf[:size]
-                self.policy.observe_work(self.choices[index].option, self.work_s[index])
-        return self._is_open
+                _, option, policy, work_s = self._pending.popleft()
+                work_s[index] = seconds
+                policy.observe_work(option, seconds)  # type: ignore[attr-defined]
