@@ -116,6 +116,7 @@ def _stream(prompt, policy, layout, model_id: str, recompute, duration_s: float 
     proc = ctx.Process(target=_receive_all, args=(srv, layout, model_id, len(prompt.tokens), recompute, child_end),
                        daemon=True)
     proc.start()
+    child_end.close()  # the child's end lives in the child only: if it dies, recv below ends instead of waiting
     cli = socket.create_connection(srv.getsockname())
     cli.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     bucket = TraceBucket(TRACE, 256 * 1024)
@@ -124,6 +125,9 @@ def _stream(prompt, policy, layout, model_id: str, recompute, duration_s: float 
     while time.perf_counter() - bucket.t0 < duration_s:
         report = send_prompt(ThrottledSocket(cli, bucket), prompt, policy, reports=work)
         requests.append([c.option for c in report.choices])
+    until = time.monotonic() + 60  # the last request's reports: closing before them would reset the receiver's
+    while work.num_pending and time.monotonic() < until:  # socket while it still reports (ECONNRESET, not EOF)
+        work.poll(until - time.monotonic())
     cli.close()  # the receiver sees the end of the stream
     done = [reports.recv() for _ in requests]
     proc.join(60)
@@ -144,7 +148,7 @@ def _receive_all(srv: socket.socket, layout, model_id: str, num_tokens: int, rec
         while True:
             result = rx.receive(conn, 0.0)  # t0 = 0: done_s is the perf_counter time itself
             reports.send(result.done_s)
-    except ProtocolError:  # the sender closed the connection: no more requests
+    except (ProtocolError, OSError):  # the sender closed the connection (or reset it): no more requests
         pass
     finally:
         rx.close()
