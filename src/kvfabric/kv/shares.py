@@ -197,11 +197,11 @@ class ShareShape(ChunkShape):
 
     def held(self, keys: Sequence[bytes], has: Callable[[list[bytes]], list[bool]]) -> list[bool]:
         """For a writer: whether each chunk's share is stored already, its own part or another way, in a few
-        questions whatever the number of chunks, like `prefix`. Why not `present`: it derives and asks every way's pieces of every chunk
-        missing its own part (dozens of keys a chunk), on the thread that saves. Here another way is asked about
-        the first such chunk only, and, where one holds it, about the others for that way. Keys are prefix-chained,
-        so a way that lacks that chunk lacks the later ones too but for evictions: at worst a chunk another way
-        holds is written once more, never one skipped that no way holds."""
+        questions whatever the number of chunks, like `prefix`. Why not `present`: it derives and asks every way's
+        pieces of every chunk missing its own part (dozens of keys a chunk), on the thread that saves. Here another
+        way is asked about the first such chunk only, and, where one holds it, about the others for that way. Keys
+        are prefix-chained, so a way that lacks that chunk lacks the later ones too but for evictions: at worst a
+        chunk another way holds is written once more, never one skipped that no way holds."""
         found = has([self.parts[0].key(k) for k in keys])
         missing = [i for i, hit in enumerate(found) if not hit]
         if not missing or not self.alternatives:
@@ -210,8 +210,8 @@ class ShareShape(ChunkShape):
         if holding:
             way, rest = holding[0], missing[1:]
             found[missing[0]] = True
-            for i, hits in zip(rest, zip(*(has([p.part.key(keys[i]) for i in rest]) for p in way))):
-                found[i] = all(hits)
+            for i, is_held in zip(rest, _way_holds(way, [keys[i] for i in rest], has)):
+                found[i] = is_held
         return found
 
     def prefix(self, keys: Sequence[bytes], num_tokens: int, chunk_size: int,
@@ -226,13 +226,18 @@ class ShareShape(ChunkShape):
             if not holding:
                 break
             way, rest = holding[0], range(num + 1, len(keys))
-            held = [all(hits) for hits in zip(*(has([p.part.key(keys[i]) for i in rest]) for p in way))]
+            held = _way_holds(way, [keys[i] for i in rest], has)
             num += 1
             for j, i in enumerate(rest):
                 if not (held[j] or own[i]):
                     break
                 num = i + 1
         return num
+
+
+def _way_holds(way: Way, keys: Sequence[bytes], has: Callable[[list[bytes]], list[bool]]) -> list[bool]:
+    """Whether `way` holds every piece of each chunk: one question a piece."""
+    return [all(hits) for hits in zip(*(has([piece.part.key(k) for k in keys]) for piece in way))]
 
 
 def _minus(span: tuple[int, int], offset: int) -> tuple[int, int]:
