@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, parse
 from kvfabric.config import ShmTierConfig
 from kvfabric.host.pages import Scratch
-from kvfabric.tiers.shm import ShmPoolError, ShmTier
+from kvfabric.tiers.shm import ShmPoolError, ShmTier, index_kernel
+from kvfabric.tiers.shm.coherence import CacheOps
 from kvfabric.tiers.shm.index import Index
 from kvfabric.tiers.shm.layout import ENTRY_BYTES, KEY_AT, READY, SEQ, STATS, STATS_AT, extent_bytes
 from kvfabric.tiers.stack import TierStack
@@ -96,8 +97,13 @@ def _child_hang_mid_data_write(name: str, capacity: int, key: bytes, size: int, 
     os._exit(3)  # not reached
 
 
-def _child_hang_mid_publish(name: str, capacity: int, key: bytes, ready) -> None:
-    tier = ShmTier(name, capacity)
+class PythonPath(CacheOps):
+    """The plain no-op primitives, but not CacheOps itself: the pool takes index.py's Python writer path instead of
+    index_kernel's compiled one."""
+
+
+def _child_hang_mid_publish(name: str, capacity: int, key: bytes, ready, path: str) -> None:
+    tier = ShmTier(name, capacity, ops=PythonPath() if path == "python" else None)
 
     index = tier.arena.current
 
@@ -109,7 +115,11 @@ def _child_hang_mid_publish(name: str, capacity: int, key: bytes, ready) -> None
         ready.set()
         time.sleep(60)
 
-    index.publish = torn_publish
+    if path == "python":
+        index.publish = torn_publish
+    else:  # the compiled publish, stopped at the same point (its own steps run without the GIL, in one call)
+        index_kernel.publish = lambda w64, w32, w8, slot, key, offset, length, *rest: torn_publish(
+            slot, key, offset, length, 0)
     tier.put(key, make_blob(key, 1000, seed=5))
     os._exit(3)
 
@@ -286,11 +296,13 @@ def test_sigkill_mid_data_write_leaves_no_torn_chunk(pool_name: str) -> None:
     tier.close()
 
 
-def test_sigkill_mid_publish_is_repaired(pool_name: str) -> None:
+@pytest.mark.parametrize("path", ["compiled", "python"])
+def test_sigkill_mid_publish_is_repaired(pool_name: str, path: str) -> None:
     tier = ShmTier(pool_name, 1 << 20)
     assert tier.put(key_of(1), b"one")
     ready = FORK.Event()
-    proc = FORK.Process(target=_child_hang_mid_publish, args=(pool_name, 1 << 20, key_of(2), ready), daemon=True)
+    proc = FORK.Process(target=_child_hang_mid_publish, args=(pool_name, 1 << 20, key_of(2), ready, path),
+                        daemon=True)
     proc.start()
     reached = ready.wait(20)
     proc.kill()
@@ -458,7 +470,7 @@ def test_corrupted_arena_bytes_are_caught_by_the_stack(pool_name: str) -> None:
 
 
 def test_pool_file_removed_under_a_running_process(pool_name: str) -> None:
-    tier = ShmTier(pool_name, 1 << 20)
+    tier = ShmTier(pool_name, 1 << 20, recheck_s=0.0)  # the path is stat'ed on every operation
     assert tier.put(key_of(1), b"v")
     os.unlink(tier.arena.path)
     assert tier.get(key_of(1)) is None  # a new, empty pool is created

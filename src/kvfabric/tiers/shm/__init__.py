@@ -8,8 +8,10 @@ memcpy out of the shared mapping, no socket and no serialization.
                   crash recovery and validation
     allocator.py  Allocator: eviction (LRU, this process's pins, table load) and first-fit arena extents
     fit.py        first_fit: the free-extent search of every put, compiled (numba, loaded on the first put)
-    arena.py      Arena: the pool file and its mapping (create, validate, replace, remap), the writers' lock,
-                  fork safety, copies into and out of the data region
+    index_kernel.py  the index's steps on coherent memory compiled: a put's reserve and publish, a read's find
+                  and recheck (numba, loaded on the first use; the Python methods stay for other memory)
+    arena.py      Arena: the pool file and its mapping (create, validate, replace, remap: a superseded flag in
+                  the old file), the writers' lock, fork safety, copies into and out of the data region
     tier.py       ShmTier, the Tier protocol composed of the three (no shared state but the counters)
     coherence.py  the cache-maintenance primitives (flush, fence, invalidate): no-ops on coherent memory
 

@@ -42,14 +42,19 @@ class Allocator:
             self._pins.subtract(keys)
             self._pins = +self._pins  # drop zero counts so the counter does not grow without bound
 
-    def _first_fit(self, offsets: np.ndarray, sizes: np.ndarray, num_live: int, need: int, data_bytes: int) -> int:
-        """The lowest free extent of `need` bytes, or -1 (fit.first_fit, with this allocator's scratch)."""
-        if self._fit is None or len(self._fit[1]) != len(sizes):
+    def fit_scratch(self, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+        """first_fit's scratch for a table of `num_slots` (int64 starts and stops), kept for the next put."""
+        if self._fit is None or len(self._fit[1]) != num_slots:
             from kvfabric.tiers.shm.fit import first_fit  # numba: loaded on the first put, not at import (fit.py)
 
-            self._fit = (first_fit, np.empty(len(sizes), dtype=np.int64), np.empty(len(sizes), dtype=np.int64))
-        fit, starts, stops = self._fit
-        return int(fit(offsets, sizes, num_live, need, data_bytes, starts, stops))
+            self._fit = (first_fit, np.empty(num_slots, dtype=np.int64), np.empty(num_slots, dtype=np.int64))
+        return self._fit[1], self._fit[2]
+
+    def _first_fit(self, offsets: np.ndarray, sizes: np.ndarray, num_live: int, need: int, data_bytes: int) -> int:
+        """The lowest free extent of `need` bytes, or -1 (fit.first_fit, with this allocator's scratch)."""
+        starts, stops = self.fit_scratch(len(sizes))
+        assert self._fit is not None
+        return int(self._fit[0](offsets, sizes, num_live, need, data_bytes, starts, stops))
 
     def _lru_order(self, index: Index) -> list[int]:
         """READY slots, least recently used first, without this process's pinned keys."""

@@ -3,7 +3,9 @@
 Contract:
 - `current` is the `Index` of the mapping in use (index.py), replaced as one object on a remap: readers take it
   once per operation. `refresh()` returns it after following a pool that another process replaced (a new inode:
-  map the new file), or None when the arena is closed or the pool cannot be reached.
+  map the new file), or None when the arena is closed or the pool cannot be reached. A process that replaces
+  the pool first sets the old file's superseded flag, so the others follow on their next operation; a file
+  removed or replaced by hand is noticed within `recheck_s`.
 - Writers hold `locked()`: `fcntl.flock` on `<root>/kvfabric-<name>.lock` (the kernel releases it when a process
   dies, even by SIGKILL) plus a thread lock, reentrant within a thread. A writer waits at most `lock_timeout_s`,
   then gets ShmLockTimeout: a stopped process holding the lock must not hang every other writer.
@@ -42,7 +44,7 @@ from kvfabric.tiers.base import Blob
 from kvfabric.tiers.pool import BlobPool
 from kvfabric.tiers.shm.coherence import CacheOps
 from kvfabric.tiers.shm.index import EntryRef, Index
-from kvfabric.tiers.shm.layout import Geometry, default_num_slots
+from kvfabric.tiers.shm.layout import SUPERSEDED_AT, U64, Geometry, default_num_slots
 
 log = logging.getLogger("kvfabric.tiers.shm")
 
@@ -73,7 +75,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 class Arena:
     def __init__(self, name: str, capacity_bytes: int, *, root: str | os.PathLike, num_slots: int | None,
-                 lock_timeout_s: float, counters: Counters, ops: CacheOps | None = None,
+                 lock_timeout_s: float, counters: Counters, ops: CacheOps | None = None, recheck_s: float = 1.0,
                  strict_permissions: bool = False) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
@@ -96,6 +98,8 @@ class Arena:
         self._tlock = threading.RLock()
         self._lock_depth = 0
         self._ident: tuple[int, int] = (0, 0)
+        self.recheck_s = recheck_s
+        self._recheck_at = 0.0  # refresh() stats the path from then on
         self._closed = False
         self._lock_fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -121,33 +125,48 @@ class Arena:
     def locked(self, timeout_s: float | None = None) -> Iterator[None]:
         """This process's thread lock, then flock on the pool's lock file. Raises ShmLockTimeout after
         `timeout_s` (default `lock_timeout_s`)."""
+        self.acquire(timeout_s)
+        try:
+            yield
+        finally:
+            self.release()
+
+    def acquire(self, timeout_s: float | None = None) -> None:
+        """`locked()`'s entry, for the put's fast path (a generator's frames cost a put's hot path more than the
+        locking itself); every acquire is paired with one `release`."""
         timeout_s = self.lock_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         if not self._tlock.acquire(timeout=timeout_s):
             raise ShmLockTimeout(f"{self.lock_path}: busy in this process for {timeout_s} s")
+        if self._lock_depth:
+            self._lock_depth += 1
+            return
         try:
-            if self._lock_depth:
-                self._lock_depth += 1
-                try:
-                    yield
-                finally:
-                    self._lock_depth -= 1
-                return
-            delay = 50e-6
-            while True:
-                try:
-                    fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise ShmLockTimeout(f"{self.lock_path}: held by another process for {timeout_s} s") from None
-                    time.sleep(delay)
-                    delay = min(delay * 2, 2e-3)
-            self._lock_depth = 1
             try:
-                yield
-            finally:
-                self._lock_depth = 0
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._wait_for_flock(deadline, timeout_s)
+        except BaseException:
+            self._tlock.release()
+            raise
+        self._lock_depth = 1
+
+    def _wait_for_flock(self, deadline: float, timeout_s: float) -> None:
+        delay = 50e-6
+        while True:
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise ShmLockTimeout(f"{self.lock_path}: held by another process for {timeout_s} s") from None
+
+    def release(self) -> None:
+        try:
+            self._lock_depth -= 1
+            if self._lock_depth == 0:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         finally:
             self._tlock.release()
@@ -169,13 +188,23 @@ class Arena:
         return self._closed
 
     def refresh(self) -> Index | None:
-        """The current index, after following a pool that another process replaced; None if unreachable."""
+        """The current index, after following a pool that another process replaced; None if unreachable.
+        The path is stat'ed once the mapping's superseded flag is set (a process that replaces the pool sets it
+        in the old file first), else at most every `recheck_s` (a file removed by hand is followed then): a stat
+        on every operation cost as much as the rest of a small read's index work (docs/design/measurements.md)."""
         if self._closed:
+            return None
+        index = self.current
+        try:
+            if index is not None and time.monotonic() < self._recheck_at and not index.is_superseded():
+                return index
+        except ValueError:  # closed under us by close()
             return None
         try:
             st = os.stat(self._path_str)
-            if (st.st_dev, st.st_ino) == self._ident and self.current is not None:
-                return self.current
+            if (st.st_dev, st.st_ino) == self._ident and index is not None:
+                self._recheck_at = time.monotonic() + self.recheck_s
+                return index
         except FileNotFoundError:
             pass
         try:
@@ -216,12 +245,14 @@ class Arena:
                 log.warning("shared-memory pool %s is unusable (%s); replacing it with a fresh pool", self.path,
                             problem)
                 self.counters.add("pool_reset")
+                self._supersede(mm)
                 self._replace()
                 continue
             # The old mapping is not closed here: a reader in another thread may still copy from it;
             # refcounting unmaps it once the last reader lets go.
             self.current = index
             self._ident = (st.st_dev, st.st_ino)
+            self._recheck_at = time.monotonic() + self.recheck_s
             self.capacity_bytes = index.geo.capacity
             return
 
@@ -236,6 +267,14 @@ class Arena:
                                    f"(capacity {geo.capacity}); lower shm.capacity or enlarge {self.root}") from exc
             raise
         os.pwrite(fd, geo.header(), 0)  # the index is all zeros (EMPTY) already
+
+    def _supersede(self, mm: mmap.mmap) -> None:
+        """Set the superseded flag of a pool file about to be replaced: processes mapping it stat the path on
+        their next operation and follow the new file (without the flag they stat only every `recheck_s`)."""
+        if len(mm) >= SUPERSEDED_AT + U64.size:
+            U64.pack_into(mm, SUPERSEDED_AT, 1)
+            self.ops.flush(mm, SUPERSEDED_AT, U64.size)
+            self.ops.fence()
 
     def _replace(self) -> None:
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.new")
@@ -283,6 +322,7 @@ class Arena:
             self._closed = True
             index, self.current = self.current, None
             if index is not None:
+                index.release()
                 with contextlib.suppress(BufferError):  # still exported (a numpy view alive): GC unmaps it
                     index.mm.close()
             if self._lock_fd >= 0:

@@ -22,6 +22,7 @@ import mmap
 import os
 import time
 from collections.abc import Iterator
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -44,6 +45,7 @@ from kvfabric.tiers.shm.layout import (
     STATE,
     STATS,
     STATS_AT,
+    SUPERSEDED_AT,
     TOMBSTONE,
     U64,
     Geometry,
@@ -74,6 +76,24 @@ class Index:
         self.geo = geo
         self.counters = counters
         self.stats = [0, 0, 0]  # live_bytes, live_count, used_slots: valid while writing (see writing())
+        self._words: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._kernel: ModuleType | None = None
+
+    @property
+    def is_plain(self) -> bool:
+        """Coherent memory with the plain no-op primitives: nothing to call between stores (index_kernel.py)."""
+        return self._is_noop
+
+    def words(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The mapping's bytes [0, data_offset) as uint64, uint32 and uint8 views (index_kernel.py's w64, w32, w8),
+        made once per mapping; `release` drops them so that the mapping can be closed."""
+        if self._words is None:
+            w8 = np.frombuffer(self.mm, dtype=np.uint8, count=self.geo.data_offset)
+            self._words = (w8.view(np.uint64), w8.view(np.uint32), w8)
+        return self._words
+
+    def release(self) -> None:
+        self._words = None
 
     # ---- readers (no lock) ---------------------------------------------------------------------------------
     def entries(self) -> np.ndarray:
@@ -98,11 +118,29 @@ class Index:
             os.sched_yield()
         return None
 
+    def kernel(self) -> ModuleType:
+        """index_kernel.py, imported on first use (numba: never when kvfabric is imported, see fit.py)."""
+        if self._kernel is None:
+            from kvfabric.tiers.shm import index_kernel
+            self._kernel = index_kernel
+        return self._kernel
+
     def find(self, key: bytes) -> EntryRef | None:
         """The READY entry for `key`, without locking."""
         if len(key) > MAX_KEY_BYTES:
             return None
         geo = self.geo
+        if self._is_noop:  # the compiled R1 (index_kernel.find); the checksum here
+            w64, w32, w8 = self.words()
+            slot, seq, offset, length, esum = self.kernel().find(
+                w64, w32, w8, key, xxhash.xxh3_64_intdigest(key) & geo.mask,
+                geo.num_slots, geo.index_offset, geo.data_bytes)
+            if slot == -1:
+                return None
+            if slot == -2 or esum != entry_sum(seq, READY, len(key), offset, length, key):
+                self.counters.add("bad_entries")
+                return None
+            return EntryRef(slot, seq, offset, length)
         start = xxhash.xxh3_64_intdigest(key) & geo.mask
         for i in range(geo.num_slots):
             slot = (start + i) & geo.mask
@@ -119,10 +157,24 @@ class Index:
                 return EntryRef(slot, seq, offset, length)
         return None
 
+    def is_superseded(self) -> bool:
+        """Whether a process that replaced this pool file marked it (arena.py follows the new one)."""
+        self.ops.invalidate(self.mm, SUPERSEDED_AT, U64.size)
+        return U64.unpack_from(self.mm, SUPERSEDED_AT)[0] != 0
+
     def is_current(self, ref: EntryRef) -> bool:
         """Whether the entry is still the one `find` saw (not retired or reused since)."""
         self.ops.invalidate(self.mm, self._base(ref.slot), SEQ.size)
         return SEQ.unpack_from(self.mm, self._base(ref.slot))[0] == ref.seq
+
+    def recheck(self, ref: EntryRef) -> bool:
+        """`is_current(ref)`, then, if it is, `touch(ref.slot)`: a read's last step."""
+        if self._is_noop:
+            return self.kernel().recheck(self.words()[0], ref.slot, ref.seq, time.monotonic_ns(), self.geo.index_offset)
+        if not self.is_current(ref):
+            return False
+        self.touch(ref.slot)
+        return True
 
     def touch(self, slot: int) -> None:
         """LRU touch: atime = now (CLOCK_MONOTONIC, shared by all processes); a lost race only reorders."""
@@ -144,12 +196,13 @@ class Index:
         return self.mm[base + KEY_AT:base + KEY_AT + key_len]
 
     @contextlib.contextmanager
-    def writing(self) -> Iterator[None]:
+    def writing(self, resumed: bool = False) -> Iterator[None]:
         """Bracket index changes. The header's dirty flag stays set if this process dies (or raises) mid-change;
-        the next writer then retires entries left mid-update and recounts the stats."""
+        the next writer then retires entries left mid-update and recounts the stats. `resumed`: this writer set
+        the flag itself (index_kernel.reserve, lock held since) and goes on with the change."""
         self.ops.invalidate(self.mm, STATS_AT, STATS.size)
         dirty, live_bytes, live_count, used = STATS.unpack_from(self.mm, STATS_AT)
-        if dirty:
+        if dirty and not resumed:
             self.repair()
             self.rebuild_extents()
             live_bytes, live_count, used = self.recount()

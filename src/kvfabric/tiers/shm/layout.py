@@ -3,7 +3,8 @@
 Layout of the pool file `<root>/kvfabric-<name>` (root /dev/shm), mmapped by every process (little-endian):
 
     [0, 4096)              header: magic, version, geometry, byte budget, xxh3 of these fields; at 512 the
-                           writers' running totals (dirty flag, live bytes, live entries, used slots)
+                           writers' running totals (dirty flag, live bytes, live entries, used slots); at 544
+                           the superseded flag (set in a file just before another is renamed over it)
     [4096, +128 * slots)   index: `num_slots` entries of 128 bytes, an open-addressing hash table (linear probing)
     [.., data_offset)      extent table for writers: offset u64[num_slots], then extent bytes u64[num_slots]
                            (0 unless READY); a compact copy of the READY entries' extents, so allocation scans
@@ -47,6 +48,7 @@ FIELDS = struct.Struct("<QIIQQ")  # the checksummed fields: seq, state, key_len,
 SEQ = struct.Struct("<Q")
 STATS = struct.Struct("<QQQQ")  # writer state in the header: dirty, live_bytes, live_count, used_slots
 STATS_AT = 512
+SUPERSEDED_AT = 544  # u64, nonzero: this file has been (or is about to be) replaced at its path
 STATE = struct.Struct("<I")
 U64 = struct.Struct("<Q")
 KEY_AT = ENTRY.size  # 48

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
+import xxhash
 
 from kvfabric.config import ShmTierConfig
 from kvfabric.host.pages import Scratch
@@ -30,7 +31,7 @@ from kvfabric.tiers.shm.allocator import Allocator
 from kvfabric.tiers.shm.arena import DEFAULT_ROOT, Arena, ShmLockTimeout
 from kvfabric.tiers.shm.coherence import CacheOps, cache_ops
 from kvfabric.tiers.shm.index import Index
-from kvfabric.tiers.shm.layout import MAX_KEY_BYTES, READY
+from kvfabric.tiers.shm.layout import MAX_KEY_BYTES, READY, entry_sum, extent_bytes
 
 READ_RETRIES = 4
 
@@ -49,14 +50,15 @@ class ShmTier(TierBase):
 
     def __init__(self, name: str = "kvfabric", capacity_bytes: int = 2**30, *, root: str | os.PathLike = DEFAULT_ROOT,
                  num_slots: int | None = None, lock_timeout_s: float = 2.0, coherent: bool = True,
-                 ops: CacheOps | None = None, strict_permissions: bool = False) -> None:
+                 ops: CacheOps | None = None, strict_permissions: bool = False, recheck_s: float = 1.0) -> None:
         """coherent=False: the publish protocol's flushes and invalidations run (coherence.py); `ops` replaces
         the primitives (a recording shim in the tests). A pool or lock file that grants more than 0600 is a
-        warning, an error with `strict_permissions`."""
+        warning, an error with `strict_permissions`. `recheck_s`: how soon a pool file removed by hand is noticed
+        (one replaced by another kvfabric process is followed at once: arena.py)."""
         self.counters = Counters()
         self.allocator = Allocator(self.counters)
         self.arena = Arena(name, capacity_bytes, root=root, num_slots=num_slots, lock_timeout_s=lock_timeout_s,
-                           counters=self.counters, ops=ops or cache_ops(coherent),
+                           counters=self.counters, ops=ops or cache_ops(coherent), recheck_s=recheck_s,
                            strict_permissions=strict_permissions)
 
     @classmethod
@@ -124,8 +126,7 @@ class ShmTier(TierBase):
                 if ref is None:
                     return None
                 blob = self.arena.read(index, ref, scratch)
-                if index.is_current(ref):  # not retired while we copied: the bytes are that entry's
-                    index.touch(ref.slot)
+                if index.recheck(ref):  # not retired while we copied: the bytes are that entry's (and touched)
                     return blob
                 self.counters.add("read_retries")
         except ValueError:  # closed under us by close()
@@ -147,13 +148,18 @@ class ShmTier(TierBase):
 
     # ---- writes ------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _writing(self, timeout_s: float | None = None) -> Iterator[Index | None]:
-        """The writers' lock and an index change on the current mapping; None if the pool cannot be reached."""
+    def _locked(self, timeout_s: float | None = None) -> Iterator[Index | None]:
+        """The writers' lock and the current mapping's index; None if the pool cannot be reached."""
         if self.arena.is_closed:  # (the pool is followed once, under the lock: a stat a write, not two)
             yield None
             return
         with self.arena.locked(timeout_s):
-            index = self.arena.refresh()  # another process may have replaced the pool while we waited
+            yield self.arena.refresh()  # another process may have replaced the pool while we waited
+
+    @contextlib.contextmanager
+    def _writing(self, timeout_s: float | None = None) -> Iterator[Index | None]:
+        """The writers' lock and an index change on the current mapping; None if the pool cannot be reached."""
+        with self._locked(timeout_s) as index:
             if index is None:
                 yield None
                 return
@@ -168,12 +174,43 @@ class ShmTier(TierBase):
         if len(key) > MAX_KEY_BYTES or size > self.capacity_bytes:
             self.counters.add("put.rejected")
             return False
+        if self.arena.is_closed:
+            return False
         try:
-            with self._writing() as index:
-                return index is not None and self._put(index, key, view, size)
+            self.arena.acquire()  # (not `with _locked()`: the generator's frames cost as much as the index work)
         except ShmLockTimeout:
             self.counters.add("put.lock_timeout")
             return False
+        try:
+            if (index := self.arena.refresh()) is None:  # another process may have replaced the pool meanwhile
+                return False
+            went = self._put_compiled(index, key, view, size) if index.is_plain else "repair"
+            if went == "done":
+                return True
+            with index.writing(resumed=went == "resume"):
+                return self._put(index, key, view, size)
+        finally:
+            self.arena.release()
+
+    def _put_compiled(self, index: Index, key: bytes, view: memoryview, size: int) -> str:
+        """The put through index_kernel (coherent memory, lock held): "done"; "resume" when entries must be evicted
+        (the Python path goes on, the dirty flag already set); "repair" when a dead writer's change must be
+        repaired first (nothing done)."""
+        kernel, geo = index.kernel(), index.geo
+        w64, w32, w8 = index.words()
+        starts, stops = self.allocator.fit_scratch(geo.num_slots)
+        need = extent_bytes(size)
+        status, slot, offset, seq = kernel.reserve(
+            w64, w32, w8, key, xxhash.xxh3_64_intdigest(key) & geo.mask, size, need, geo.num_slots,
+            geo.index_offset, geo.ext_offset, geo.ext_len_offset, geo.data_bytes, geo.capacity, geo.max_used,
+            starts, stops)
+        if status != kernel.OK:
+            return "repair" if status == kernel.DIRTY else "resume"
+        esum = entry_sum(seq, READY, len(key), offset, size, key)
+        self.arena.write(index, offset, view)  # data first ...
+        kernel.publish(w64, w32, w8, slot, key, offset, size, need, time.monotonic_ns(),  # ... then the entry
+                       esum - (esum >> 63 << 64), geo.index_offset, geo.ext_offset, geo.ext_len_offset)  # as int64
+        return "done"
 
     def _put(self, index: Index, key: bytes, view: memoryview, size: int) -> bool:
         index.remove_key(key)  # a reader sees the old blob or none until the new one is published, never a mix
