@@ -516,3 +516,21 @@ def test_a_node_asking_for_stats_at_once_gets_the_engines_summary():
                                     "evictions": 0, "errors": 0}
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("kv_of", [lambda kv: kv, lambda kv: kv.transpose(3, 4).contiguous().transpose(3, 4)],
+                         ids=["contiguous", "rows-not-one-run"])
+def test_a_prompts_chunks_stored_in_one_pass_are_the_blobs_encoded_one_by_one(config, kv_of):
+    """Writes._put_many (one streamed pass over the prompt's KV into the cpu tier's buffers) stores byte for byte
+    what RawCodec.encode does chunk by chunk; KV whose rows are not one run each is stored chunk by chunk."""
+    tokens, kv = list(range(70)), kv_of(make_kv(70))
+    config = Config(chunk_size=16, save_partial_chunk=True, tiers=("cpu",))
+    with CacheEngine(config, LAYOUT, "m") as engine:
+        assert engine.store(tokens, kv) == 5
+        cpu = engine.stack.tiers[0]
+        for i, key in enumerate(engine.keys(tokens)):
+            s, e = 16 * i, min(16 * (i + 1), 70)
+            expected = RawCodec().encode(kv[:, :, :, s:e].contiguous(), key, LAYOUT, with_checksums=False)
+            end = HEADER_BYTES + LAYOUT.num_bytes(e - s)  # the header and the KV (an unsealed blob's head table is
+            assert bytes(cpu.get(key))[:end] == bytes(expected)[:end]  # filled in only when it leaves the process)
+        assert torch.equal(engine.retrieve(tokens), kv)

@@ -55,13 +55,11 @@ class Writes:
         keys = self.key_space.keys(tokens)
         wanted = chunks_to_store(c.layout, c.chunk_size, num_tokens, len(keys), kv, start)
         end = start + kv.shape[3]
-        stored: list[int] = []
-        for i, is_held in zip(wanted, self.held([keys[i] for i in wanted])):
-            if is_held:
-                continue
-            s, e = c.span(i, num_tokens)
-            self._put(keys[i], kv[:, :, :, s - start:e - start, :], meta=c.meta(i, len(keys), s, e))
-            stored.append(i)
+        stored = [i for i, is_held in zip(wanted, self.held([keys[i] for i in wanted])) if not is_held]
+        if not self._put_many(keys, stored, kv, start, num_tokens):
+            for i in stored:
+                s, e = c.span(i, num_tokens)
+                self._put(keys[i], kv[:, :, :, s - start:e - start, :], meta=c.meta(i, len(keys), s, e))
         c.histograms.observe("kvfabric_store_seconds", time.perf_counter() - started, "store")
         num_tokens_stored = sum(e - s for s, e in (c.span(i, num_tokens) for i in stored))
         for name, n in (("stores", 1), ("store_tokens", end - start), ("store_chunks", len(wanted)),
@@ -91,6 +89,31 @@ class Writes:
         if not self.core.shape.is_writer:
             return [True] * len(keys)
         return self.core.shape.held(keys, lambda found: self.core.stack.contains_many(found, writable_only=True))
+
+    def _put_many(self, keys: list[ChunkKey], chunks: list[int], kv: torch.Tensor, start: int, num_tokens: int) -> bool:
+        """Store `chunks` of kv (tokens from `start`) as `_put` does, their copies made in one pass over kv
+        (RawCodec.encode_chunks: a whole-chunk raw store reads kv in address order instead of a chunk at a time);
+        False, having stored nothing, where that does not apply (another codec, split chunks, a tier asking for
+        its own codec, a first tier outside process memory, no streamed copy): the caller puts them one by one.
+        Only into process memory: there every buffer taken is a stored chunk at once, whereas a disk tier's
+        buffers come back only after their writes, so taking them all first would map fresh ones."""
+        c = self.core
+        if len(chunks) < 2 or not self._is_raw_whole or not c.stack.stores_in_memory or \
+                any(level in c.stack.levels.store for level in self.tier_codecs):
+            return False
+        assert isinstance(self.codec, RawCodec)
+        spans = [c.span(i, num_tokens) for i in chunks]
+        outs = [memoryview(c.stack.new_blob(blob_bytes(c.layout, e - s))) for s, e in spans]
+        started = time.perf_counter()
+        part = c.shape.parts[0]
+        if not self.codec.encode_chunks(kv, [(s - start, e - start) for s, e in spans],
+                                        [part.key(keys[i]) for i in chunks], c.layout, outs):
+            return False
+        share = (time.perf_counter() - started) / len(chunks)
+        for i, out, (s, e) in zip(chunks, outs, spans):
+            c.histograms.observe("kvfabric_codec_encode_seconds", share, self.codec.name)  # each chunk's share
+            c.stack.put(part.key(keys[i]), out, {}, c.meta(i, len(keys), s, e))
+        return True
 
     def _put(self, key: bytes, kv: torch.Tensor, blob: Blob | None = None, meta: AccessMeta = NO_META) -> None:
         """Store one chunk's KV [L, 2, H, C, D] under `key`, each part of its shape under the part's key (`blob`: the

@@ -57,6 +57,32 @@ def copy_rows(dst: np.ndarray, src: np.ndarray) -> None:
         _copy_rows_numpy(dst, src)
 
 
+def copy_chunks(src: np.ndarray, spans: list[tuple[int, int]], dsts: list[np.ndarray]) -> bool:
+    """Copy token spans [s, e) of src [L, 2, H, T, D] into dsts[k], contiguous [L, 2, H, e - s, D] arrays of the
+    same dtype, in one streamed pass over src (stream_kernel.stream_chunks). False, having copied nothing, when
+    the streamed path cannot take them (no numba, src rows not one run each, a destination of another shape):
+    the caller copies chunk by chunk."""
+    src_rows = rows(src)
+    if not HAVE_STREAMING or src_rows is None or not dsts:
+        return False
+    row_bytes = src.shape[4] * src.itemsize  # one token's bytes in a row
+    offsets = np.array([s * row_bytes for s, _ in spans], dtype=np.int64)
+    runs = np.array([(e - s) * row_bytes for s, e in spans], dtype=np.int64)
+    addrs = np.array([d.ctypes.data for d in dsts], dtype=np.int64)
+    num_rows = src_rows.shape[0] * src_rows.shape[1] * src_rows.shape[2]
+    if any(not d.flags.c_contiguous or not d.flags.writeable or d.dtype != src.dtype or d.nbytes != num_rows * run
+           for d, run in zip(dsts, runs.tolist())):
+        return False
+    _chunks_kernel()(src_rows, offsets, addrs, runs)
+    return True
+
+
+@functools.cache
+def _chunks_kernel() -> Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]:
+    from kvfabric.codec.stream_kernel import stream_chunks
+    return stream_chunks
+
+
 def is_streamed(num_bytes: int) -> bool:
     """Whether a copy of this size goes through `copy_rows`: below STREAM_BYTES a cached copy is as fast (the
     destination stays in cache for its reader) and building the row views would cost more than it saves."""

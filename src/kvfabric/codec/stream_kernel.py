@@ -34,6 +34,16 @@ def _stream_line_at(typingctx, dst, src):  # noqa: ANN001, ANN202
 
 
 @intrinsic
+def _copy_byte_at(typingctx, dst, src):  # noqa: ANN001, ANN202
+    """The byte at address src to address dst (through the cache)."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        byte = ir.IntType(8).as_pointer()
+        builder.store(builder.load(builder.inttoptr(args[1], byte)), builder.inttoptr(args[0], byte))
+        return context.get_dummy_value()
+    return nbt.void(dst, src), codegen
+
+
+@intrinsic
 def _store_fence(typingctx):  # noqa: ANN001, ANN202
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
         if _IS_X86:  # non-temporal stores are weakly ordered: SFENCE orders them before later stores
@@ -58,6 +68,33 @@ def stream_rows(dst, src):  # noqa: ANN001, ANN202
                     _stream_line_at(d.ctypes.data + k, s.ctypes.data + k)
                 k = n - (n - j) % 64
                 d[k:] = s[k:]
+    _store_fence()
+
+
+@njit(nogil=True, cache=True)
+def stream_chunks(src, offsets, dsts, runs):  # noqa: ANN001, ANN202
+    """Cut several chunks out of one KV tensor's uint8 rows src [A, B, C, n]: chunk k is bytes [offsets[k],
+    offsets[k] + runs[k]) of every row, copied to address dsts[k] + r * runs[k] for the r-th row (C order), i.e. a
+    contiguous [A, B, C, runs[k]] there. Row by row across the chunks, so the source is read in address order
+    (chunk by chunk it is read in runs a whole row apart, which the hardware prefetcher follows less well:
+    docs/design/measurements.md). A destination's bytes before its first whole line and after its last go through
+    the cache, as in stream_rows."""
+    r = 0
+    for a in range(src.shape[0]):
+        for b in range(src.shape[1]):
+            for c in range(src.shape[2]):
+                row = src[a, b, c].ctypes.data
+                for k in range(dsts.shape[0]):
+                    n, d, s = runs[k], dsts[k] + r * runs[k], row + offsets[k]
+                    head = min(n, -d % 64)
+                    tail = n - (n - head) % 64
+                    for j in range(head):
+                        _copy_byte_at(d + j, s + j)
+                    for j in range(head, tail, 64):
+                        _stream_line_at(d + j, s + j)
+                    for j in range(tail, n):
+                        _copy_byte_at(d + j, s + j)
+                r += 1
     _store_fence()
 
 

@@ -298,6 +298,13 @@ class TierStack:
                 tier.unpin(keys)
 
     # ---- writes ------------------------------------------------------------------------------------------
+    @property
+    def stores_in_memory(self) -> bool:
+        """Whether `put` places a blob in this process's memory at once (a trusted first tier takes it as it is):
+        the buffers from `new_blob` are then the stored chunks themselves, and none waits on slower I/O."""
+        store = self.levels.store
+        return bool(store) and store[0] == 0 and self.tiers[0].is_trusted
+
     def new_blob(self, size: int) -> Blob:
         """A buffer for a blob about to be `put` (the first writable tier's: process memory recycles them)."""
         return self.tiers[self.levels.store[0]].new_blob(size) if self.levels.store else bytearray(size)
