@@ -28,6 +28,10 @@ def rows(x: np.ndarray) -> np.ndarray | None:
     if x.ndim != 5 or x.strides[4] != x.itemsize or (x.shape[3] > 1 and x.strides[3] != x.shape[4] * x.itemsize):
         return None
     L, K, H, T, D = x.shape
+    if x.size:  # a view with (T, D) merged: a tenth of as_strided's cost, which ran twice per chunk copy
+        merged = x.view(np.uint8).reshape(L, K, H, T * D * x.itemsize)
+        if not merged.flags.owndata:  # (the strides checked above make it a view; never write into a copy)
+            return merged
     return np.lib.stride_tricks.as_strided(x.view(np.uint8) if x.size else x, shape=(L, K, H, T * D * x.itemsize),
                                            strides=(*x.strides[:3], 1), writeable=x.flags.writeable)
 

@@ -164,12 +164,11 @@ class BlobPool:
 
     def give(self, blob: Blob) -> None:
         array = blob.obj if isinstance(blob, memoryview) else None
-        if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 1 or \
-                not array.flags.writeable or not array.flags.c_contiguous or len(blob) != array.nbytes:
-            return  # not a buffer of this shape: leave it to the garbage collector
-        made = self._made.get(id(array))
+        made = self._made.get(id(array)) if array is not None else None
         if made is None or made() is not array:
-            return  # another pool's buffer (or a scratch's): its owner recycles it
+            return  # another pool's buffer (or a scratch's, or not an array): its owner recycles it
+        if blob.nbytes != array.nbytes or not array.flags.writeable:  # (ours: a 1-D uint8 C-contiguous array)
+            return  # a view of part of it, or made read-only since: leave it to the garbage collector
         with self._lock:
             self._add(array)
 
