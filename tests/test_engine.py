@@ -534,3 +534,20 @@ def test_a_prompts_chunks_stored_in_one_pass_are_the_blobs_encoded_one_by_one(co
             end = HEADER_BYTES + LAYOUT.num_bytes(e - s)  # the header and the KV (an unsealed blob's head table is
             assert bytes(cpu.get(key))[:end] == bytes(expected)[:end]  # filled in only when it leaves the process)
         assert torch.equal(engine.retrieve(tokens), kv)
+
+
+def test_a_long_prompt_is_stored_in_passes_of_bounded_bytes(config, monkeypatch):
+    """Writes takes at most STORE_PASS_BYTES of buffers per pass: a prompt larger than the cpu tier does not map
+    all its chunks before storing one."""
+    from kvfabric.cache import writes
+
+    monkeypatch.setattr(writes, "STORE_PASS_BYTES", 3 * LAYOUT.num_bytes(16))
+    passes: list[int] = []
+    real = writes.Writes._put_many
+    monkeypatch.setattr(writes.Writes, "_put_many",
+                        lambda self, keys, chunks, *args: passes.append(len(chunks)) or real(self, keys, chunks, *args))
+    tokens, kv = list(range(16 * 8)), make_kv(16 * 8)
+    with CacheEngine(Config(chunk_size=16, tiers=("cpu",)), LAYOUT, "m") as engine:
+        assert engine.store(tokens, kv) == 8
+        assert torch.equal(engine.retrieve(tokens), kv)
+    assert passes == [3, 3, 2]

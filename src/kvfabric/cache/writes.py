@@ -35,6 +35,10 @@ from kvfabric.observe.events import ChunkEvents
 from kvfabric.tiers.base import Blob
 from kvfabric.tiers.policies import NO_META, AccessMeta
 
+# The buffers one store pass (_put_many) takes before it stores any: a prompt longer than the cpu tier's capacity
+# must not map all its chunks at once, beyond what the tier keeps.
+STORE_PASS_BYTES = 256 << 20
+
 
 class Writes:
     def __init__(self, core: EngineCore, key_space: KeySpace, codec: Codec, tier_codecs: dict[int, Codec],
@@ -56,10 +60,13 @@ class Writes:
         wanted = chunks_to_store(c.layout, c.chunk_size, num_tokens, len(keys), kv, start)
         end = start + kv.shape[3]
         stored = [i for i, is_held in zip(wanted, self.held([keys[i] for i in wanted])) if not is_held]
-        if not self._put_many(keys, stored, kv, start, num_tokens):
-            for i in stored:
-                s, e = c.span(i, num_tokens)
-                self._put(keys[i], kv[:, :, :, s - start:e - start, :], meta=c.meta(i, len(keys), s, e))
+        per_pass = max(1, STORE_PASS_BYTES // max(1, c.layout.num_bytes(c.chunk_size)))
+        for first in range(0, len(stored), per_pass):
+            chunks = stored[first:first + per_pass]
+            if not self._put_many(keys, chunks, kv, start, num_tokens):
+                for i in chunks:
+                    s, e = c.span(i, num_tokens)
+                    self._put(keys[i], kv[:, :, :, s - start:e - start, :], meta=c.meta(i, len(keys), s, e))
         c.histograms.observe("kvfabric_store_seconds", time.perf_counter() - started, "store")
         num_tokens_stored = sum(e - s for s, e in (c.span(i, num_tokens) for i in stored))
         for name, n in (("stores", 1), ("store_tokens", end - start), ("store_chunks", len(wanted)),
