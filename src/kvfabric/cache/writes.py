@@ -110,11 +110,11 @@ class Writes:
             return False
         assert isinstance(self.codec, RawCodec)
         spans = [c.span(i, num_tokens) for i in chunks]
-        outs = [memoryview(c.stack.new_blob(blob_bytes(c.layout, e - s))) for s, e in spans]
         started = time.perf_counter()
         part = c.shape.parts[0]
-        if not self.codec.encode_chunks(kv, [(s - start, e - start) for s, e in spans],
-                                        [part.key(keys[i]) for i in chunks], c.layout, outs):
+        outs = self.codec.encode_chunks(kv, [(s - start, e - start) for s, e in spans],
+                                        [part.key(keys[i]) for i in chunks], c.layout, c.stack.new_blob)
+        if outs is None:
             return False
         share = (time.perf_counter() - started) / len(chunks)
         for i, out, (s, e) in zip(chunks, outs, spans):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ from kvfabric.codec.format import (
     write_blob,
 )
 from kvfabric.codec.heads import table_bytes
-from kvfabric.codec.stream_copy import copy_chunks, copy_rows, is_streamed, rows
+from kvfabric.codec.stream_copy import can_copy_chunks, copy_chunks, copy_rows, is_streamed, rows
 from kvfabric.kv.blocks import BlockLayout, to_tokens
 from kvfabric.kv.layout import KVLayout
 
@@ -181,22 +182,24 @@ class RawCodec:
         return blob
 
     def encode_chunks(self, kv: torch.Tensor, spans: list[tuple[int, int]], keys: list[bytes], layout: KVLayout,
-                      outs: list[memoryview]) -> bool:
+                      new_blob: Callable[[int], bytes | bytearray | memoryview]) -> list[memoryview] | None:
         """Unsealed blobs (`encode(..., with_checksums=False)`) of the token spans [s, e) of kv [L, 2, H, T, D]
-        under `keys`, in `outs` (each exactly its blob's size, writable), with one streamed pass over kv
-        (stream_copy.copy_chunks: kv is read in address order, not a chunk at a time). False, having written
-        nothing, where that pass cannot take them (stream_copy.copy_chunks says when): encode them one by one."""
+        under `keys`, in buffers from `new_blob(size)`, with one streamed pass over kv (stream_copy.copy_chunks:
+        kv is read in address order, not a chunk at a time). None, having taken no buffer, where that pass cannot
+        take kv (stream_copy.can_copy_chunks): encode the chunks one by one."""
         layout.check(kv)
         same = _NUMPY_SAME.get(kv.dtype)
-        if same is None or len(outs) != len(spans):
-            return False
+        src = kv.view(same).numpy() if same is not None else None
+        if src is None or not can_copy_chunks(src):
+            return None
+        outs = [memoryview(new_blob(blob_bytes(layout, e - s))) for s, e in spans]
         payloads = [payload_view(out, layout.torch_dtype, layout.shape(e - s)).view(same).numpy()
                     for out, (s, e) in zip(outs, spans)]
-        if not copy_chunks(kv.view(same).numpy(), spans, payloads):
-            return False
+        if not copy_chunks(src, spans, payloads):
+            return None
         for out, key, (s, e) in zip(outs, keys, spans):
             out[:HEADER_BYTES] = pack_unsealed(_raw_header(e - s, key, layout))
-        return True
+        return outs
 
     def view(self, header: ChunkHeader, blob: bytes | bytearray | memoryview, layout: KVLayout) -> torch.Tensor:
         """The payload of a parsed blob as a tensor in the layout dtype, without a copy: [L, 2, H, T, D], or for a

@@ -61,13 +61,19 @@ def copy_rows(dst: np.ndarray, src: np.ndarray) -> None:
         _copy_rows_numpy(dst, src)
 
 
+def can_copy_chunks(src: np.ndarray) -> bool:
+    """Whether `copy_chunks` can cut chunks out of src (numba present, each row one run): asked before the
+    destinations are taken."""
+    return HAVE_STREAMING and rows(src) is not None
+
+
 def copy_chunks(src: np.ndarray, spans: list[tuple[int, int]], dsts: list[np.ndarray]) -> bool:
     """Copy token spans [s, e) of src [L, 2, H, T, D] into dsts[k], contiguous [L, 2, H, e - s, D] arrays of the
     same dtype, in one streamed pass over src (stream_kernel.stream_chunks). False, having copied nothing, when
     the streamed path cannot take them (no numba, src rows not one run each, a destination of another shape):
     the caller copies chunk by chunk."""
-    src_rows = rows(src)
-    if not HAVE_STREAMING or src_rows is None or not dsts:
+    src_rows = rows(src) if can_copy_chunks(src) else None
+    if src_rows is None or not dsts:
         return False
     row_bytes = src.shape[4] * src.itemsize  # one token's bytes in a row
     offsets = np.array([s * row_bytes for s, _ in spans], dtype=np.int64)

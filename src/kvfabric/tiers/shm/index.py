@@ -70,19 +70,15 @@ class Index:
     def __init__(self, mm: mmap.mmap, geo: Geometry, counters: Counters, ops: CacheOps | None = None) -> None:
         self.ops = ops or CacheOps()  # cache maintenance: no-ops on coherent memory (coherence.py)
         # the fast path: with the plain no-op primitives a writer skips the calls (8 a put, about a tenth of a
-        # put's index work in Python); a subclass (non-coherent memory, the tests' recorders) is always called
-        self._is_noop = type(self.ops) is CacheOps
+        # put's index work in Python) and puts and reads take index_kernel.py; a subclass (non-coherent memory,
+        # the tests' recorders) is always called
+        self.is_plain = type(self.ops) is CacheOps
         self.mm = mm
         self.geo = geo
         self.counters = counters
         self.stats = [0, 0, 0]  # live_bytes, live_count, used_slots: valid while writing (see writing())
         self._words: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._kernel: ModuleType | None = None
-
-    @property
-    def is_plain(self) -> bool:
-        """Coherent memory with the plain no-op primitives: nothing to call between stores (index_kernel.py)."""
-        return self._is_noop
 
     def words(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The mapping's bytes [0, data_offset) as uint64, uint32 and uint8 views (index_kernel.py's w64, w32, w8),
@@ -130,18 +126,17 @@ class Index:
         if len(key) > MAX_KEY_BYTES:
             return None
         geo = self.geo
-        if self._is_noop:  # the compiled R1 (index_kernel.find); the checksum here
+        start = xxhash.xxh3_64_intdigest(key) & geo.mask
+        if self.is_plain:  # the compiled R1 (index_kernel.find); the checksum here
             w64, w32, w8 = self.words()
-            slot, seq, offset, length, esum = self.kernel().find(
-                w64, w32, w8, key, xxhash.xxh3_64_intdigest(key) & geo.mask,
-                geo.num_slots, geo.index_offset, geo.data_bytes)
+            slot, seq, offset, length, esum = self.kernel().find(w64, w32, w8, key, start, geo.num_slots,
+                                                                 geo.index_offset, geo.data_bytes)
             if slot == -1:
                 return None
             if slot == -2 or esum != entry_sum(seq, READY, len(key), offset, length, key):
                 self.counters.add("bad_entries")
                 return None
             return EntryRef(slot, seq, offset, length)
-        start = xxhash.xxh3_64_intdigest(key) & geo.mask
         for i in range(geo.num_slots):
             slot = (start + i) & geo.mask
             entry = self._read_entry(geo.index_offset + slot * ENTRY_BYTES)
@@ -169,7 +164,7 @@ class Index:
 
     def recheck(self, ref: EntryRef) -> bool:
         """`is_current(ref)`, then, if it is, `touch(ref.slot)`: a read's last step."""
-        if self._is_noop:
+        if self.is_plain:
             return self.kernel().recheck(self.words()[0], ref.slot, ref.seq, time.monotonic_ns(), self.geo.index_offset)
         if not self.is_current(ref):
             return False
@@ -216,7 +211,7 @@ class Index:
 
     def _flush(self, start: int, length: int) -> None:
         """Write back and order: what was stored before is in memory before anything stored after."""
-        if self._is_noop:
+        if self.is_plain:
             return
         self.ops.flush(self.mm, start, length)
         self.ops.fence()

@@ -148,18 +148,13 @@ class ShmTier(TierBase):
 
     # ---- writes ------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _locked(self, timeout_s: float | None = None) -> Iterator[Index | None]:
-        """The writers' lock and the current mapping's index; None if the pool cannot be reached."""
+    def _writing(self, timeout_s: float | None = None) -> Iterator[Index | None]:
+        """The writers' lock and an index change on the current mapping; None if the pool cannot be reached."""
         if self.arena.is_closed:  # (the pool is followed once, under the lock: a stat a write, not two)
             yield None
             return
         with self.arena.locked(timeout_s):
-            yield self.arena.refresh()  # another process may have replaced the pool while we waited
-
-    @contextlib.contextmanager
-    def _writing(self, timeout_s: float | None = None) -> Iterator[Index | None]:
-        """The writers' lock and an index change on the current mapping; None if the pool cannot be reached."""
-        with self._locked(timeout_s) as index:
+            index = self.arena.refresh()  # another process may have replaced the pool while we waited
             if index is None:
                 yield None
                 return
@@ -177,7 +172,7 @@ class ShmTier(TierBase):
         if self.arena.is_closed:
             return False
         try:
-            self.arena.acquire()  # (not `with _locked()`: the generator's frames cost as much as the index work)
+            self.arena.acquire()  # (not `with _writing()`: the generators' frames cost as much as the index work)
         except ShmLockTimeout:
             self.counters.add("put.lock_timeout")
             return False
