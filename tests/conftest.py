@@ -1,8 +1,20 @@
 """Test-wide settings. OpenMP must wait passively: the suite shares 2 cores with subprocesses (redis, engines),
 and spinning OpenMP threads made model steps 30-60x slower under such load (see kvfabric.apps.cli)."""
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# the processes the tests start take their own temporary directory, removed when the run ends: vLLM names its ZMQ
+# IPC sockets and distributed-init files after it and leaves them behind (hundreds per run of the vLLM tests). This
+# process (and pytest's tmp_path) keeps the system's: tempfile resolved it before TMPDIR changes. xdist workers
+# inherit the controller's folder.
+CHILD_TMP_VAR = "KVFABRIC_TEST_CHILD_TMP"
+MADE_CHILD_TMP = CHILD_TMP_VAR not in os.environ  # not in a pytest that a test started: the outer run owns it
+if MADE_CHILD_TMP:
+    os.environ[CHILD_TMP_VAR] = tempfile.mkdtemp(prefix="kvfabric-tests-", dir=tempfile.gettempdir())
+    os.environ["TMPDIR"] = os.environ[CHILD_TMP_VAR]
 
 
 SHM = "/dev/shm"
@@ -37,7 +49,11 @@ def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001, ARG001
     """A run leaves nothing in /dev/shm. Servers the tests killed on purpose (SIGKILL) leave their slot pools there:
     removed as the next `kvfabric server` would (`SlotPool.reclaim`: only pools no live server holds). The strays of
     other programs the tests stopped (STRAY_PREFIXES) that appeared during this run and no live process uses go too."""
-    if os.environ.get("PYTEST_XDIST_WORKER") or not os.path.isdir(SHM):  # once, in the controlling process
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # once, in the controlling process
+        return
+    if MADE_CHILD_TMP:
+        shutil.rmtree(os.environ[CHILD_TMP_VAR], ignore_errors=True)
+    if not os.path.isdir(SHM):
         return
     before = getattr(session.config, "kvfabric_shm_before", None)
     if before is not None:

@@ -30,6 +30,7 @@ def run(python: str | None = None, num_tokens: int = 4096, num_pairs: int = 5, t
         engine_cpu: int = 0, server_cpu: int = 1) -> dict:
     from kvfabric.bench.interference import start_server
     from kvfabric.bench.vllm import find_python, make_prompts
+    from kvfabric.bench.vllm_server import private_tmp
     from kvfabric.engines.model import ensure_model
     python = find_python(python)
     model = str(ensure_model())
@@ -49,9 +50,9 @@ def run(python: str | None = None, num_tokens: int = 4096, num_pairs: int = 5, t
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "VLLM_CPU_OMP_THREADS_BIND": str(engine_cpu)}
         log = Path(tempfile.gettempdir()) / f"kvfabric-interference-vllm-{os.getpid()}.log"  # kept: vLLM's are long
         try:
-            with open(log, "w") as out:
+            with open(log, "w") as out, private_tmp(env) as child_env:
                 done = subprocess.run([python, "-m", "kvfabric.bench.interference_vllm", f"{tmp}/spec.json"],
-                                      stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+                                      stdout=out, stderr=subprocess.STDOUT, env=child_env, timeout=timeout)
             if done.returncode or not Path(spec["out"]).exists():
                 raise RuntimeError(f"vLLM engine failed (rc={done.returncode}); its log: {log}")
             pairs = json.loads(Path(spec["out"]).read_text())["pairs"]

