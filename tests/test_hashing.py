@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfabric.kv.hashing import chunk_keys, root_key, token_bytes
+from kvfabric.kv.hashing import KeySpace, chunk_keys, root_key, token_bytes
 from kvfabric.kv.layout import KVLayout
 
 LAYOUT = KVLayout(30, 3, 64, "float16")
@@ -58,6 +58,20 @@ def test_partial_chunk_only_when_asked_and_distinct():
     keys = chunk_keys(tokens, ROOT, 4, include_partial=True)
     assert len(keys) == 3 and keys[:2] == chunk_keys(tokens, ROOT, 4)
     assert keys[2] not in chunk_keys(list(range(12)), ROOT, 4)
+
+
+@given(st.lists(st.integers(0, 50_000), max_size=40), st.integers(0, 4), st.sampled_from([1, 2, 4]))
+def test_tail_keys_are_the_partial_keys_of_the_shorter_prompts(tokens, num_chunks, step):
+    """A chunk's leading parts, every `step` tokens, have the keys their prompt's partial chunk is stored under."""
+    space = KeySpace.of("m", LAYOUT, 8)
+    partial = KeySpace.of("m", LAYOUT, 8, include_partial=True)
+    whole = space.keys(tokens)
+    num_chunks = min(num_chunks, len(whole))
+    first = num_chunks * 8
+    tails = space.tail_keys(tokens, whole[num_chunks - 1] if num_chunks else None, first, step)
+    lengths = [m for m in range(step, 8, step) if first + m <= len(tokens)]
+    assert tails == [partial.keys(tokens[:first + m])[-1] for m in lengths]
+    assert not set(tails) & set(whole)
 
 
 def test_input_types_agree():

@@ -21,7 +21,8 @@ import torch
 from kvfabric import CacheEngine, Config, KVLayout
 from kvfabric.cache.protocol import KeyLookup
 from kvfabric.config import DiskTierConfig
-from kvfabric.connectors.lookup import LookupClient, LookupService, lookup_path, start_lookup_service
+from kvfabric.connectors.lookup import EveryRank, LookupClient, LookupService, lookup_path, start_lookup_service
+from kvfabric.kv.hashing import KeySpace
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
 
@@ -103,6 +104,9 @@ def _raw_call(path: str, body: bytes) -> bytes:
     msgpack.packb({"keys": [b"x" * 65], "num_tokens": 1}),  # a key too long
     msgpack.packb({"keys": [b"k"], "num_tokens": -1}),
     msgpack.packb({"keys": [b"k"], "num_tokens": True}),
+    msgpack.packb({"keys": [b"k"], "num_tokens": 1, "tails": [[b"t"]]}),  # a tail without its token count
+    msgpack.packb({"keys": [b"k"], "num_tokens": 1, "tails": [[b"t", 0]]}),
+    msgpack.packb({"keys": [b"k"], "num_tokens": 1, "tails": [[b"t", 2]] * 257}),  # more than MAX_TAILS
 ])
 def test_a_malformed_request_drops_that_connection_and_the_service_keeps_serving(engine, folder, body):
     path = str(folder / "lookup.sock")
@@ -164,6 +168,30 @@ def test_a_socket_the_worker_cannot_create_is_one_line_and_lookups_miss(engine, 
         assert client.lookup(engine.keys(list(range(CHUNK)))) == KeyLookup()
     finally:
         client.close()
+
+
+def test_a_tail_is_found_after_every_key_longest_first(engine, folder):
+    """find_tail: the first of the given partial chunks that the cache holds after all the keys; none when a key
+    before it is missing; one rank without it makes EveryRank's answer none."""
+    tokens = list(range(3 * CHUNK))
+    partial = KeySpace.of("m", LAYOUT, CHUNK, include_partial=True)
+    stored_tail = partial.keys(tokens[:CHUNK + 8])  # a prompt of one chunk and 8 tokens, stored whole
+    engine.store_chunks([(key, engine.new_payload(n)) for key, n in zip(stored_tail, (CHUNK, 8))])
+    engine.flush()
+    keys = engine.keys(tokens)
+    tails = engine.key_space.tail_keys(tokens, keys[0], CHUNK, 4)  # 4, 8 and 12 tokens
+    asked = [(key, CHUNK + 4 * (i + 1)) for i, key in enumerate(tails)][::-1]
+    path = str(folder / "lookup.sock")
+    service, client = LookupService(engine, path), LookupClient(path)
+    try:
+        assert client.find_tail(keys[:1], CHUNK, asked) == 2  # 12 tokens: not stored; 8: stored
+        assert client.find_tail([b"z" * 32], CHUNK, asked) == 0  # the chunk before it is missing
+        assert client.find_tail(keys[:1], CHUNK, asked[:1]) == 0
+        assert client.lookup(keys, len(tokens)) == KeyLookup(1, 1)  # plain lookups as before
+        assert EveryRank([client]).find_tail(keys[:1], CHUNK, asked) == 2
+    finally:
+        client.close()
+        service.close()
 
 
 def test_many_schedulers_threads_share_one_client(engine, folder):

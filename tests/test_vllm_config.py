@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvfabric.config import ConfigError  # noqa: E402
-from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE, resolve_config  # noqa: E402
+from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE, DEFAULT_TAIL_STEP, resolve_config  # noqa: E402
 
 
 def test_options_are_split_from_config_keys_and_get_their_defaults(tmp_path):
@@ -18,11 +18,13 @@ def test_options_are_split_from_config_keys_and_get_their_defaults(tmp_path):
     assert options["load_mode"] == "async" and options["key_mode"] == "tokens"
     assert options["hold_newcomers"] is True
     assert resolve_config({"hold_newcomers": False})[1]["hold_newcomers"] is False
+    assert options["tail_step"] == DEFAULT_TAIL_STEP == 64 and resolve_config({"tail_step": 0})[1]["tail_step"] == 0
 
 
 @pytest.mark.parametrize("bad", [{"load_nice": 20}, {"load_nice": -1}, {"load_nice": True}, {"load_threads": 0},
                                  {"load_mode": "sync"}, {"key_mode": "hash"}, {"load_failure_policy": "ignore"},
-                                 {"hold_newcomers": "yes"}, {"hold_newcomers": 1}])
+                                 {"hold_newcomers": "yes"}, {"hold_newcomers": 1}, {"tail_step": -16},
+                                 {"tail_step": "block"}, {"tail_step": True}])
 def test_a_bad_option_is_a_clear_error(bad):
     name = next(iter(bad))
     with pytest.raises(ConfigError, match=name):

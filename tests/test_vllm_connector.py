@@ -44,6 +44,7 @@ from kvfabric.connectors.paged import CpuPagedLayer, blocks_of, render_region, s
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).parent / "vllm_scripts" / "connector_phases.py"
 CHUNK = 256
+STEP = 64  # the connector's default tail_step
 
 
 # ---- paged-cache helpers (no vLLM needed) ------------------------------------------------------------------
@@ -178,6 +179,12 @@ def runs(tmp_path_factory) -> dict:
     return results
 
 
+def _stored_end(num_tokens: int) -> int:
+    """Where the stored KV of a prompt ends: its whole chunks, then its tail in whole steps (the connector's default
+    tail_step, 64): p1 (1000 tokens) 768 + 192, p2 (800) 768 (32 left over: less than a step), p4 (768) 768."""
+    return num_tokens // CHUNK * CHUNK + num_tokens % CHUNK // STEP * STEP
+
+
 def _out(runs: dict, phase: str, name: str) -> dict:
     return runs[phase]["results"][name]
 
@@ -188,8 +195,8 @@ def test_cold_engine_stores_and_output_unchanged(runs):
     for name in ("p1", "p2", "p4"):
         got = _out(runs, "store", name)
         assert got["tokens"] == _out(runs, "baseline", name)["tokens"], name
-        assert got["kvfabric"]["saved_tokens"] == len(runs["prompts"][name]) // CHUNK * CHUNK
-    assert runs["store"]["chunk_files"] == 3 + 3 + 3 + 3
+        assert got["kvfabric"]["saved_tokens"] == _stored_end(len(runs["prompts"][name]))
+    assert runs["store"]["chunk_files"] == 4 + 3 + 3 + 3  # p1's tail: one partial chunk
     assert _out(runs, "store", "p4@t1")["tokens"] == _out(runs, "baseline", "p4")["tokens"]
 
 
@@ -222,9 +229,9 @@ def test_shared_prefix_only_shared_chunks_hit(runs):
     assert got["kvfabric"]["external_hit_tokens"] == 512  # chunks 0-1; chunk 2 diverges at token 600
     assert got["num_cached_tokens"] == 512
     assert got["tokens"] == _out(runs, "baseline", "p3")["tokens"]
-    p1 = _out(runs, "load", "p1")  # now 512 tokens come from vLLM's own cache (p3's blocks), chunk 2 from kvfabric
-    assert p1["num_cached_tokens"] == 768
-    assert p1["kvfabric"]["external_hit_tokens"] == 256
+    p1 = _out(runs, "load", "p1")  # now 512 tokens come from vLLM's own cache (p3's blocks), chunk 2 and p1's tail
+    assert p1["num_cached_tokens"] == 960  # from kvfabric
+    assert p1["kvfabric"]["external_hit_tokens"] == 256 + 192 == p1["kvfabric"]["loaded_tokens"]
     assert p1["tokens"] == _out(runs, "baseline", "p1")["tokens"]
 
 
@@ -260,7 +267,7 @@ def test_salted_requests_are_isolated_in_tokens_mode(runs):
 def test_layerwise_loads(runs):
     full, partial = _out(runs, "layerwise", "p4"), _out(runs, "layerwise", "p1")
     assert full["kvfabric"]["loaded_tokens"] == 767 and full["num_cached_tokens"] == 767
-    assert partial["kvfabric"]["loaded_tokens"] == 768 and partial["num_cached_tokens"] == 768
+    assert partial["kvfabric"]["loaded_tokens"] == 960 and partial["num_cached_tokens"] == 960  # with p1's tail
     assert full["tokens"] == _out(runs, "baseline", "p4")["tokens"]
     assert partial["tokens"] == _out(runs, "baseline", "p1")["tokens"]
     worker = runs["layerwise"]["worker_stats"]["connector"]
@@ -413,6 +420,59 @@ def _partial_chunk(engine, side, tokens, layout) -> None:
     engine.flush()
     side.forget("a")
     assert side.num_new_matched_tokens(request, 0) == len(tokens) - 1  # all but the one token vLLM computes
+
+
+def _ask(side, request_id: str, tokens: list[int], num_blocks: int = 8):
+    """One request through the scheduler side as vLLM drives it: lookup, allocation, a step computing the rest."""
+    from types import SimpleNamespace
+
+    request = SimpleNamespace(request_id=request_id, prompt_token_ids=tokens, lora_request=None, mm_features=[],
+                              cache_salt=None, block_hashes=[], num_tokens=len(tokens), kv_transfer_params=None)
+    num = side.num_new_matched_tokens(request, 0)
+    table = list(range(num_blocks))
+    side.after_alloc(request, SimpleNamespace(get_block_ids=lambda: (table,)), num)
+    meta = side.build_meta(SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=request_id, block_ids=(table,), num_computed_tokens=num)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[]), num_scheduled_tokens={request_id: len(tokens) - num},
+        finished_req_ids=set(), total_num_scheduled_tokens=len(tokens) - num))
+    return num, meta
+
+
+def test_a_prompts_tail_is_stored_in_steps_and_the_next_turn_loads_it(tmp_path):
+    """tail_step: the tokens past a prompt's last whole chunk are saved in whole steps; a longer prompt that goes
+    on from them (the next turn of a chat) loads whole chunks then that partial chunk, and saves its own tail."""
+    pytest.importorskip("vllm")
+    from kvfabric.config import Config
+    from kvfabric.connectors.vllm.load_jobs import LoadState
+    from kvfabric.kv.layout import KVLayout
+    from tests.scheduler_fixtures import scheduler_asking
+
+    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
+    layout = KVLayout(2, 1, 4, "float32")
+    turn1 = list(range(2 * CHUNK + 40))
+    with build_engine(config, layout, "m") as engine, \
+            scheduler_asking(engine, config, layout, block_size=16, tail_step=16) as side:
+        num, meta = _ask(side, "t1", turn1)
+        (save,) = meta.saves
+        assert num == 0 and (save.start, save.end, len(save.keys)) == (0, 2 * CHUNK + 32, 3)  # 40 -> 2 steps
+        engine.store_chunks([(key, engine.new_payload(n)) for key, n in zip(save.keys, (CHUNK, CHUNK, 32))])
+        engine.flush()
+        side.forget("t1")
+        turn2 = [*turn1, *range(9000, 9000 + CHUNK)]  # the answer and the next question
+        num, meta = _ask(side, "t2", turn2)
+        (load,) = meta.loads
+        assert num == 2 * CHUNK + 32 and (load.start, load.end, load.keys_end) == (0, 2 * CHUNK + 32, 2 * CHUNK + 32)
+        assert list(load.keys) == [*save.keys[:2], save.keys[2]]
+        assert LoadState(load, CHUNK).chunk_tokens(2) == 32  # the partial chunk holds its 32 tokens
+        (save2,) = meta.saves  # chunk 2 whole, now that this prompt completes it, then this prompt's own tail
+        assert (save2.start, save2.end) == (2 * CHUNK, 3 * CHUNK + 32) and save2.keys[0] != save.keys[2]
+        side.forget("t2")
+        changed = [*turn1[:2 * CHUNK + 20], 7, *turn1[2 * CHUNK + 21:]]  # differs inside the stored tail
+        assert _ask(side, "t3", changed)[0] == 2 * CHUNK  # 16 tokens agree, but only 32 were stored
+    off = Config.from_dict({"chunk_size": CHUNK, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
+    with build_engine(off, layout, "m") as engine, scheduler_asking(engine, off, layout, block_size=16) as side:
+        num, meta = _ask(side, "t4", turn1)  # tail_step 0 (the side's default): whole chunks only
+        assert num == 2 * CHUNK and [(s.start, s.end) for s in meta.saves] == []
 
 
 def test_request_stats_add_up_across_steps_and_processes():

@@ -71,3 +71,13 @@ def test_one_writer_announces_every_event():
     events.saving("r", 0, 16)
     out = _stored(events, ("BlockStored", [b"a" * 32]), ("BlockRemoved", [b"a" * 32]))
     assert [type(e) for e in out] == [BlockStored, BlockRemoved]
+
+
+def test_a_prompts_tail_is_not_announced_as_a_block():
+    """A save that ends with the prompt's tail (a partial chunk): only its whole chunks are blocks of
+    block_size tokens for vLLM's event consumers; the tail's key lands too and is not announced."""
+    events = SchedulerEvents(16)
+    events.remember("r", list(range(24)), [b"a" * 32])  # one whole chunk, then 8 tokens
+    events.saving("r", 0, 24)
+    out = _stored(events, ("BlockStored", [b"a" * 32, b"t" * 32]))
+    assert [(type(e), e.block_hashes, e.token_ids) for e in out] == [(BlockStored, [b"a" * 32], list(range(16)))]

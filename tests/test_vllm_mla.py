@@ -77,16 +77,19 @@ def test_store_keeps_the_answers_and_stores_the_whole_chunks(runs):
     assert baseline["p1"]["tokens"] != baseline["p1x"]["tokens"]  # the answers depend on the first chunk's KV
     for name in ("p1", "p2"):
         assert store["results"][name]["tokens"] == baseline[name]["tokens"]
-        assert store["results"][name]["kvfabric"]["saved_tokens"] == 2 * CHUNK
-    assert store["chunk_files"] == 4
-    assert store["worker_stats"]["engine"]["chunks_stored"] == 4
+    # p1's tail too, in whole steps of the connector's default tail_step (64): 600 = 2 * 256 + 88 -> 64
+    assert store["results"]["p1"]["kvfabric"]["saved_tokens"] == 2 * CHUNK + 64
+    assert store["results"]["p2"]["kvfabric"]["saved_tokens"] == 2 * CHUNK
+    assert store["chunk_files"] == 5
+    assert store["worker_stats"]["engine"]["chunks_stored"] == 5
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", ["load", "layerwise"])
 def test_loaded_latents_answer_as_vllm_does_without_kvfabric(runs, phase):
     baseline, got = runs["baseline"]["results"], runs[phase]["results"]
-    expected = {"p1": 2 * CHUNK, "p2": 2 * CHUNK - 1, "p1x": 0}  # p2: vLLM computes its last token itself
+    # p1: its whole chunks and its tail; p2: vLLM computes its last token itself
+    expected = {"p1": 2 * CHUNK + 64, "p2": 2 * CHUNK - 1, "p1x": 0}
     for name in got:
         loaded = expected[name]
         assert got[name]["kvfabric"]["loaded_tokens"] == loaded, name

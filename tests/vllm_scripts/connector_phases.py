@@ -134,6 +134,12 @@ def concurrent(llm, prompts: dict[str, list[int]], decode: str, hit: str) -> dic
     return {"results": done, "steps": steps}
 
 
+def num_chunk_files(num_tokens: int, tail_step: int = 64) -> int:
+    """Files a prompt's KV is stored in: its whole chunks, and its tail past them when that holds a whole step (the
+    connector's default tail_step)."""
+    return num_tokens // CHUNK + (1 if num_tokens % CHUNK >= tail_step else 0)
+
+
 def wait_for_chunks(cache: str, expected: int, timeout: float = 60.0) -> int:
     deadline = time.time() + timeout
     while True:
@@ -225,7 +231,7 @@ def main() -> None:
             else:
                 out["results"] = serve(llm, prompts, names)
             if args.phase == "store":
-                expected = sum(len(prompts[n.partition("@")[0]]) // CHUNK for n in names)
+                expected = sum(num_chunk_files(len(prompts[n.partition("@")[0]])) for n in names)
                 out["chunk_files"] = wait_for_chunks(args.cache, expected)
             out["worker_stats"] = shutdown(llm, args.cache, args.phase)
     write_and_exit(args.out, out)

@@ -109,7 +109,8 @@ def main() -> None:
         out["startup_s"] = round(time.perf_counter() - started, 1)
         out["results"] = base.serve(llm, prompts, names)
         if args.phase == "store":
-            out["chunk_files"] = base.wait_for_chunks(args.cache, sum(len(prompts[n]) // CHUNK for n in names))
+            out["chunk_files"] = base.wait_for_chunks(args.cache, sum(base.num_chunk_files(len(prompts[n]))
+                                                                      for n in names))
         out["worker_stats"] = base.shutdown(llm, args.cache, args.phase)
     base.write_and_exit(args.out, out)
 

@@ -20,6 +20,11 @@ Contract:
   waits for any answer (the ranks look up at once: about one round trip at any TP, not one per rank).
 - Frames: a 4-byte little-endian length, then a msgpack map: request {"keys": [bytes], "num_tokens": int},
   answer {"num_chunks": int, "num_in_memory": int}. At most MAX_KEYS keys of at most 64 bytes each.
+- Tails (`find_tail`): a request may add "tails": [[key, num_tokens], ...], keys of partial chunks
+  that would follow all of "keys", longest first (at most MAX_TAILS); the answer then adds "tail": the 1-based
+  index of the first one that is loadable after every key (0: none).
+  `EveryRank` answers the shortest of the ranks' tails: a rank without that one fails its load and vLLM
+  recomputes (ranks store a step's chunks together, so this only follows an eviction on one rank).
 - `lookup_path(engine_id, dp_rank, rank)`: where the two sides meet, in the temp folder, named by vLLM's engine id
   (one per `vllm serve`, the same in its scheduler and workers), data-parallel rank and worker rank.
 - A tensor- or pipeline-parallel engine: every worker serves lookups for its own share (its cache holds its share,
@@ -38,6 +43,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
@@ -50,10 +56,30 @@ log = logging.getLogger(__name__)
 LENGTH = struct.Struct("<I")
 MAX_KEYS = 1 << 16  # 16M tokens at chunk 256: far beyond any model's context
 MAX_KEY_BYTES = 64
-MAX_FRAME = MAX_KEYS * (MAX_KEY_BYTES + 2) + 64
+MAX_TAILS = 256  # a chunk's leading parts: chunk_size / step
+MAX_FRAME = (MAX_KEYS + MAX_TAILS) * (MAX_KEY_BYTES + 12) + 64
 TIMEOUT_S = 2.0  # a lookup runs in the scheduler's step: a worker that slow is treated as gone
 RETRY_S = 5.0
 PROBE_TIMEOUT_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class LookupAnswer:
+    found: KeyLookup  # the leading keys the worker can load
+    tail: int = 0  # 1-based index of the first tail loadable after all of them, 0: none (or none asked)
+
+
+def _tails(message: dict) -> list[tuple[bytes, int]]:
+    tails = message.get("tails", [])
+    if not isinstance(tails, list) or len(tails) > MAX_TAILS:
+        raise ProtocolError("tails: a list of [key, num_tokens]")
+    out = []
+    for tail in tails:
+        if not (isinstance(tail, list) and len(tail) == 2 and isinstance(tail[0], bytes)
+                and 0 < len(tail[0]) <= MAX_KEY_BYTES and type(tail[1]) is int and 0 < tail[1] <= 1 << 40):
+            raise ProtocolError("tails: a list of [key, num_tokens]")
+        out.append((tail[0], tail[1]))
+    return out
 
 
 def lookup_path(engine_id: str, dp_rank: int = 0, rank: int = 0) -> str:
@@ -148,9 +174,13 @@ class LookupService:
                             not all(isinstance(k, bytes) and 0 < len(k) <= MAX_KEY_BYTES for k in keys):
                         raise ProtocolError("keys: a list of byte strings")
                     num_tokens = _count(message, "num_tokens", 1 << 40)
+                    tails = _tails(message)
                     found = self.cache.lookup_keys(keys, num_tokens or None)
+                    answer = {"num_chunks": found.num_chunks, "num_in_memory": found.num_in_memory}
+                    if tails:
+                        answer["tail"] = self._tail(keys, found, tails)
                     self.counters.add("lookups")  # before the answer: a client that has it sees it counted
-                    _send(conn, {"num_chunks": found.num_chunks, "num_in_memory": found.num_in_memory})
+                    _send(conn, answer)
                 except ProtocolError as exc:
                     if not isinstance(exc, ConnectionError):  # a closed connection is how a client says goodbye
                         self.counters.add("bad_requests")
@@ -158,6 +188,14 @@ class LookupService:
                     return
                 except OSError:
                     return
+
+    def _tail(self, keys: list[bytes], found: KeyLookup, tails: list[tuple[bytes, int]]) -> int:
+        if found.num_chunks < len(keys):
+            return 0
+        for i, (key, num_tokens) in enumerate(tails, 1):
+            if self.cache.lookup_keys([*keys, key], num_tokens).num_chunks > len(keys):
+                return i
+        return 0
 
     def close(self) -> None:
         self._closed.set()
@@ -187,15 +225,22 @@ class LookupClient:
         self._sock: socket.socket | None = None
         self._down_until = 0.0
         self._asked_at = 0.0  # when the question being answered was sent
+        self._num_tails = 0  # tails in that question
         self._lock = threading.Lock()
 
     def lookup(self, keys: Sequence[bytes], num_tokens: int | None = None) -> KeyLookup:
-        return self.answer(self.ask(keys, num_tokens))
+        return self.answer(self.ask(keys, num_tokens)).found
 
-    def ask(self, keys: Sequence[bytes], num_tokens: int | None = None) -> int:
+    def find_tail(self, keys: Sequence[bytes], num_tokens: int, tails: Sequence[tuple[bytes, int]]) -> int:
+        """The 1-based index of the first of `tails` loadable after all of `keys` (0: none)."""
+        return self.answer(self.ask(keys, num_tokens, tails)).tail
+
+    def ask(self, keys: Sequence[bytes], num_tokens: int | None = None,
+            tails: Sequence[tuple[bytes, int]] = ()) -> int:
         """Send a lookup and hold this client until its `answer` (EveryRank asks every rank before it waits for
-        any). Returns how many keys were asked: 0 when nothing was sent (no keys, a worker taken for gone)."""
-        if not keys:
+        any). Returns how many keys were asked (plus one with tails): 0 when nothing was sent (nothing to ask, a
+        worker taken for gone)."""
+        if not keys and not tails:
             return 0
         self._lock.acquire()
         if time.monotonic() < self._down_until:
@@ -203,27 +248,34 @@ class LookupClient:
             self._lock.release()
             return 0
         try:
-            _send(self._connect(), {"keys": list(keys), "num_tokens": int(num_tokens or 0)})
+            message = {"keys": list(keys), "num_tokens": int(num_tokens or 0)}
+            if tails:
+                message["tails"] = [[key, num] for key, num in tails[:MAX_TAILS]]
+            _send(self._connect(), message)
             self._asked_at = time.monotonic()
+            self._num_tails = min(len(tails), MAX_TAILS)
         except (OSError, ProtocolError) as exc:
             self._failed(exc)
             self._lock.release()
             return 0
-        return len(keys)  # the lock stays held until `answer`
+        return len(keys) + (1 if tails else 0)  # the lock stays held until `answer`
 
-    def answer(self, num_asked: int) -> KeyLookup:
+    def answer(self, num_asked: int) -> LookupAnswer:
         """The answer to the last `ask` (a miss where it sent nothing or the worker fails to answer in time)."""
         if not num_asked:
-            return KeyLookup()
+            return LookupAnswer(KeyLookup())
         try:
             assert self._sock is not None
             # the deadline runs from the question: ranks asked together time out together (an answer that is
             # already there is still taken)
             reply = _recv(self._sock, max(1e-3, self.timeout_s - (time.monotonic() - self._asked_at)))
-            found = KeyLookup(_count(reply, "num_chunks", num_asked), _count(reply, "num_in_memory", num_asked))
+            num_keys = num_asked - (1 if self._num_tails else 0)
+            found = LookupAnswer(KeyLookup(_count(reply, "num_chunks", num_keys),
+                                           _count(reply, "num_in_memory", num_keys)),
+                                 _count(reply, "tail", self._num_tails) if self._num_tails else 0)
         except (OSError, ProtocolError) as exc:  # timeouts, a worker gone or restarted, a bad answer: misses
             self._failed(exc)
-            return KeyLookup()
+            return LookupAnswer(KeyLookup())
         finally:
             self._lock.release()
         self.counters.add("lookups")
@@ -264,10 +316,19 @@ class EveryRank:
     def __init__(self, clients: Sequence[LookupClient]) -> None:
         self.clients = list(clients)
 
+    def _ask(self, keys: Sequence[bytes], num_tokens: int | None,
+             tails: Sequence[tuple[bytes, int]] = ()) -> list[LookupAnswer]:
+        asked = [client.ask(keys, num_tokens, tails) for client in self.clients]  # every rank works on it at once
+        return [client.answer(num) for client, num in zip(self.clients, asked)]
+
     def lookup(self, keys: Sequence[bytes], num_tokens: int | None = None) -> KeyLookup:
-        asked = [client.ask(keys, num_tokens) for client in self.clients]  # every rank works on it at once
-        answers = [client.answer(num) for client, num in zip(self.clients, asked)]
-        return KeyLookup(min(a.num_chunks for a in answers), min(a.num_in_memory for a in answers))
+        answers = self._ask(keys, num_tokens)
+        return KeyLookup(min(a.found.num_chunks for a in answers), min(a.found.num_in_memory for a in answers))
+
+    def find_tail(self, keys: Sequence[bytes], num_tokens: int, tails: Sequence[tuple[bytes, int]]) -> int:
+        """The shortest of the ranks' tails (the largest index), 0 when a rank has none."""
+        found = [a.tail for a in self._ask(keys, num_tokens, tails)]
+        return 0 if 0 in found else max(found)
 
     def close(self) -> None:
         for client in self.clients:

@@ -16,7 +16,8 @@ Contract:
   so it never equals a native namespace; models that declare no family keep only their native one.
 - Keys depend only on these inputs: never on Python's `hash()`, PYTHONHASHSEED, the process or the machine.
 - A trailing partial chunk gets a key only when asked (`include_partial`); its key differs from any full chunk's
-  because the hashed input is shorter.
+  because the hashed input is shorter. `KeySpace.tail_keys` gives the keys of a chunk's leading parts (every
+  `step` tokens): the key a partial chunk of an earlier, shorter prompt was stored under, hashed the same way.
 - `KeySpace` is the one value every part of kvfabric derives keys from (the engine, the remote client, the vLLM
   scheduler, the server's namespaces, the controller, the stream sender): root, chunk size, hash and the
   partial-chunk rule; `KeySpace.of(model id, layout, ...)` builds it, `tenant(salt)` is a tenant's namespace
@@ -151,6 +152,19 @@ class KeySpace:
 
     def keys(self, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> list[ChunkKey]:
         return chunk_keys(tokens, self.root, self.chunk_size, self.include_partial, self.hash_name)
+
+    def tail_keys(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, parent: bytes | None, first: int,
+                  step: int) -> list[ChunkKey]:
+        """Keys of tokens [first, first + m) as a partial chunk chained after `parent` (None: the root), for
+        m = step, 2 * step, ... below chunk_size and within `tokens`: one hash pass, a digest at each step."""
+        data = token_bytes(tokens[first:first + self.chunk_size - 1])
+        num = min(len(data) // 4, self.chunk_size - 1) // step
+        h = _hasher(self.hash_name)(self.root if parent is None else parent)
+        keys: list[ChunkKey] = []
+        for i in range(num):
+            h.update(data[i * step * 4:(i + 1) * step * 4])
+            keys.append(ChunkKey(h.copy().digest()))
+        return keys
 
     def tenant(self, tenant: str) -> KeySpace:
         """The namespace of a tenant (a vLLM request's cache_salt): never shares a key with this one."""

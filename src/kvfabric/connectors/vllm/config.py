@@ -40,6 +40,10 @@ Contract:
     kv_cache_layout      on a GPU: the KVCacheLayout asked of vLLM (default "BLHNC": block-outermost, a block's KV
                          of every layer one contiguous run; "" lets vLLM choose); a backend that cannot use it gets
                          vLLM's own choice, with vLLM's warning
+    tail_step            a prompt's tokens past its last whole chunk are stored as a partial chunk in whole
+                         steps of this many tokens, and a later prompt that goes on from them (the next turn of
+                         a chat) loads them (default 64; 0: whole chunks only). Key mode
+                         "tokens" only, not under the hybrid manager, not with window layers or save_partial_chunk
     hold_newcomers       true (default): while a prefill will finish within the next step (vLLM's token budget,
                          max_num_batched_tokens), a request the connector has not seen yet waits that one step
                          (the lookup answers "not yet"), so the finishing prefill's step is not lengthened by the
@@ -85,11 +89,15 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 CONNECTOR_KEYS = ("model_id", "config_file", "load_failure_policy", "stats_path", "save_queue_bytes", "key_mode",
-                  "load_mode", "load_threads", "load_nice", "pinned_bytes", "kv_cache_layout", "hold_newcomers")
+                  "load_mode", "load_threads", "load_nice", "pinned_bytes", "kv_cache_layout", "hold_newcomers",
+                  "tail_step")
 KEY_MODES = ("tokens", "vllm")
 LOAD_MODES = ("async", "layerwise")
 DEFAULT_LOAD_THREADS = 2
 DEFAULT_LOAD_NICE = 15
+# a tail shorter than this saves less prefill than its save and load cost; coarser steps also stay prefixes of
+# prompts that differ in their last tokens (docs/vllm.md). vLLM takes a load that ends inside one of its blocks.
+DEFAULT_TAIL_STEP = 64
 DEFAULT_PINNED_BYTES = 1 << 30  # pinned host buffers of a GPU's copy stream, kept for reuse
 DEFAULT_KV_CACHE_LAYOUT = "BLHNC"  # asked of vLLM on a GPU: block-outermost (a block's layers in one run)
 PARAMS_KEY = "kvfabric"  # our entry in a request's kv_transfer_params
@@ -147,6 +155,9 @@ def resolve_config(extra: dict[str, Any] | None) -> tuple[Config, dict[str, Any]
         raise ConfigError(f"pinned_bytes: {pinned!r} is not a byte count (an integer >= 0)")
     if not isinstance(options.setdefault("hold_newcomers", True), bool):
         raise ConfigError(f"hold_newcomers: {options['hold_newcomers']!r} is not true or false")
+    tail_step = options.setdefault("tail_step", DEFAULT_TAIL_STEP)
+    if not isinstance(tail_step, int) or isinstance(tail_step, bool) or tail_step < 0:
+        raise ConfigError(f"tail_step: {tail_step!r} is not a token count (an integer >= 0)")
     options["kv_cache_layout"] = kv_cache_layout_option(options)
     base = Config.load(options.get("config_file"), environ=_config_environ())  # YAML + KVFABRIC_* env
     return base.merged(extra), options

@@ -141,7 +141,8 @@ class KVFabricConnector(KVConnectorBase_V1, SupportsHMA):
                                              self.options["key_mode"], self.options["load_mode"], self.kv_role,
                                              self.groups, client=clients[0] if world == 1 else EveryRank(clients),
                                              hold_budget=vllm_config.scheduler_config.max_num_batched_tokens
-                                             if self.options["hold_newcomers"] else 0)
+                                             if self.options["hold_newcomers"] else 0,
+                                             tail_step=self.options["tail_step"])
         else:
             side = DeviceWorkerSide if self._uses_mover else WorkerSide
             # each worker answers the scheduler's lookups for its share of the model's KV (connectors/lookup.py)

@@ -63,10 +63,10 @@ class LoadState:
         return first, max(self.spec.start, first), min(self.spec.end, first + self.chunk_size)
 
     def chunk_tokens(self, i: int) -> int:
-        """Tokens chunk i holds: chunk_size, or fewer for a partial last chunk (it ends with the prompt)."""
+        """Tokens chunk i holds: chunk_size, or fewer for a partial last chunk (it ends at the keys' end)."""
         first = (self.spec.start // self.chunk_size + i) * self.chunk_size
-        prompt = self.spec.num_prompt_tokens or first + self.chunk_size
-        return max(1, min(self.chunk_size, prompt - first))
+        end = self.spec.keys_end or first + self.chunk_size
+        return max(1, min(self.chunk_size, end - first))
 
     def outcome(self, block_size: int) -> LoadOutcome:
         spec = self.spec

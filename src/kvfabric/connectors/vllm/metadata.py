@@ -46,7 +46,7 @@ class LoadSpec(_Tables):
     end: int
     block_ids: list[int]  # block table from token 0, covering `end`
     is_async: bool = False
-    num_prompt_tokens: int = 0  # a last key may name a partial chunk: the prompt's tokens from its first token
+    keys_end: int = 0  # where the keys' tokens end, from token 0: a last key may name a partial chunk ending here
     group_block_ids: tuple[list[int], ...] = ()  # per KV cache group (several groups only), each from token 0
     window_from: int = 0  # window layers load tokens [max(start, window_from), end) (block-aligned)
 
@@ -56,7 +56,8 @@ class SaveSpec(_Tables):
     req_id: str
     keys: Sequence[bytes]  # keys of the chunks [start, end)
     start: int  # chunk-aligned
-    end: int  # chunk-aligned, or the prompt's end (its partial last chunk, with save_partial_chunk)
+    end: int  # chunk-aligned, or the end of a partial last chunk (the prompt's, with save_partial_chunk, or
+    # its tail in whole `tail_step`s)
     block_ids: list[int]
     group_block_ids: tuple[list[int], ...] = ()  # per KV cache group (several groups only)
 

@@ -237,7 +237,10 @@ class SchedulerEvents:
             for key in keys:  # one event per chunk: chunks of a save may land in different steps
                 if not self._stored(key):
                     continue
-                tokens, parent = self._planned.pop(key, ([], None))
+                planned = self._planned.pop(key, None)
+                if planned is None:  # not a whole chunk this scheduler saved (a prompt's tail): no block of ours
+                    continue
+                tokens, parent = planned
                 self._pending.append(BlockStored(block_hashes=[key], parent_block_hash=parent, token_ids=tokens,
                                                  block_size=self.block_size, lora_id=None, medium="CPU",
                                                  lora_name=None))

@@ -15,6 +15,11 @@ Contract:
   place; it changes nothing). The load is emitted in the next `build_meta` although the request is not
   scheduled. Load mode "layerwise": ``is_async=False``, so vLLM sets ``has_sync_kv_loads`` and the runner calls
   ``start_load_kv`` BEFORE the forward; the load rides with the request's first scheduled step.
+- Tails (``tail_step`` > 0: key mode "tokens", one KV cache group, no window layers, no save_partial_chunk): a
+  prompt's tokens past its last whole chunk are stored too, in whole steps, as a partial chunk (keyed like one:
+  ``KeySpace.tail_keys``). When a lookup stops before the prompt's end, the scheduler asks once more, for the
+  longest such partial chunk that the prompt's next tokens begin with (`ChunkLookup.tail`): the next turn of a
+  chat then loads what the previous turn computed past its last whole chunk, instead of computing it again.
 - `build_meta` emits per step, with the chunk keys: loads (token range, block table) and saves (every whole prompt
   chunk that becomes complete this step and is not known to be stored, including chunks vLLM had cached locally).
   A rollback (vLLM recomputing after a failed load) moves the save mark back, so the recomputed chunks are saved.
@@ -74,6 +79,14 @@ class _Match:
     """The lookup of `get_num_new_matched_tokens`, kept until `update_state_after_alloc`."""
     hit: KeyLookup
     num_local_tokens: int  # tokens vLLM already had (its own prefix cache)
+    tail: _Tail | None = None  # a partial chunk stored after the hit's whole chunks
+
+
+@dataclass(frozen=True, slots=True)
+class _Tail:
+    """A partial chunk: its key and where its tokens end, from token 0."""
+    key: ChunkKey
+    end: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +131,23 @@ class ChunkLookup:
         """The leading chunks of a prompt of num_tokens tokens (default: whole chunks) that the worker can load."""
         return self.client.lookup(keys, num_tokens)
 
+    def tail_keys(self, tokens: Sequence[int], keys: Sequence[ChunkKey], num_chunks: int, step: int,
+                  cache_salt: str | None) -> list[_Tail]:
+        """The partial chunks, every `step` tokens, that could follow the prompt's first num_chunks chunks."""
+        first = num_chunks * self.chunk_size
+        found = self.space(cache_salt).tail_keys(tokens, keys[num_chunks - 1] if num_chunks else None, first, step)
+        return [_Tail(key, first + (i + 1) * step) for i, key in enumerate(found)]
+
+    def tail(self, tokens: Sequence[int], keys: Sequence[ChunkKey], num_chunks: int, step: int,
+             cache_salt: str | None) -> _Tail | None:
+        """The longest partial chunk the worker can load after the prompt's first num_chunks chunks."""
+        tails = self.tail_keys(tokens, keys, num_chunks, step, cache_salt)[::-1]  # longest first
+        if not tails:
+            return None
+        index = self.client.find_tail(keys[:num_chunks], num_chunks * self.chunk_size,
+                                      [(tail.key, tail.end) for tail in tails])
+        return tails[index - 1] if index else None
+
     def close(self) -> None:
         self.client.close()
 
@@ -126,11 +156,13 @@ class ChunkLookup:
 class _ReqState:
     num_prompt_tokens: int  # only prompt chunks are stored
     can_store: bool = True
-    keys: list[ChunkKey] = field(default_factory=list)  # keys of the whole prompt chunks
+    keys: list[ChunkKey] = field(default_factory=list)  # keys of the whole prompt chunks (then the tail's)
+    keys_end: int = 0  # where the tokens of `keys` end
     tables: list[list[int]] = field(default_factory=list)  # block table per KV cache group
     saved_upto: int = 0  # chunks [0, saved_upto) are stored or being stored
     next_computed: int = 0  # num_computed_tokens expected at the next schedule (a smaller one = rollback)
     load: _TokenSpan | None = None  # tokens to load in the next step
+    load_tail: _Tail | None = None  # the partial chunk that load ends with
     async_end: int = 0  # end of an async load in flight: if vLLM resumes below it, a chunk failed (re-save it)
     host_tokens: int = 0
     stats: RequestStats = RequestStats()
@@ -139,9 +171,14 @@ class _ReqState:
 class SchedulerSide:
     def __init__(self, config: Config, layout: KVLayout, model_id: str, block_size: int, key_mode: str,
                  load_mode: str = "async", role: Role = BOTH, groups: KVGroups | None = None, *,
-                 client: LookupClient | EveryRank, hold_budget: int = 0) -> None:
+                 client: LookupClient | EveryRank, hold_budget: int = 0, tail_step: int = 0) -> None:
         self.chunk_size = config.chunk_size
         self.groups = groups or KVGroups(block_size)
+        # 0: no tails (see the module doc): vLLM's block hashes name whole blocks, a partial key already names the
+        # prompt's end, a window layer's rows of a partial chunk may be gone
+        can_tail = key_mode == "tokens" and not config.save_partial_chunk and not self.groups.is_hybrid \
+            and not layout.window_layers
+        self.tail_step = tail_step if can_tail and 0 < tail_step < config.chunk_size else 0
         self.window_chunks_skipped = 0  # chunks not saved: vLLM had freed their window blocks
         self.role = role
         self.block_size = block_size
@@ -202,12 +239,20 @@ class SchedulerSide:
             self.held.add(req_id)
             return None
         keys = self.request_keys(request) if load else []
-        hit = self.lookup.prefix(keys, len(request.prompt_token_ids or ())) if keys else KeyLookup()
-        self.pending[req_id] = _Match(hit, num_computed_tokens)
+        tokens = request.prompt_token_ids or ()
+        hit = self.lookup.prefix(keys, len(tokens)) if keys else KeyLookup()
         if not keys:
+            self.pending[req_id] = _Match(hit, num_computed_tokens)
             return 0
-        num_prompt = len(request.prompt_token_ids or ())  # a partial last chunk ends with the prompt
-        num = min(hit.num_chunks * self.chunk_size, num_prompt, request.num_tokens - 1)  # one token left to compute
+        hit_end = hit.num_chunks * self.chunk_size
+        tail = None
+        # a tail can add tokens: the prompt goes on past a whole step, and vLLM does not have them itself
+        if self.tail_step and hit_end + self.tail_step <= len(tokens) and num_computed_tokens < hit_end + \
+                self.chunk_size:
+            tail = self.lookup.tail(tokens, keys, hit.num_chunks, self.tail_step, getattr(request, "cache_salt", None))
+        self.pending[req_id] = _Match(hit, num_computed_tokens, tail)
+        # a partial last chunk ends with the prompt (save_partial_chunk), or at the tail's end
+        num = min(tail.end if tail else hit_end, len(tokens), request.num_tokens - 1)  # one token left to compute
         return max(0, num - num_computed_tokens)
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -230,14 +275,34 @@ class SchedulerSide:
             state = self.states[req_id] = _ReqState(len(request.prompt_token_ids or ()), can_store=store,
                                                     stats=RequestStats(local_hit_tokens=local))
         state.keys = self.request_keys(request)
+        state.keys_end = min(state.num_prompt_tokens, len(state.keys) * self.chunk_size)  # a partial last key
+        tail = self._own_tail(request, state.keys) if store and state.keys else None
         state.tables = [list(table) for table in blocks.get_block_ids()]
         state.saved_upto = min(match.hit.num_chunks * self.chunk_size, state.num_prompt_tokens)  # stored already
+        if tail is not None:
+            state.keys = [*state.keys, tail.key]
+            state.keys_end = tail.end
+            if match.tail == tail:  # the prompt's own tail is stored: nothing of the prompt to save
+                state.saved_upto = tail.end
         if num_external_tokens > 0:
             state.load = _TokenSpan(local, local + num_external_tokens)
+            state.load_tail = match.tail if match.tail is not None and local + num_external_tokens > \
+                match.hit.num_chunks * self.chunk_size else None
             if self.is_async:
                 self.waiting.add(req_id)
         # tokens served from the worker's process memory (the rest from shared tiers), for vLLM's hit metrics
-        state.host_tokens = max(0, min(num_external_tokens, match.hit.num_in_memory * self.chunk_size - local))
+        in_memory = match.hit.num_in_memory * self.chunk_size
+        if match.tail is not None and match.hit.num_in_memory == match.hit.num_chunks:
+            in_memory = match.tail.end  # found with the whole chunks before it, taken to be where they are
+        state.host_tokens = max(0, min(num_external_tokens, in_memory - local))
+
+    def _own_tail(self, request: Request, keys: list[ChunkKey]) -> _Tail | None:
+        """The prompt's tokens past its last whole chunk, in whole steps, as a partial chunk to store."""
+        tokens = request.prompt_token_ids or ()
+        if not self.tail_step or len(keys) * self.chunk_size + self.tail_step > len(tokens):
+            return None
+        tails = self.lookup.tail_keys(tokens, keys, len(keys), self.tail_step, getattr(request, "cache_salt", None))
+        return tails[-1] if tails else None
 
     def build_meta(self, out: SchedulerOutput) -> KVFabricMetadata:
         meta = KVFabricMetadata(is_idle=out.total_num_scheduled_tokens == 0)
@@ -282,7 +347,7 @@ class SchedulerSide:
         if state.load is not None:
             self._emit_load(meta, req_id, state, is_async=False)
         if state.can_store and state.keys:
-            stored_end = min(state.num_prompt_tokens, len(state.keys) * cs)  # a partial last key: the prompt's end
+            stored_end = state.keys_end
             end = min(state.next_computed, stored_end)
             end = end if end == stored_end else end // cs * cs
             held = -(-self.groups.window_from(computed) // cs) * cs  # first chunk whose window blocks vLLM holds
@@ -301,8 +366,13 @@ class SchedulerSide:
         state.load = None
         state.async_end = end if is_async else 0
         block_ids, group_block_ids = self._tables(state, end)
-        meta.loads.append(LoadSpec(req_id, state.keys[start // cs:-(-end // cs)], start, end, block_ids, is_async,
-                                   state.num_prompt_tokens, group_block_ids, self.groups.window_from(end)))
+        tail, state.load_tail = state.load_tail, None
+        if tail is None:
+            keys, keys_end = state.keys[start // cs:-(-end // cs)], state.keys_end
+        else:  # whole chunks, then the partial one
+            keys, keys_end = [*state.keys[start // cs:end // cs], tail.key], tail.end
+        meta.loads.append(LoadSpec(req_id, keys, start, end, block_ids, is_async, keys_end, group_block_ids,
+                                   self.groups.window_from(end)))
         state.stats += RequestStats(external_hit_tokens=end - start)
 
     def _tables(self, state: _ReqState, end: int) -> tuple[list[int], tuple[list[int], ...]]:
