@@ -182,7 +182,10 @@ def test_vllm_serve_and_client_blocks(home, tmp_path):
             outputs.append(_run_python(client.replace(f":{README_PORT}/", f":{port}/"), python, env, tmp_path))
     cached = [int(out.split()[0]) for out in outputs]
     chunks = list((Path(home["KVFABRIC_HOME"]) / "chunks").glob("??/*.kvc"))
-    assert len(chunks) >= 2  # the prompt's whole chunks, stored (and flushed on the first server's shutdown)
-    # the restarted server (empty prefix cache) loaded every one of them from kvfabric's disk tier
-    assert cached[0] == 0 and cached[1] >= 256 * len(chunks) - 1, outputs
+    # the prompt's whole chunks and its tail (a partial chunk), stored (and flushed on the first server's shutdown)
+    assert len(chunks) >= 3
+    # the restarted server (empty prefix cache) loaded every one of them from kvfabric's disk tier: the whole chunks,
+    # then a tail of at least one step (64 tokens)
+    assert cached[0] == 0 and cached[1] >= 256 * (len(chunks) - 1) + 64, outputs
+    assert f"after the restart, the same text and `{cached[1]}`" in (ROOT / "README.md").read_text()  # as it says
     assert outputs[0].split(":", 1)[1] == outputs[1].split(":", 1)[1]  # same greedy text

@@ -297,7 +297,7 @@ def _lookup(tmp_path):
     pytest.importorskip("vllm")
     from kvfabric.config import Config
     from kvfabric.connectors.lookup import LookupClient
-    from kvfabric.connectors.vllm.scheduler import ChunkLookup
+    from kvfabric.connectors.vllm.prompt_keys import ChunkLookup
     from kvfabric.kv.layout import KVLayout
 
     config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["cpu", "disk"], "disk": {"path": str(tmp_path)}})

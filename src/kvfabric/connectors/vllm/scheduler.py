@@ -42,8 +42,6 @@ Contract:
 """
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +53,8 @@ from kvfabric.config import Config, ConfigError
 from kvfabric.connectors.lookup import EveryRank, LookupClient
 from kvfabric.connectors.vllm.config import PARAMS_KEY, KVGroups, Role, role_of
 from kvfabric.connectors.vllm.metadata import KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, RequestStats, SaveSpec
-from kvfabric.kv.hashing import ChunkKey, KeySpace
+from kvfabric.connectors.vllm.prompt_keys import ChunkLookup, Tail
+from kvfabric.kv.hashing import ChunkKey
 from kvfabric.kv.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -79,77 +78,13 @@ class _Match:
     """The lookup of `get_num_new_matched_tokens`, kept until `update_state_after_alloc`."""
     hit: KeyLookup
     num_local_tokens: int  # tokens vLLM already had (its own prefix cache)
-    tail: _Tail | None = None  # a partial chunk stored after the hit's whole chunks
-
-
-@dataclass(frozen=True, slots=True)
-class _Tail:
-    """A partial chunk: its key and where its tokens end, from token 0."""
-    key: ChunkKey
-    end: int
+    tail: Tail | None = None  # a partial chunk stored after the hit's whole chunks
 
 
 @dataclass(frozen=True, slots=True)
 class _TokenSpan:
     start: int
     end: int
-
-
-class ChunkLookup:
-    """Which leading chunks of a prompt the worker can load: keys here, the answer from the worker's cache."""
-
-    def __init__(self, config: Config, layout: KVLayout, model_id: str, client: LookupClient | EveryRank) -> None:
-        self.config = config
-        self.chunk_size = config.chunk_size
-        self.key_space = KeySpace.of(model_id, layout, config.chunk_size, config.salt, config.hash,
-                                     config.save_partial_chunk)
-        self._tenants: dict[str, KeySpace] = {}  # cache_salt -> its namespace
-        self.client = client
-
-    def keys(self, tokens: Sequence[int], cache_salt: str | None = None) -> list[ChunkKey]:
-        """Keys of the prompt's whole chunks, plus its trailing partial chunk with `save_partial_chunk`."""
-        return self.space(cache_salt).keys(tokens)
-
-    def space(self, cache_salt: str | None) -> KeySpace:
-        """The key namespace of a request's cache_salt: kvfabric's tenant salt S (or "<config salt>/S")."""
-        if not cache_salt:
-            return self.key_space
-        space = self._tenants.get(cache_salt)
-        if space is None:
-            space = self._tenants[cache_salt] = self.key_space.tenant(cache_salt)
-        return space
-
-    def keys_from_block_hashes(self, block_hashes: Sequence[bytes], num_tokens: int, block_size: int) -> list[ChunkKey]:
-        """Key mode "vllm": chunk i's key names vLLM's hash of the last block of the chunk (vLLM chains its block
-        hashes over the prefix and folds in LoRA, multimodal inputs and cache_salt), within our namespace."""
-        per_chunk = self.chunk_size // block_size
-        num = min(num_tokens // self.chunk_size, len(block_hashes) // per_chunk)
-        return [ChunkKey(hashlib.sha256(self.key_space.root + b"vllm-block-hash" + bytes(block_hashes[(i + 1) * per_chunk - 1]))
-                         .digest()) for i in range(num)]
-
-    def prefix(self, keys: Sequence[bytes], num_tokens: int | None = None) -> KeyLookup:
-        """The leading chunks of a prompt of num_tokens tokens (default: whole chunks) that the worker can load."""
-        return self.client.lookup(keys, num_tokens)
-
-    def tail_keys(self, tokens: Sequence[int], keys: Sequence[ChunkKey], num_chunks: int, step: int,
-                  cache_salt: str | None) -> list[_Tail]:
-        """The partial chunks, every `step` tokens, that could follow the prompt's first num_chunks chunks."""
-        first = num_chunks * self.chunk_size
-        found = self.space(cache_salt).tail_keys(tokens, keys[num_chunks - 1] if num_chunks else None, first, step)
-        return [_Tail(key, first + (i + 1) * step) for i, key in enumerate(found)]
-
-    def tail(self, tokens: Sequence[int], keys: Sequence[ChunkKey], num_chunks: int, step: int,
-             cache_salt: str | None) -> _Tail | None:
-        """The longest partial chunk the worker can load after the prompt's first num_chunks chunks."""
-        tails = self.tail_keys(tokens, keys, num_chunks, step, cache_salt)[::-1]  # longest first
-        if not tails:
-            return None
-        index = self.client.find_tail(keys[:num_chunks], num_chunks * self.chunk_size,
-                                      [(tail.key, tail.end) for tail in tails])
-        return tails[index - 1] if index else None
-
-    def close(self) -> None:
-        self.client.close()
 
 
 @dataclass
@@ -162,7 +97,7 @@ class _ReqState:
     saved_upto: int = 0  # chunks [0, saved_upto) are stored or being stored
     next_computed: int = 0  # num_computed_tokens expected at the next schedule (a smaller one = rollback)
     load: _TokenSpan | None = None  # tokens to load in the next step
-    load_tail: _Tail | None = None  # the partial chunk that load ends with
+    load_tail: Tail | None = None  # the partial chunk that load ends with
     async_end: int = 0  # end of an async load in flight: if vLLM resumes below it, a chunk failed (re-save it)
     host_tokens: int = 0
     stats: RequestStats = RequestStats()
@@ -296,7 +231,7 @@ class SchedulerSide:
             in_memory = match.tail.end  # found with the whole chunks before it, taken to be where they are
         state.host_tokens = max(0, min(num_external_tokens, in_memory - local))
 
-    def _own_tail(self, request: Request, keys: list[ChunkKey]) -> _Tail | None:
+    def _own_tail(self, request: Request, keys: list[ChunkKey]) -> Tail | None:
         """The prompt's tokens past its last whole chunk, in whole steps, as a partial chunk to store."""
         tokens = request.prompt_token_ids or ()
         if not self.tail_step or len(keys) * self.chunk_size + self.tail_step > len(tokens):
