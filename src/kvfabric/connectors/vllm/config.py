@@ -95,8 +95,9 @@ KEY_MODES = ("tokens", "vllm")
 LOAD_MODES = ("async", "layerwise")
 DEFAULT_LOAD_THREADS = 2
 DEFAULT_LOAD_NICE = 15
-# a tail shorter than this saves less prefill than its save and load cost; coarser steps also stay prefixes of
-# prompts that differ in their last tokens (docs/vllm.md). vLLM takes a load that ends inside one of its blocks.
+# one tail is stored per prompt: a coarser step leaves it a prefix of a later prompt that differs within the
+# last tokens more often, a finer one reuses more where prompts go on exactly (docs/design/measurements.md).
+# vLLM takes a load that ends inside one of its blocks.
 DEFAULT_TAIL_STEP = 64
 DEFAULT_PINNED_BYTES = 1 << 30  # pinned host buffers of a GPU's copy stream, kept for reuse
 DEFAULT_KV_CACHE_LAYOUT = "BLHNC"  # asked of vLLM on a GPU: block-outermost (a block's layers in one run)
