@@ -220,6 +220,24 @@ def test_the_meeting_point_is_named_by_vllms_engine_id():
     assert lookup_path("../../etc/x", 0) == lookup_path("etcx", 0)  # no path tricks in the name
 
 
+def test_a_long_temp_folder_still_gives_a_socket_path_that_binds(folder, monkeypatch, engine):
+    """A temp folder nested deep (a test run's, then a server's own): the engine id is hashed short, so the worker
+    can still listen (a path past AF_UNIX's limit would leave every lookup a miss)."""
+    deep = folder / ("d" * 40)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    engine_id = "0c5b4a1e-5d2f-4c07-9a1b-3f2e8d7c6b5a"  # vLLM's engine ids are UUIDs
+    assert len(os.fsencode(deep / f"kvfabric-lookup-{engine_id}-0.sock")) > 107  # spelled out, it would not bind
+    path = lookup_path(engine_id, 0)
+    assert len(os.fsencode(path)) <= 107 and Path(path).parent == deep
+    assert path == lookup_path(engine_id, 0) != lookup_path("another-engine-id-of-the-same-length-00000", 0)
+    service = LookupService(engine, path)
+    try:
+        assert LookupClient(path).lookup(engine.keys(list(range(CHUNK)))) == KeyLookup()  # it answers: a miss
+    finally:
+        service.close()
+
+
 def test_a_starting_service_removes_dead_workers_sockets_and_keeps_live_ones(engine, folder):
     """vLLM ends its workers without their clean-up: each `vllm serve` left its socket in the temp folder."""
     dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -35,6 +35,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import socket
@@ -61,6 +62,7 @@ MAX_FRAME = (MAX_KEYS + MAX_TAILS) * (MAX_KEY_BYTES + 12) + 64
 TIMEOUT_S = 2.0  # a lookup runs in the scheduler's step: a worker that slow is treated as gone
 RETRY_S = 5.0
 PROBE_TIMEOUT_S = 0.5
+MAX_SOCKET_PATH = 107  # bytes of an AF_UNIX path (sun_path holds 108 with the NUL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +85,16 @@ def _tails(message: dict) -> list[tuple[bytes, int]]:
 
 
 def lookup_path(engine_id: str, dp_rank: int = 0, rank: int = 0) -> str:
-    """Worker `rank` (of its data-parallel engine; rank 0 the first) answers on this path."""
+    """Worker `rank` (of its data-parallel engine; rank 0 the first) answers on this path. In a temp folder too
+    long for the engine id spelled out (AF_UNIX paths hold MAX_SOCKET_PATH bytes), the id is hashed short: both
+    sides compute the same name."""
     safe = "".join(c for c in str(engine_id) if c.isalnum() or c in "-_")[:64] or "default"
     worker = f"-r{int(rank)}" if rank else ""
-    return str(Path(tempfile.gettempdir()) / f"kvfabric-lookup-{safe}-{int(dp_rank)}{worker}.sock")
+    path = Path(tempfile.gettempdir()) / f"kvfabric-lookup-{safe}-{int(dp_rank)}{worker}.sock"
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        short = hashlib.sha256(str(engine_id).encode()).hexdigest()[:16]
+        path = path.with_name(f"kvfabric-lookup-{short}-{int(dp_rank)}{worker}.sock")
+    return str(path)
 
 
 def sweep_dead_sockets(folder: str | os.PathLike) -> int:
