@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -102,10 +103,15 @@ def start_instance(python: str, model: str, work: Path, name: str, cores: str, k
                    extra: dict[str, Any] | None = None, max_len: int = 2048,
                    kv_bytes: int = 1 << 30, tp: int = 1, at: Site = Site()) -> VllmServer:
     """A `vllm serve` process pinned to `cores` ("0|1": a core per tensor rank; not yet ready: call wait_ready); with
-    kv_role, KVFabricConnector; `at`: on an emulated host (bench.hosts) instead of this namespace's loopback."""
+    kv_role, KVFabricConnector; `at`: on an emulated host (bench.hosts) instead of this namespace's loopback.
+    Pinned twice: vLLM binds its OpenMP threads (VLLM_CPU_OMP_THREADS_BIND), `taskset` the process, so that the
+    connector's threads, which run on every CPU the engine was given, stay on its cores: left on both, a decode
+    instance's niced load threads also ran on the prefill instance's core, beside its busy processes."""
     port = free_port()
     argv = server_argv(python, model, port, kv_bytes, max_len, at.host) + \
         (["--tensor-parallel-size", str(tp)] if tp > 1 else [])
+    if shutil.which("taskset"):  # the whole instance, its connector's load threads too: not only vLLM's OpenMP threads
+        argv = ["taskset", "-c", cores.replace("|", ","), *argv]
     if at.netns:
         argv = ["ip", "netns", "exec", at.netns, *argv]
     if kv_role is not None:
