@@ -32,7 +32,7 @@ CHUNK = 256
 def _row(tier: str, op: str, layout: str, num_bytes: int, seconds: float, base_seconds: float, baseline: str) -> dict:
     gbps, base = num_bytes / seconds / 1e9, num_bytes / base_seconds / 1e9
     return {"tier": tier, "op": op, "layout": layout, "mb": round(num_bytes / 1e6, 1), "gbps": round(gbps, 3),
-            "baseline_gbps": round(base, 3), "ratio": round(gbps / base, 3), "baseline": baseline}
+            "baseline_gbps": round(base, 3), "ratio": float(f"{gbps / base:.3g}"), "baseline": baseline}
 
 
 def bench_cpu(name: str, layout: KVLayout, num_chunks: int, repeats: int) -> list[dict]:
