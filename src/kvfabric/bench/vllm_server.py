@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 SHM = Path("/dev/shm")
@@ -78,8 +78,8 @@ class VllmServer:
         self.host = host  # where it listens (an emulated host's address: bench.hosts)
         self.log = log
         self._segments_before = _segments()
-        self._tmp = tempfile.mkdtemp(prefix="kvfabric-vllm-")  # as private_tmp does; removed in stop()
-        child_env = {**(os.environ if env is None else env), "TMPDIR": self._tmp}
+        self._tmp = ExitStack()  # its private_tmp, left in stop()
+        child_env = self._tmp.enter_context(private_tmp(env))
         self._log_file = open(log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT, env=child_env,
                                      start_new_session=True)
@@ -121,7 +121,7 @@ class VllmServer:
         # pair) keeps its mappings: an unlinked segment stays mapped, only a new attach (at start-up) would fail
         for path in _segments() - self._segments_before:
             path.unlink(missing_ok=True)
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._tmp.close()
 
     def __enter__(self) -> VllmServer:
         return self

@@ -158,7 +158,7 @@ class KeySpace:
         """Keys of tokens [first, first + m) as a partial chunk chained after `parent` (None: the root), for
         m = step, 2 * step, ... below chunk_size and within `tokens`: one hash pass, a digest at each step."""
         data = token_bytes(tokens[first:first + self.chunk_size - 1])
-        num = min(len(data) // 4, self.chunk_size - 1) // step
+        num = len(data) // 4 // step  # data holds at most chunk_size - 1 tokens
         h = _hasher(self.hash_name)(self.root if parent is None else parent)
         keys: list[ChunkKey] = []
         for i in range(num):
