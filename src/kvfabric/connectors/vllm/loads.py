@@ -39,8 +39,9 @@ Contract:
   token-major) come as a ``TokenSource`` and are scattered. Where numba is there, a block-layout chunk (read,
   hash, copies, every layer) is one call that holds no GIL (``BlockSource.place`` with the thread's
   ``ChunkPlacer``, made at `bind`): the engine thread holds the GIL most of the time, and each hand-back costs a
-  loader thread up to a switch interval. A chunk whose part ends inside a block (a prompt's last block) is copied
-  from Python, slab by slab (``BlockSource.slab``). No hashing and no discard here: the cache's sources do both.
+  loader thread up to a switch interval. A part that ends inside a block (a prompt's last block) is in that call
+  too: the partial block's slots only. Without numba, chunks are copied from Python, slab by slab
+  (``BlockSource.slab``). No hashing and no discard here: the cache's sources do both.
 - A missing or corrupt chunk ends that load there: its outcome's `end` is the first token not loaded and
   `bad_blocks` the blocks from there to the load's end (vLLM recomputes them). Nothing here raises for a bad
   cache entry; a bug in a job is logged and fails that load whole, never the process.
@@ -309,14 +310,12 @@ class Loader:
         self._chunk_done(job, i, True)
 
     def _place(self, job: LoadState, i: int, source: TokenSource | BlockSource) -> None:
-        """Chunk i's part of every layer into the cache: a block-layout chunk in one native call where the part is
-        whole blocks, else layer by layer."""
+        """Chunk i's part of every layer into the cache: a block-layout chunk in one native call (where numba is
+        there), any other layer by layer."""
         started = time.perf_counter_ns()
         placer = getattr(self._local, "placer", None)
-        runs = self._runs(job, i) if placer is not None and isinstance(source, BlockSource) else None
-        if runs is not None:  # read, hash and copy every layer's slab without the GIL
-            assert isinstance(source, BlockSource) and placer is not None
-            source.place(placer, runs)
+        if placer is not None and isinstance(source, BlockSource):  # read, hash, copy each layer's slab without the GIL
+            source.place(placer, self._runs(job, i))
             self.counters.add("load_scatter_ns", placer.cpu_ns - source.check_ns)  # CPU time, as the hash's
             self.counters.add("load_verify_ns", source.check_ns)
             return
@@ -326,16 +325,16 @@ class Loader:
         self.counters.add("load_scatter_ns", time.perf_counter_ns() - started - check_ns)
         self.counters.add("load_verify_ns", check_ns)
 
-    def _runs(self, job: LoadState, i: int) -> np.ndarray | None:
-        """Chunk i's part of the load as runs of whole blocks [R, 3] (first block in the chunk's slab, first block
-        in the cache, number of blocks), or None when the part ends inside a block (copied from Python)."""
+    def _runs(self, job: LoadState, i: int) -> np.ndarray:
+        """Chunk i's part of the load as runs [R, 5] (first block in the chunk's slab, first block in the cache,
+        number of blocks, first and end token in a block): runs of whole blocks (0, B), and a partial block (a
+        prompt's last: vLLM recomputes its last token) as a run of one with the offsets of its tokens."""
         first, lo, hi = job.chunk_span(i)
         size = self.block_size
-        if lo >= hi or (lo - first) % size or (hi - first) % size:
-            return None
         table = job.spec.table(self.groups[0])
-        return np.array([((lo + at - first) // size, block, n) for block, n, _, _, at in segments(table, size, lo, hi)],
-                        dtype=np.int64).reshape(-1, 3)
+        return np.array([((lo + at - start - first) // size, block, n, start, end)
+                         for block, n, start, end, at in segments(table, size, lo, hi)],
+                        dtype=np.int64).reshape(-1, 5)
 
     def _chunk_done(self, job: LoadState, i: int, is_loaded: bool) -> None:
         with self._cond:
@@ -385,7 +384,7 @@ def _make_placer(layers: Sequence[CpuPagedLayer], slab_bytes: int) -> ChunkPlace
     Python then."""
     try:
         from kvfabric.cache.placer import ChunkPlacer
-        return ChunkPlacer([layer.block_array for layer in layers], np.zeros(slab_bytes, dtype=np.uint8))
+        return ChunkPlacer([layer.block_array for layer in layers], layers[0].blocks, np.zeros(slab_bytes, dtype=np.uint8))
     except (ImportError, OSError, AttributeError) as exc:  # no numba, or an xxhash build without the symbols
         logger.info("kvfabric: block loads copy from Python (%s)", exc)
         return None
