@@ -281,7 +281,9 @@ class WorkerSide:
             self.saver.join()  # the answer tells the proxy that the decode instance can load this KV ...
             self.engine.flush(to_peers=True)  # ... from every tier, the write-behind ones included, and a peer
             # finds it through the controller (P2P)
-        if self.stats_path and self.meta is not None and self.meta.loads:
+        if self.stats_path and self.meta is not None and any(not spec.is_async for spec in self.meta.loads):
+            # a step's sync loads ended in it; async ones are written when they end (finished_loads): written
+            # as they start, the file's write sat between the load's start and the worker's help with it
             self.write_stats()
         self.saves = []
         self.step.close()  # the step's pause of the cache's premapping ends
