@@ -178,7 +178,7 @@ def _copied(source: Read, placer: ChunkPlacer | None = None) -> object | None:
                 return source.kv.clone()
             if placer is None:
                 return np.stack([source.slab(i).copy() for i in range(source.num_layers)])
-            runs = np.array([[0, 0, source.slab_shape[0]]], dtype=np.int64)
+            runs = np.array([[0, 0, source.slab_shape[0], 0, BLOCKS.block_size]], dtype=np.int64)
             source.place(placer, runs)
             return np.stack([layer[:source.slab_shape[0]].copy() for layer in placer_layers(placer)])
     except ChunkFailed:
@@ -193,7 +193,7 @@ def _placer(source_shape: tuple[int, ...]) -> ChunkPlacer:
     num_blocks, *block = source_shape
     layers = [np.zeros((num_blocks + 2, *block), dtype=np.int16) for _ in range(LAYOUT.num_layers)]
     slab_bytes = num_blocks * int(np.prod(block)) * 2
-    placer = ChunkPlacer(layers, np.zeros(slab_bytes, dtype=np.uint8))
+    placer = ChunkPlacer(layers, BLOCKS, np.zeros(slab_bytes, dtype=np.uint8))
     _PLACER_LAYERS[id(placer)] = layers
     return placer
 

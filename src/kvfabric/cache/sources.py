@@ -3,8 +3,8 @@
 Contract:
 - `TokenSource`: `kv` [L', 2, H, T, D] in the layout dtype, holding the layout's `layers` (None: every layer).
 - `BlockSource`: a raw payload in the caller's block layout `blocks`, layer by layer: `slab(i)` is layer i as integer
-  words [num_blocks, *block_shape]; `place(placer, runs)` copies every layer's runs of whole blocks in one native
-  call (kvfabric.cache.placer).
+  words [num_blocks, *block_shape]; `place(placer, runs)` copies every layer's runs of blocks (whole, or a partial
+  block's slots) in one native call (kvfabric.cache.placer).
 - Both are context managers, valid only inside their `with` (a slab read from a file lives in a reused buffer, a
   view of shared memory may be reused by a writer, a server slot is leased until the exit).
 - The cache verifies, never the caller. A source from a whole read was verified before it was handed out. A
@@ -183,10 +183,11 @@ class BlockSource(ChunkSource):
         return np.frombuffer(buf, dtype=self._dtype).reshape(self.slab_shape)
 
     def place(self, placer: ChunkPlacer, runs: np.ndarray) -> None:
-        """Every layer's `runs` [R, 3] (first block in the slab, first block in the layer, blocks) copied into the
-        placer's layers in one call that holds no GIL, hashed in the same pass where the source is checked as
-        copied. Where a source reads a chunk file, the file is mapped (copied straight out of the page cache), or
-        read with pread into the placer's staging buffer. Only on a source nothing was read from yet."""
+        """Every layer's `runs` [R, 5] (first block in the slab, first block in the layer, blocks, first and end
+        token in a block: see kvfabric.cache.placer) copied into the placer's layers in one call that holds no GIL,
+        hashed in the same pass where the source is checked as copied. Where a source reads a chunk file, the file
+        is mapped (copied straight out of the page cache), or read with pread into the placer's staging buffer.
+        Only on a source nothing was read from yet."""
         if self._num_hashed:
             raise ValueError("place() reads the whole payload: call it before any slab()")
         check = self._digest is not None
