@@ -154,8 +154,9 @@ class ChunkPlacer:
 
     def place(self, runs: np.ndarray, slab_bytes: int, *, src: np.ndarray | None = None, fd: int = -1,
               file_offset: int = 0, check: bool) -> tuple[bool, int | None]:
-        """Copy `runs` [R, 5] (see `_place`) of every layer's slab (from src, the payload [L * slab_bytes] in memory, or read from the
-        file fd) into the layers: (whether every slab was there, the payload's xxh3-64 when `check`).
+        """Copy `runs` [R, 5] (see `_place`) of every layer's slab (from src, the payload [L * slab_bytes] in
+        memory, or read from the file fd) into the layers: (whether every slab was there, the payload's xxh3-64 when
+        `check`).
         `cpu_ns`: the CPU time the call took; `hash_ns`: the CPU time of its hashing."""
         if runs.ndim != 2 or runs.shape[1] != 5:
             raise ValueError(f"runs must be [R, 5], got {runs.shape}")

@@ -17,7 +17,8 @@ Contract:
     config_file          YAML file with kvfabric config
     load_failure_policy  "recompute" (default: a bad chunk costs a recompute, never a failed request) or "fail";
                          written into vLLM's ``kv_load_failure_policy``
-    stats_path           the worker writes its counters there as JSON (after steps in which loads ended, and at shutdown)
+    stats_path           the worker writes its counters there as JSON (after steps in which loads ended, and at
+                         shutdown)
     save_queue_bytes     bound on gathered KV waiting for the background saver (default 1 GiB; beyond it, saves are
                          dropped and counted, never waited for)
     key_mode             "tokens" (default): kvfabric's chained token-id keys, shared with kvfabric's other engines;

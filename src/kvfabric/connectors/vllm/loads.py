@@ -384,7 +384,8 @@ def _make_placer(layers: Sequence[CpuPagedLayer], slab_bytes: int) -> ChunkPlace
     Python then."""
     try:
         from kvfabric.cache.placer import ChunkPlacer
-        return ChunkPlacer([layer.block_array for layer in layers], layers[0].blocks, np.zeros(slab_bytes, dtype=np.uint8))
+        return ChunkPlacer([layer.block_array for layer in layers], layers[0].blocks,
+                           np.zeros(slab_bytes, dtype=np.uint8))
     except (ImportError, OSError, AttributeError) as exc:  # no numba, or an xxhash build without the symbols
         logger.info("kvfabric: block loads copy from Python (%s)", exc)
         return None
