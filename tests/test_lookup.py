@@ -21,7 +21,14 @@ import torch
 from kvfabric import CacheEngine, Config, KVLayout
 from kvfabric.cache.protocol import KeyLookup
 from kvfabric.config import DiskTierConfig
-from kvfabric.connectors.lookup import EveryRank, LookupClient, LookupService, lookup_path, start_lookup_service
+from kvfabric.connectors.lookup import (
+    MAX_SOCKET_PATH,
+    EveryRank,
+    LookupClient,
+    LookupService,
+    lookup_path,
+    start_lookup_service,
+)
 from kvfabric.kv.hashing import KeySpace
 from kvfabric.tiers.cpu import CpuTier
 from kvfabric.tiers.disk import DiskTier
@@ -224,7 +231,8 @@ def test_a_long_temp_folder_still_gives_a_socket_path_that_binds(folder, monkeyp
     """A temp folder nested deep (a test run's, then a server's own): the engine id is hashed short, so the worker
     can still listen (a path past AF_UNIX's limit would leave every lookup a miss)."""
     # as deep as the short name still fits in, wherever the run's own temp folder is (xdist nests it)
-    deep = folder / ("d" * max(1, 106 - len("/kvfabric-lookup-0123456789abcdef-0.sock") - len(os.fsencode(folder))))
+    short = len("/kvfabric-lookup-0123456789abcdef-0.sock")
+    deep = folder / ("d" * max(1, MAX_SOCKET_PATH - 1 - short - len(os.fsencode(folder))))
     deep.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     engine_id = "0c5b4a1e-5d2f-4c07-9a1b-3f2e8d7c6b5a"  # vLLM's engine ids are UUIDs

@@ -283,7 +283,7 @@ class DeviceWorkerSide(WorkerSide):
         if self.is_sync_store and self.meta.saves:
             self.saver.join()
             self.engine.flush(to_peers=True)
-        if self.stats_path and any(not spec.is_async for spec in self.meta.loads):
+        if self.stats_path and self.meta.sync_loads:
             # a step's sync loads ended in it; async ones are written when they end (finished_loads): written
             # as they start, the file's write sat between the load's start and the worker's help with it
             self.write_stats()

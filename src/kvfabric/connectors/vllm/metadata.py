@@ -97,6 +97,11 @@ class KVFabricMetadata(KVConnectorMetadata):
     # earlier save still copies out of may be among them: a preempted request's, a window block that slid out)
     new_block_ids: frozenset[int] = frozenset()
 
+    @property
+    def sync_loads(self) -> list[LoadSpec]:
+        """The step's layer-wise loads (the rest are async: they span steps)."""
+        return [spec for spec in self.loads if not spec.is_async]
+
 
 @dataclass
 class KVFabricWorkerMetadata(KVConnectorWorkerMetadata):

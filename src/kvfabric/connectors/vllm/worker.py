@@ -196,8 +196,7 @@ class WorkerSide:
         if self.sync_started or self.meta is None:
             return
         self.sync_started = True
-        specs = [spec for spec in self.meta.loads if not spec.is_async]
-        if specs:
+        if specs := self.meta.sync_loads:
             self.loader.start_layered(specs)
 
     def layer_load(self, name: str) -> None:
@@ -260,7 +259,7 @@ class WorkerSide:
     def _finish_sync_loads(self) -> None:
         """The step's layer-wise loads' outcomes (a failed chunk: its blocks reported, its request's saves of
         this step dropped)."""
-        if self.meta is not None and any(not spec.is_async for spec in self.meta.loads):
+        if self.meta is not None and self.meta.sync_loads:
             self.start_loads()  # never started (no attention layer ran): finish them all the same
             for outcome in self.loader.finish_layered():
                 self._apply(outcome)
@@ -281,7 +280,7 @@ class WorkerSide:
             self.saver.join()  # the answer tells the proxy that the decode instance can load this KV ...
             self.engine.flush(to_peers=True)  # ... from every tier, the write-behind ones included, and a peer
             # finds it through the controller (P2P)
-        if self.stats_path and self.meta is not None and any(not spec.is_async for spec in self.meta.loads):
+        if self.stats_path and self.meta is not None and self.meta.sync_loads:
             # a step's sync loads ended in it; async ones are written when they end (finished_loads): written
             # as they start, the file's write sat between the load's start and the worker's help with it
             self.write_stats()
