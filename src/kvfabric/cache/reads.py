@@ -29,7 +29,7 @@ from kvfabric.cache.sources import BlockSource, ChunkMiss, Hooks, Payload, Token
 from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError
 from kvfabric.codec.raw import RawCodec, payload_shape
 from kvfabric.host.pages import Scratch
-from kvfabric.kv.blocks import WORD_DTYPES, BlockLayout, as_words
+from kvfabric.kv.blocks import WORD_DTYPES, BlockLayout
 from kvfabric.kv.shapes import ChunkPart
 from kvfabric.tiers.stack import StackHit
 
@@ -116,7 +116,7 @@ class ChunkReads:
         c, header, layout = self.core, found.header, self.core.layout
         try:
             if found.ranged is None:
-                words = as_words(c.decoders.block_view(header, found.blob, layout, num_tokens))
+                words = c.decoders.block_words(header, found.blob, layout, num_tokens)
                 payload, size = Payload(words), len(found.blob)
             else:
                 c.decoders.check_blocks(header, layout, num_tokens)

@@ -18,6 +18,7 @@ Contract:
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,13 +138,13 @@ class BlockSource(ChunkSource):
         self.blocks = blocks
         self.num_layers = slab_shape[0]
         self.slab_shape = slab_shape[1:]
-        self.slab_bytes = int(np.prod(self.slab_shape)) * dtype.itemsize
+        self.slab_bytes = math.prod(self.slab_shape) * dtype.itemsize
         self.layers: tuple[int, ...] | None = None  # a block-layout chunk holds every layer
         self._dtype = dtype
         self._payload = payload
         self._scratch = scratch
         self._expected = expected_sum  # None: verified already
-        self._digest = xxhash.xxh3_64() if expected_sum is not None else None
+        self._digest: xxhash.xxh3_64 | None = None  # made by the first slab hashed here (`place` hashes natively)
         self._num_hashed = 0  # layers [0, n) fed to the digest
         self._placed_sum: int | None = None
         self.check_ns = 0  # CPU time this source spent hashing its payload (ns)
@@ -158,15 +159,16 @@ class BlockSource(ChunkSource):
     def slab(self, index: int) -> np.ndarray:
         """Layer `index` as words [num_blocks, *block_shape]: a view of the payload, or read now into the read's
         buffer (valid until the next slab). Raises ChunkFailed where the stored blob is shorter than its header."""
-        while self._digest is not None and self._num_hashed < index:  # what the caller skipped, in payload order
+        while self._expected is not None and self._num_hashed < index:  # what the caller skipped, in payload order
             self._hash(self._read(self._num_hashed))
         slab = self._read(index)
-        if self._digest is not None and self._num_hashed == index:
+        if self._expected is not None and self._num_hashed == index:
             self._hash(slab)
         return slab
 
     def _hash(self, slab: np.ndarray) -> None:
-        assert self._digest is not None
+        if self._digest is None:
+            self._digest = xxhash.xxh3_64()
         started = time.thread_time_ns()  # CPU time: the GIL and other threads' slices not counted
         self._digest.update(slab.data)
         self.check_ns += time.thread_time_ns() - started
@@ -190,7 +192,7 @@ class BlockSource(ChunkSource):
         Only on a source nothing was read from yet."""
         if self._num_hashed:
             raise ValueError("place() reads the whole payload: call it before any slab()")
-        check = self._digest is not None
+        check = self._expected is not None
         ranged = self._payload.ranged
         if self._payload.words is not None:
             words = self._payload.words
@@ -213,13 +215,13 @@ class BlockSource(ChunkSource):
         self._placed_sum = digest
 
     def _settle(self) -> None:
-        if self._digest is None:
+        if self._expected is None:
             return
         if self._placed_sum is not None:
             digest = self._placed_sum
         else:
             while self._num_hashed < self.num_layers:
                 self._hash(self._read(self._num_hashed))
-            digest = self._digest.intdigest()
+            digest = (self._digest or xxhash.xxh3_64()).intdigest()
         if digest != self._expected:
             raise self._fail("corrupt", "payload checksum mismatch (found while copying)")

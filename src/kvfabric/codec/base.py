@@ -11,13 +11,16 @@ Codecs are made from the registry (codec.registry): by name and level, or by a h
 """
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from kvfabric.codec.format import ChunkFormatError, ChunkHeader
-from kvfabric.codec.raw import RawCodec, payload_bytes
+from kvfabric.codec.format import HEADER_BYTES, ChunkFormatError, ChunkHeader
+from kvfabric.codec.raw import RawCodec, payload_bytes, payload_shape
 from kvfabric.codec.registry import CodecChoice, codec_for_id, entry, handles_latent
+from kvfabric.kv.blocks import WORD_DTYPES
 from kvfabric.kv.layout import KVLayout
 
 
@@ -82,14 +85,19 @@ class Decoders:
         return kv
 
 
-    def block_view(self, header: ChunkHeader, blob: bytes | bytearray | memoryview, layout: KVLayout,
-                   num_tokens: int) -> torch.Tensor:
-        """A raw payload in a block layout as it is, [L, num_blocks, H, 2, B*D] (a zero-copy view)."""
+    def block_words(self, header: ChunkHeader, blob: bytes | bytearray | memoryview, layout: KVLayout,
+                    num_tokens: int) -> np.ndarray:
+        """A raw payload in a block layout as it is: integer words of the layout's itemsize [L, num_blocks, H, 2,
+        B*D] (a zero-copy numpy view; read only where the blob is). numpy, not a torch view: this runs on every
+        chunk a loader opens, and the first open after the caches went cold spent most of its time in torch's
+        view calls (docs/design/measurements.md)."""
         self.check_blocks(header, layout, num_tokens)
-        return self[header.codec_id].view(header, blob, layout)  # type: ignore[attr-defined]
+        shape = payload_shape(layout, header.num_tokens, header.blocks)
+        return np.frombuffer(blob, dtype=WORD_DTYPES[layout.itemsize], count=math.prod(shape),
+                             offset=HEADER_BYTES).reshape(shape)
 
     def check_blocks(self, header: ChunkHeader, layout: KVLayout, num_tokens: int) -> None:
-        """`block_view`'s checks alone (for a payload read piece by piece)."""
+        """`block_words`' checks alone (for a payload read piece by piece)."""
         if header.blocks is None:
             raise ChunkFormatError("not a raw payload in a block layout")
         self.check_raw(header, layout, num_tokens)

@@ -11,7 +11,8 @@ stack fills the checksums in before the blob leaves the process, see codec.forma
 `view` is the zero-copy read: the checked payload of a blob as a tensor, valid while the blob is.
 Block layouts (kvfabric.kv.blocks): a payload may instead hold a paged engine's blocks as they are (`blocks` in
 `new_payload` / `seal`, named in the header); `decode` converts it to [L, 2, H, T, D] (kvfabric.kv.blocks.to_tokens,
-the one conversion), and `view` of such a payload is `block_view` (the engine of that layout copies whole blocks).
+the one conversion), and a reader of that layout takes such a payload's blocks as they are (`Decoders.block_words`,
+as integer words: the engine of that layout copies whole blocks).
 """
 from __future__ import annotations
 
