@@ -38,17 +38,6 @@ def setup(tmp_path):
     engine.close()
 
 
-def _stored_on_disk(tmp_path, layout, num_tokens, seed):
-    """(config, tokens, kv): a disk-tier cache in tmp_path holding tokens 1..num_tokens with random KV."""
-    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
-    tokens = list(range(1, num_tokens + 1))
-    kv = torch.randn(layout.shape(num_tokens), generator=torch.Generator().manual_seed(seed))
-    with CacheEngine(config, layout, "m") as engine:
-        engine.store(tokens, kv)
-        engine.flush()
-    return config, tokens, kv
-
-
 def _paged_kv(layers, block_ids, start, end):
     out = torch.empty(LAYOUT.shape(end - start))
     for index, layer in enumerate(layers):
@@ -147,43 +136,6 @@ def test_layered_load_waits_per_layer_and_reports_a_missing_chunk(setup):
     assert loader.finish_layered() == []
 
 
-def test_on_the_workers_one_core_the_load_threads_start_no_chunk_while_it_helps(tmp_path, monkeypatch):
-    """Where the engine has one CPU, a load thread claims no chunk while the worker helps: the worker's first chunk
-    is held until a load thread starts one (at most 0.5 s); none may start before help() returns."""
-    import kvfabric.connectors.vllm.loads as loads
-
-    monkeypatch.setattr(loads, "engine_cpus", lambda: {0})
-    config, tokens, kv = _stored_on_disk(tmp_path, LAYOUT, 8 * CHUNK, seed=1)
-    with CacheEngine(config, LAYOUT, "m") as engine:
-        layers = [CpuPagedLayer(torch.zeros(20, 2, BLOCK, 16), BLOCK) for _ in range(LAYOUT.num_layers)]
-        loader = Loader(engine, Counters(), BLOCK, num_threads=2)
-        try:
-            loader.bind(layers)
-            events, thread_started = [], threading.Event()
-            run_chunk = loader._run_chunk
-
-            def recorded(job, i, staging):
-                is_worker = threading.current_thread() is threading.main_thread()
-                events.append("W" if is_worker else "L")
-                if not is_worker:
-                    thread_started.set()
-                elif events.count("W") == 1:
-                    thread_started.wait(0.5)
-                run_chunk(job, i, staging)
-
-            monkeypatch.setattr(loader, "_run_chunk", recorded)
-            block_ids = list(range(16))
-            loader.start_async(LoadSpec("r", engine.keys(tokens), 0, 8 * CHUNK, block_ids, is_async=True))
-            num_helped = loader.help(5.0)
-            during = events[events.index("W"):]
-            (outcome,) = _wait_async(loader)
-        finally:
-            loader.stop()
-    assert "L" not in during and num_helped == len(during) >= 6
-    assert outcome.end == 8 * CHUNK and not outcome.bad_blocks
-    assert torch.equal(_paged_kv(layers, block_ids, 0, 8 * CHUNK), kv)
-
-
 def test_load_threads_run_niced_so_a_running_forward_keeps_most_of_the_cores(setup):
     import os
 
@@ -268,8 +220,12 @@ def test_hybrid_manager_load_uses_each_groups_table_and_window_layers_only_from_
     wholly before window_from are read without their window part (fewer bytes)."""
     layout = KVLayout.from_layer_types(["sliding_attention", "sliding_attention", "full_attention"], 2, 8, 40,
                                        "float32")
-    config, tokens, kv = _stored_on_disk(tmp_path, layout, 4 * CHUNK, seed=2)
+    config = Config.from_dict({"chunk_size": CHUNK, "tiers": ["disk"], "disk": {"path": str(tmp_path)}})
+    tokens = list(range(1, 4 * CHUNK + 1))
+    kv = torch.randn(layout.shape(len(tokens)), generator=torch.Generator().manual_seed(2))
     with CacheEngine(config, layout, "m") as engine:
+        engine.store(tokens, kv)
+        engine.flush()
         layers = [CpuPagedLayer(torch.zeros(24, 2, BLOCK, 16), BLOCK) for _ in range(layout.num_layers)]
         loader = Loader(engine, Counters(), BLOCK, num_threads=2)
         loader.bind(layers, [0, 1, 2], {0, 1})

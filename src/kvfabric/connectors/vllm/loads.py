@@ -15,14 +15,11 @@ Contract:
 - `help(budget_s)`: the calling thread (the worker's, which bound the layers and has its own placer and staging
   buffer) loads chunks of the started async loads itself, at vLLM's priority: the worker calls it on a step with
   nothing scheduled, where it would otherwise only wait, and niced threads would share the core with vLLM's
-  busy-polling message-queue readers. Each load's chunks are claimed one at a time by whichever thread is free,
-  except where the threads have no core but the worker's (`engine_cpus()` is one CPU, e.g. an instance under
-  `taskset -c 1`): there they claim none while the worker helps. Why: a niced thread woken by a load still takes
-  the core for a while, and its chunk then only interleaves with the worker's, evicting its pieces from the cache;
-  a chunk it is preempted in is finished after all the others (docs/design/measurements.md).
+  busy-polling message-queue readers. Each load's chunks are claimed one at a time by whichever thread is free.
   (Holding the niced threads back while a forward runs was tried: an 8k load slowed a decoding request less,
-  but under `bench serve` chat a load then waited out whole prefills and mean TTFT rose; see
-  docs/design/measurements.md.)
+  but under `bench serve` chat a load then waited out whole prefills and mean TTFT rose. Holding them back while
+  the worker helps, where they share its one core, was tried too: no faster from shm, and slower from a peer,
+  whose fetches the threads overlap. See docs/design/measurements.md.)
 - `start_async(spec)` (vLLM's WAITING_FOR_REMOTE_KVS path): the load's chunks are spread over the threads; a
   thread opens a chunk (``KVCache.open_chunk``: the cache's fastest read of its tier into the thread's staging
   buffer, in place in the shm pool, layer by layer from a disk file) and copies it into every layer, so reading
@@ -68,7 +65,7 @@ from kvfabric.connectors.paged import CpuPagedLayer, segments
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE
 from kvfabric.connectors.vllm.load_jobs import LayeredStep, LoadOutcome, LoadState
 from kvfabric.connectors.vllm.metadata import LoadSpec
-from kvfabric.connectors.vllm.threads import engine_cpus, release
+from kvfabric.connectors.vllm.threads import release
 from kvfabric.host.pages import Scratch
 from kvfabric.kv.blocks import BlockLayout
 from kvfabric.observe.counters import Counters
@@ -105,8 +102,6 @@ class Loader:
         self._finished: list[LoadOutcome] = []
         self._cond = threading.Condition()
         self._num_async = 0  # async loads started and not yet taken
-        self._is_helping = False  # the worker is in `help`
-        self._is_one_core = len(engine_cpus()) <= 1  # the threads share the worker's core (see the module doc)
         self._pool: list[Scratch] = []  # the layered loads' buffers, reused step after step
         self._layered: LayeredStep | None = None
         blob_bytes = engine.chunk_blob_bytes()
@@ -176,13 +171,6 @@ class Loader:
                 self._active.remove(job)
             return job.num_claimed - 1
 
-    def _claim_beside(self, job: LoadState) -> int | None:
-        """`_claim` for a load thread: on the worker's one core, only once the worker is out of `help`."""
-        with self._cond:
-            if self._is_one_core:
-                self._cond.wait_for(lambda: not self._is_helping)
-            return self._claim(job)
-
     def help(self, budget_s: float) -> int:
         """Load chunks of the started async loads on the calling thread (see the module doc) until none is left
         unclaimed or `budget_s` has passed; the number of chunks it loaded."""
@@ -191,22 +179,15 @@ class Loader:
             return 0
         deadline = time.perf_counter() + budget_s
         num_done = 0
-        with self._cond:
-            self._is_helping = True
-        try:
-            while time.perf_counter() < deadline:
-                with self._cond:  # re-entrant: _claim takes it too; an active job always has a chunk to claim
-                    if not self._active:
-                        break
-                    job = self._active[0]
-                    i = self._claim(job)
-                assert i is not None
-                self._try_chunk(job, i, staging)
-                num_done += 1
-        finally:
-            with self._cond:
-                self._is_helping = False
-                self._cond.notify_all()
+        while time.perf_counter() < deadline:
+            with self._cond:  # re-entrant: _claim takes it too; an active job always has a chunk to claim
+                if not self._active:
+                    break
+                job = self._active[0]
+                i = self._claim(job)
+            assert i is not None
+            self._try_chunk(job, i, staging)
+            num_done += 1
         if num_done:
             self.counters.add("load_helped_chunks", num_done)
         return num_done
@@ -260,7 +241,7 @@ class Loader:
             self._cond.notify_all()
         while (task := self._tasks.get()) is not None:
             if isinstance(task, LoadState):
-                if (i := self._claim_beside(task)) is not None:
+                if (i := self._claim(task)) is not None:
                     self._try_chunk(task, i, staging)
                 continue
             try:
