@@ -87,6 +87,53 @@ def test_idle_worker_thread_loads_the_chunks_itself(setup):
     assert loader.help(5.0) == 0  # nothing left to claim
 
 
+def test_beside_a_forward_one_thread_loads_and_the_others_resume_after_it(setup, monkeypatch):
+    """set_forward(True): the first load thread to claim a chunk loads the load's chunks, the other one's wake-up
+    claims none; a step without a forward wakes the other, which loads what is left while the first still holds
+    its chunk."""
+    engine, loader, layers, tokens, kv, _ = setup
+    placed: list[tuple[str, int]] = []
+    first_holds, release_first, other_done = (threading.Event() for _ in range(3))
+    returned, returns = [], threading.Condition()  # the threads whose drain returned
+    place, drain = loader._place, loader._drain
+
+    def recorded_place(job, i, source):
+        name = threading.current_thread().name
+        placed.append((name, i))
+        if name == placed[0][0]:
+            first_holds.set()
+            assert release_first.wait(10)
+        place(job, i, source)
+        if sum(who != placed[0][0] for who, _ in placed) == 3:
+            other_done.set()
+
+    def recorded_drain(staging, deadline=None):
+        num_done = drain(staging, deadline)
+        with returns:
+            returned.append(threading.current_thread().name)
+            returns.notify_all()
+        return num_done
+
+    monkeypatch.setattr(loader, "_place", recorded_place)
+    monkeypatch.setattr(loader, "_drain", recorded_drain)
+    loader.set_forward(True)
+    block_ids = [7, 3, 12, 0, 5, 9, 1, 18]
+    loader.start_async(LoadSpec("r", engine.keys(tokens), 0, 4 * CHUNK, block_ids, is_async=True))
+    assert first_holds.wait(10)
+    first = placed[0][0]
+    other = "kvfabric-load-1" if first == "kvfabric-load-0" else "kvfabric-load-0"
+    with returns:
+        assert returns.wait_for(lambda: other in returned, 10)
+    assert placed == [(first, 0)]  # the other thread's wake-up claimed nothing
+    loader.set_forward(False)
+    assert other_done.wait(10)
+    assert placed == [(first, 0), (other, 1), (other, 2), (other, 3)]
+    release_first.set()
+    (outcome,) = _wait_async(loader)
+    assert outcome.end == 4 * CHUNK and not outcome.bad_blocks
+    assert torch.equal(_paged_kv(layers, block_ids, 0, 4 * CHUNK), kv)
+
+
 def test_a_bug_in_a_helped_chunk_fails_that_load_not_the_worker(setup, monkeypatch):
     """help() runs on vLLM's worker thread: an exception in a chunk fails the chunk (recomputed), never escapes."""
     engine, loader, layers, tokens, kv, _ = setup

@@ -192,6 +192,9 @@ class DeviceLoads:
                 job.finish()  # the staging buffers back to the pool
         return [load.outcome(self.block_size) for load in done]
 
+    def set_forward(self, is_running: bool) -> None:
+        """One load thread, whatever runs: nothing to hold back."""
+
     def help(self, budget_s: float) -> int:
         """Nothing for the worker's thread to do on an idle step: the copies run on the device."""
         return 0

@@ -20,6 +20,12 @@ Contract:
   but under `bench serve` chat a load then waited out whole prefills and mean TTFT rose. Holding them back while
   the worker helps, where they share its one core, was tried too: no faster from shm, and slower from a peer,
   whose fetches the threads overlap. See docs/design/measurements.md.)
+- `set_forward(is_running)` (the worker, at each step's start): while a forward runs, one load thread claims chunks
+  (the first to ask; it goes on until none is left) and the others finish the chunk they hold and wait for a step
+  without one. Why: beside a forward (both cores
+  busy), a second niced thread did not make a load end sooner (`bench vllm`'s 8k load window 0.145 s with two
+  threads, 0.141 s with one) and slowed the decoding request more (its ITL 1.49x of alone, against 1.26x);
+  docs/design/measurements.md. On steps without a forward every thread claims chunks, beside the worker's `help`.
 - `start_async(spec)` (vLLM's WAITING_FOR_REMOTE_KVS path): the load's chunks are spread over the threads; a
   thread opens a chunk (``KVCache.open_chunk``: the cache's fastest read of its tier into the thread's staging
   buffer, in place in the shm pool, layer by layer from a disk file) and copies it into every layer, so reading
@@ -83,6 +89,9 @@ class _Warmup:
     slab_bytes: int
 
 
+_RESUME = "resume"  # a task: a step without a forward began, load the chunks still unclaimed
+
+
 class Loader:
     def __init__(self, engine: KVCache, counters: Counters, block_size: int, num_threads: int = 2,
                  nice: int = DEFAULT_LOAD_NICE) -> None:
@@ -95,7 +104,7 @@ class Loader:
         self.layers: list[CpuPagedLayer] = []
         self.groups: list[int] = []
         self.window_layers: frozenset[int] = frozenset()
-        self._tasks: queue.Queue[LoadState | LayeredStep | _Warmup | None] = queue.Queue()  # a LoadState: claim its next chunk
+        self._tasks: queue.Queue[LoadState | LayeredStep | _Warmup | str | None] = queue.Queue()  # a LoadState: load chunks
         self._active: list[LoadState] = []  # async loads with chunks not yet claimed
         self._local = threading.local()  # per thread: its ChunkPlacer (None: copies from Python)
         self._num_threads = num_threads
@@ -104,6 +113,8 @@ class Loader:
         self._num_async = 0  # async loads started and not yet taken
         self._pool: list[Scratch] = []  # the layered loads' buffers, reused step after step
         self._layered: LayeredStep | None = None
+        self._is_forward = False  # a forward runs in this step: only one load thread claims chunks, ...
+        self._leader: int | None = None  # ... this one (its ident), until it finds none left
         blob_bytes = engine.chunk_blob_bytes()
         self._threads = [threading.Thread(target=self._run, args=(blob_bytes,), name=f"kvfabric-load-{i}",
                                           daemon=True) for i in range(num_threads)]
@@ -158,8 +169,38 @@ class Loader:
         if not spec.keys:
             self._finish(job)
             return
-        for _ in range(len(spec.keys)):
+        for _ in range(min(len(spec.keys), self._num_threads)):  # a wake-up each: a thread loads until none is left
             self._tasks.put(job)
+
+    def set_forward(self, is_running: bool) -> None:
+        """Whether this step runs a forward (see the module doc); a step without one wakes the threads that waited."""
+        with self._cond:
+            was_running, self._is_forward = self._is_forward, is_running
+            num_waiting = self._num_threads - 1 if was_running and not is_running and self._active else 0
+        for _ in range(num_waiting):
+            self._tasks.put(_RESUME)
+
+    def _drain(self, staging: Scratch, deadline: float | None = None) -> int:
+        """Load chunks of the started async loads, oldest load first, one claim at a time, until none is left
+        unclaimed, or `deadline` (perf_counter) has passed, or (a load thread) a forward runs and another load
+        thread leads; the number of chunks loaded."""
+        me = threading.get_ident() if deadline is None else None  # the worker's `help` (a deadline) never waits
+        num_done = 0
+        while deadline is None or time.perf_counter() < deadline:
+            with self._cond:  # re-entrant: _claim takes it too; an active job always has a chunk to claim
+                is_led = me is not None and self._is_forward and self._leader not in (None, me)
+                if not self._active or is_led:
+                    if me is not None and self._leader == me:  # given up with the decision, under one lock
+                        self._leader = None
+                    break
+                if me is not None and self._is_forward:
+                    self._leader = me
+                job = self._active[0]
+                i = self._claim(job)
+            assert i is not None
+            self._try_chunk(job, i, staging)
+            num_done += 1
+        return num_done
 
     def _claim(self, job: LoadState) -> int | None:
         """The index of job's next chunk, now this thread's to load, or None when every chunk is taken."""
@@ -177,17 +218,7 @@ class Loader:
         staging = getattr(self._local, "staging", None)
         if staging is None:  # not the thread that bound the layers
             return 0
-        deadline = time.perf_counter() + budget_s
-        num_done = 0
-        while time.perf_counter() < deadline:
-            with self._cond:  # re-entrant: _claim takes it too; an active job always has a chunk to claim
-                if not self._active:
-                    break
-                job = self._active[0]
-                i = self._claim(job)
-            assert i is not None
-            self._try_chunk(job, i, staging)
-            num_done += 1
+        num_done = self._drain(staging, time.perf_counter() + budget_s)
         if num_done:
             self.counters.add("load_helped_chunks", num_done)
         return num_done
@@ -240,9 +271,8 @@ class Loader:
             self._tids.append(tid)
             self._cond.notify_all()
         while (task := self._tasks.get()) is not None:
-            if isinstance(task, LoadState):
-                if (i := self._claim(task)) is not None:
-                    self._try_chunk(task, i, staging)
+            if isinstance(task, (LoadState, str)):  # a load's wake-up, or _RESUME
+                self._drain(staging)
                 continue
             try:
                 if isinstance(task, _Warmup):

@@ -187,6 +187,7 @@ class WorkerSide:
         self.step.close()
         if not self.meta.is_idle:
             self.step.enter_context(self.engine.paused())
+        self.loader.set_forward(not self.meta.is_idle)
         for spec in self.meta.loads:
             if spec.is_async:
                 self.loader.start_async(spec)
