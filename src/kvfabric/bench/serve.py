@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -254,7 +255,8 @@ def run(systems: Sequence[str] = SYSTEMS, workload_names: Sequence[str] = ("docq
                   "load": "{:.1f}-{:.1f}".format(*r["loadavg_1m"])} for r in rows]
         if table:
             emit(table, False, f"bench serve (KV budget {kv_tokens} tokens; seconds)", list(table[0]))
-        print(f"work dir: {work}", file=sys.stderr)
+    if workdir is None and not notes:  # the servers' logs are kept only where a note names them (or --workdir)
+        shutil.rmtree(work, ignore_errors=True)
     if plot and rows:
         plot_rows(rows, plot)
     return rows

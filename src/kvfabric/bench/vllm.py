@@ -212,8 +212,8 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
         if lmcache_note:
             log(f"[bench vllm] {lmcache_note}")
         rows = [{"tp": tp, "pp": pp, **_row(results, size, repeats, lmcache_note)} for size in sizes]
-    finally:  # the chunks (GBs a run) go, also when an engine fails or the run is stopped; the logs and each
-        if workdir is None:  # engine's results stay for a look
+    finally:  # the chunks (GBs a run) go, also when an engine fails or the run is stopped; the logs stay then (the
+        if workdir is None:  # error names them), and go too once the run has its rows (keep them: --workdir)
             shutil.rmtree(cache, ignore_errors=True)
     itl = results["kvfabric-hit"].get("itl", {})
     if itl:  # measured with a prompt of the largest size loading
@@ -226,7 +226,8 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
         if itl:
             print(f"async load while another request decodes: ITL during the load / alone = "
                   f"{itl['ratio']:.2f} ({itl['num_during']} tokens during the load)", file=sys.stderr)
-        print(f"work dir: {work}", file=sys.stderr)
+    if workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
     return rows
 
 
