@@ -32,7 +32,7 @@ Contract:
     load_mode            "async" (default): a request with a hit waits in vLLM's WAITING_FOR_REMOTE_KVS state while
                          background threads load its KV and the other requests keep running; "layerwise": loads
                          run within the step that computes the request, scattered one layer ahead of the forward
-    load_threads         background load threads (default 2)
+    load_threads         background load threads (default 2; while a forward runs, one of them claims chunks)
     load_nice            their niceness, 0-19 (default 15): the share of the cores an asynchronous load takes from
                          forwards that run meanwhile (0: an equal share, the load ends soonest, the other requests'
                          decode slows most; 19: almost none)

@@ -22,10 +22,9 @@ Contract:
   whose fetches the threads overlap. See docs/design/measurements.md.)
 - `set_forward(is_running)` (the worker, at each step's start): while a forward runs, one load thread claims chunks
   (the first to ask; it goes on until none is left) and the others finish the chunk they hold and wait for a step
-  without one. Why: beside a forward (both cores
-  busy), a second niced thread did not make a load end sooner (`bench vllm`'s 8k load window 0.145 s with two
-  threads, 0.141 s with one) and slowed the decoding request more (its ITL 1.49x of alone, against 1.26x);
-  docs/design/measurements.md. On steps without a forward every thread claims chunks, beside the worker's `help`.
+  without one. Why: beside a forward (both cores busy), a second niced thread did not make a load end sooner and
+  slowed the decoding request more (docs/design/measurements.md). On steps without a forward every thread claims
+  chunks, beside the worker's `help`.
 - `start_async(spec)` (vLLM's WAITING_FOR_REMOTE_KVS path): the load's chunks are spread over the threads; a
   thread opens a chunk (``KVCache.open_chunk``: the cache's fastest read of its tier into the thread's staging
   buffer, in place in the shm pool, layer by layer from a disk file) and copies it into every layer, so reading
