@@ -188,6 +188,7 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
             log(f"[bench vllm] engine {mode}: start-up {results[mode]['startup_s']} s, "
                 f"{json.dumps(results[mode]['ttft'])}")
         lmcache_python = find_lmcache_python() if lmcache else None
+        is_kept = workdir is not None  # the folder stays: asked for, or a failed engine's log is named in a note
         lmcache_note = "" if lmcache_python else (
             "LMCache column skipped: no .venv-lmcache with lmcache and vllm (scripts/setup_lmcache_venv.sh)" if lmcache
             else "LMCache: --compare none")
@@ -206,6 +207,7 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
                                                work, timeout)
                     except (RuntimeError, subprocess.TimeoutExpired) as exc:
                         lmcache_note = f"LMCache failed: {str(exc)[:300]}"
+                        is_kept = True
                         break
             finally:
                 server.stop()
@@ -226,7 +228,7 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, as_json: bool = False, python: str
         if itl:
             print(f"async load while another request decodes: ITL during the load / alone = "
                   f"{itl['ratio']:.2f} ({itl['num_during']} tokens during the load)", file=sys.stderr)
-    if workdir is None:
+    if not is_kept:
         shutil.rmtree(work, ignore_errors=True)
     return rows
 
