@@ -4,6 +4,7 @@ chunks. Needs vllm importable (the .venv-vllm venv); skips otherwise."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -45,9 +46,10 @@ def _paged_kv(layers, block_ids, start, end):
     return out
 
 
-def _wait_async(loader):
-    outcomes = []
+def _wait_async(loader, timeout=30.0):
+    outcomes, deadline = [], time.monotonic() + timeout
     while loader.num_async:
+        assert time.monotonic() < deadline, "a load did not finish"
         loader.wait_finished(1.0)
         outcomes += loader.take_finished()
     return outcomes
@@ -87,25 +89,17 @@ def test_idle_worker_thread_loads_the_chunks_itself(setup):
     assert loader.help(5.0) == 0  # nothing left to claim
 
 
-def test_beside_a_forward_one_thread_loads_and_the_others_resume_after_it(setup, monkeypatch):
-    """set_forward(True): the first load thread to claim a chunk loads the load's chunks, the other one's wake-up
-    claims none; a step without a forward wakes the other, which loads what is left while the first still holds
-    its chunk."""
-    engine, loader, layers, tokens, kv, _ = setup
-    placed: list[tuple[str, int]] = []
-    first_holds, release_first, other_done = (threading.Event() for _ in range(3))
-    returned, returns = [], threading.Condition()  # the threads whose drain returned
+def _record(loader, monkeypatch, before_place=lambda name, i: None):
+    """(placed: (thread name, chunk) per chunk, returned: a Condition and the names of the threads whose drain
+    returned): the load threads' work, recorded; `before_place(name, i)` runs as a chunk is recorded."""
+    placed, returned, returns = [], [], threading.Condition()
     place, drain = loader._place, loader._drain
 
     def recorded_place(job, i, source):
         name = threading.current_thread().name
         placed.append((name, i))
-        if name == placed[0][0]:
-            first_holds.set()
-            assert release_first.wait(10)
+        before_place(name, i)
         place(job, i, source)
-        if sum(who != placed[0][0] for who, _ in placed) == 3:
-            other_done.set()
 
     def recorded_drain(staging, deadline=None):
         num_done = drain(staging, deadline)
@@ -116,6 +110,24 @@ def test_beside_a_forward_one_thread_loads_and_the_others_resume_after_it(setup,
 
     monkeypatch.setattr(loader, "_place", recorded_place)
     monkeypatch.setattr(loader, "_drain", recorded_drain)
+    return placed, returns, returned
+
+
+def test_beside_a_forward_one_thread_loads_and_the_others_resume_after_it(setup, monkeypatch):
+    """set_forward(True): the first load thread to claim a chunk loads the load's chunks, the other one's wake-up
+    claims none; a step without a forward wakes the other, which loads what is left while the first still holds
+    its chunk."""
+    engine, loader, layers, tokens, kv, _ = setup
+    first_holds, release_first, other_done = (threading.Event() for _ in range(3))
+
+    def before_place(name, i):
+        if name == placed[0][0]:
+            first_holds.set()
+            assert release_first.wait(10)
+        if sum(who != placed[0][0] for who, _ in placed) == 3:
+            other_done.set()
+
+    placed, returns, returned = _record(loader, monkeypatch, before_place)
     loader.set_forward(True)
     block_ids = [7, 3, 12, 0, 5, 9, 1, 18]
     loader.start_async(LoadSpec("r", engine.keys(tokens), 0, 4 * CHUNK, block_ids, is_async=True))
@@ -125,12 +137,51 @@ def test_beside_a_forward_one_thread_loads_and_the_others_resume_after_it(setup,
     with returns:
         assert returns.wait_for(lambda: other in returned, 10)
     assert placed == [(first, 0)]  # the other thread's wake-up claimed nothing
+    loader.num_reserved = 0  # nothing left to the worker's help: the threads take every chunk, from the back
     loader.set_forward(False)
     assert other_done.wait(10)
-    assert placed == [(first, 0), (other, 1), (other, 2), (other, 3)]
+    assert placed == [(first, 0), (other, 3), (other, 2), (other, 1)]
     release_first.set()
     (outcome,) = _wait_async(loader)
     assert outcome.end == 4 * CHUNK and not outcome.bad_blocks
+    assert torch.equal(_paged_kv(layers, block_ids, 0, 4 * CHUNK), kv)
+
+
+def test_without_a_forward_the_threads_leave_the_first_chunks_to_the_worker(setup, monkeypatch):
+    """set_forward(False): the load threads take chunks from the back while more than num_reserved are unclaimed;
+    the worker's help loads the rest, from the front."""
+    engine, loader, layers, tokens, kv, _ = setup
+    placed, returns, returned = _record(loader, monkeypatch)
+    loader.num_reserved = 2
+    loader.set_forward(False)
+    block_ids = [7, 3, 12, 0, 5, 9, 1, 18]
+    loader.start_async(LoadSpec("r", engine.keys(tokens), 0, 4 * CHUNK, block_ids, is_async=True))
+    with returns:  # both threads woke (one wake-up each) and stopped
+        assert returns.wait_for(lambda: len(returned) == 2, 10)
+    assert sorted(i for _, i in placed) == [2, 3] and all(name.startswith("kvfabric-load-") for name, _ in placed)
+    assert loader.num_async == 1 and not loader.take_finished()
+    assert loader.help(5.0) == 2
+    assert [i for _, i in placed[2:]] == [0, 1] and {name for name, _ in placed[2:]} == {"MainThread"}
+    (outcome,) = _wait_async(loader)
+    assert outcome.end == 4 * CHUNK and not outcome.bad_blocks
+    assert torch.equal(_paged_kv(layers, block_ids, 0, 4 * CHUNK), kv)
+
+
+def test_a_forward_after_a_step_without_one_wakes_a_thread_for_the_reserved_chunks(setup, monkeypatch):
+    """Chunks left to the worker's help, which it did not get to before a forward began, are loaded beside it by
+    one load thread."""
+    engine, loader, layers, tokens, kv, _ = setup
+    placed, returns, returned = _record(loader, monkeypatch)
+    loader.set_forward(False)  # four chunks, all reserved for the worker
+    block_ids = [7, 3, 12, 0, 5, 9, 1, 18]
+    loader.start_async(LoadSpec("r", engine.keys(tokens), 0, 4 * CHUNK, block_ids, is_async=True))
+    with returns:
+        assert returns.wait_for(lambda: len(returned) == 2, 10)
+    assert placed == []
+    loader.set_forward(True)
+    (outcome,) = _wait_async(loader)
+    assert outcome.end == 4 * CHUNK and not outcome.bad_blocks
+    assert [i for _, i in placed] == [0, 1, 2, 3] and len({name for name, _ in placed}) == 1
     assert torch.equal(_paged_kv(layers, block_ids, 0, 4 * CHUNK), kv)
 
 
