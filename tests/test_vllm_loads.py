@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 
 from kvfabric import CacheEngine, Config, KVLayout  # noqa: E402
 from kvfabric.connectors.paged import CpuPagedLayer  # noqa: E402
-from kvfabric.connectors.vllm.loads import Loader  # noqa: E402
+from kvfabric.connectors.vllm.loads import _RESUME, Loader, _Warmup  # noqa: E402
 from kvfabric.connectors.vllm.metadata import LoadSpec  # noqa: E402
 from kvfabric.observe.counters import Counters  # noqa: E402
 
@@ -114,9 +114,9 @@ def _record(loader, monkeypatch, before_place=lambda name, i: None):
 
 
 def test_beside_a_forward_one_thread_loads_and_the_others_resume_after_it(setup, monkeypatch):
-    """set_forward(True): the first load thread to claim a chunk loads the load's chunks, the other one's wake-up
-    claims none; a step without a forward wakes the other, which loads what is left while the first still holds
-    its chunk."""
+    """set_forward(True): one load thread is woken and loads the load's chunks; another one's wake-up claims none
+    while it leads; a step without a forward wakes the other, which loads what is left while the first still
+    holds its chunk."""
     engine, loader, layers, tokens, kv, _ = setup
     first_holds, release_first, other_done = (threading.Event() for _ in range(3))
 
@@ -132,8 +132,10 @@ def test_beside_a_forward_one_thread_loads_and_the_others_resume_after_it(setup,
     block_ids = [7, 3, 12, 0, 5, 9, 1, 18]
     loader.start_async(LoadSpec("r", engine.keys(tokens), 0, 4 * CHUNK, block_ids, is_async=True))
     assert first_holds.wait(10)
+    assert loader._tasks.empty()  # one wake-up, taken
     first = placed[0][0]
     other = "kvfabric-load-1" if first == "kvfabric-load-0" else "kvfabric-load-0"
+    loader._tasks.put(_RESUME)  # a wake-up of the other thread while the first leads
     with returns:
         assert returns.wait_for(lambda: other in returned, 10)
     assert placed == [(first, 0)]  # the other thread's wake-up claimed nothing
@@ -171,13 +173,11 @@ def test_a_forward_after_a_step_without_one_wakes_a_thread_for_the_reserved_chun
     """Chunks left to the worker's help, which it did not get to before a forward began, are loaded beside it by
     one load thread."""
     engine, loader, layers, tokens, kv, _ = setup
-    placed, returns, returned = _record(loader, monkeypatch)
+    placed, _, _ = _record(loader, monkeypatch)
     loader.set_forward(False)  # four chunks, all reserved for the worker
     block_ids = [7, 3, 12, 0, 5, 9, 1, 18]
     loader.start_async(LoadSpec("r", engine.keys(tokens), 0, 4 * CHUNK, block_ids, is_async=True))
-    with returns:
-        assert returns.wait_for(lambda: len(returned) == 2, 10)
-    assert placed == []
+    assert not [task for task in list(loader._tasks.queue) if not isinstance(task, _Warmup)]  # none would find a chunk
     loader.set_forward(True)
     (outcome,) = _wait_async(loader)
     assert outcome.end == 4 * CHUNK and not outcome.bad_blocks

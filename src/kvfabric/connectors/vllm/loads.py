@@ -173,10 +173,11 @@ class Loader:
             self._num_async += 1
             if spec.keys:
                 self._active.append(job)
+            num_wakes = self._num_wanted()
         if not spec.keys:
             self._finish(job)
             return
-        for _ in range(min(len(spec.keys), self._num_threads)):  # a wake-up each: a thread loads until none is left
+        for _ in range(num_wakes):  # a wake-up each: a thread loads until there is nothing for it
             self._tasks.put(job)
 
     def set_forward(self, is_running: bool) -> None:
@@ -185,9 +186,18 @@ class Loader:
         claim."""
         with self._cond:
             was_running, self._is_forward = self._is_forward, is_running
-            num_wakes = 0 if was_running == is_running or not self._active else 1 if is_running else self._num_threads
+            num_wakes = 0 if was_running == is_running else self._num_wanted()
         for _ in range(num_wakes):
             self._tasks.put(_RESUME)
+
+    def _num_wanted(self) -> int:
+        """(Under the lock.) How many load threads would find a chunk to claim now (see `_pick`). Only those are
+        woken: a niced thread that wakes takes the GIL and this lock, and on a busy core it may lose the CPU while
+        it holds them, which stalls the worker's thread (its `help`, or the forward) until it runs again."""
+        if self._is_forward:
+            return int(bool(self._active) and self._leader is None)
+        reserved = self.num_reserved if self._is_forward is False else 0
+        return min(self._num_threads, sum(max(0, job.num_unclaimed - reserved) for job in self._active))
 
     def _drain(self, staging: Scratch, deadline: float | None = None) -> int:
         """Load chunks of the started async loads, one claim at a time (`_pick`), until there is none for this
