@@ -3,6 +3,7 @@ tensors laid out as vLLM's CPU cache: async loads spread over threads, layer-wis
 chunks. Needs vllm importable (the .venv-vllm venv); skips otherwise."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -13,6 +14,7 @@ pytest.importorskip("vllm")
 
 from kvfabric import CacheEngine, Config, KVLayout  # noqa: E402
 from kvfabric.connectors.paged import CpuPagedLayer  # noqa: E402
+from kvfabric.connectors.vllm import loads  # noqa: E402
 from kvfabric.connectors.vllm.loads import _RESUME, Loader, _Warmup  # noqa: E402
 from kvfabric.connectors.vllm.metadata import LoadSpec  # noqa: E402
 from kvfabric.observe.counters import Counters  # noqa: E402
@@ -174,6 +176,7 @@ def test_a_forward_after_a_step_without_one_wakes_a_thread_for_the_reserved_chun
     one load thread."""
     engine, loader, layers, tokens, kv, _ = setup
     placed, _, _ = _record(loader, monkeypatch)
+    loader.num_reserved = 4
     loader.set_forward(False)  # four chunks, all reserved for the worker
     block_ids = [7, 3, 12, 0, 5, 9, 1, 18]
     loader.start_async(LoadSpec("r", engine.keys(tokens), 0, 4 * CHUNK, block_ids, is_async=True))
@@ -183,6 +186,17 @@ def test_a_forward_after_a_step_without_one_wakes_a_thread_for_the_reserved_chun
     assert outcome.end == 4 * CHUNK and not outcome.bad_blocks
     assert [i for _, i in placed] == [0, 1, 2, 3] and len({name for name, _ in placed}) == 1
     assert torch.equal(_paged_kv(layers, block_ids, 0, 4 * CHUNK), kv)
+
+
+@pytest.mark.parametrize(("cpus", "num_reserved"), [({0, 1}, sys.maxsize), ({0, 1, 2, 3}, 4)])
+def test_with_two_cpus_the_threads_leave_every_chunk_to_the_worker_on_steps_without_a_forward(
+        setup, monkeypatch, cpus, num_reserved):
+    """One CPU runs the worker's help and one vLLM's busy-polling EngineCore: only a third lets the threads help."""
+    engine = setup[0]
+    monkeypatch.setattr(loads, "engine_cpus", lambda: cpus)
+    loader = Loader(engine, Counters(), BLOCK, num_threads=1)
+    assert loader.num_reserved == num_reserved
+    loader.stop()
 
 
 def test_a_bug_in_a_helped_chunk_fails_that_load_not_the_worker(setup, monkeypatch):

@@ -26,7 +26,8 @@ Contract:
   slowed the decoding request more (docs/design/measurements.md). On a step without a forward the worker `help`s,
   claiming each load's chunks from the front, and the load threads claim from the back, but only while more than
   `num_reserved` are unclaimed: the worker's thread runs at vLLM's priority, a niced one may wait on the run queue
-  for many chunk-times, and a load ends with its slowest chunk; larger loads still get the threads' chunks.
+  for many chunk-times, and a load ends with its slowest chunk; larger loads still get the threads' chunks. Where
+  the engine has only two CPUs (the worker's and vLLM's busy-polling EngineCore's), they take none.
   Before the worker first calls `set_forward`, every thread claims from the front.
 - `start_async(spec)` (vLLM's WAITING_FOR_REMOTE_KVS path): the load's chunks are spread over the threads; a
   thread opens a chunk (``KVCache.open_chunk``: the cache's fastest read of its tier into the thread's staging
@@ -58,6 +59,7 @@ Contract:
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -73,7 +75,7 @@ from kvfabric.connectors.paged import CpuPagedLayer, segments
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE
 from kvfabric.connectors.vllm.load_jobs import LayeredStep, LoadOutcome, LoadState
 from kvfabric.connectors.vllm.metadata import LoadSpec
-from kvfabric.connectors.vllm.threads import release
+from kvfabric.connectors.vllm.threads import engine_cpus, release
 from kvfabric.host.pages import Scratch
 from kvfabric.kv.blocks import BlockLayout
 from kvfabric.observe.counters import Counters
@@ -96,11 +98,15 @@ _RESUME = "resume"  # a task: a step of the other kind began, load the chunks st
 # `help`: a niced thread beside vLLM's busy-polling readers may wait many chunk-times on the run queue, and a load
 # ends with its last chunk, so a small load finishes sooner on the worker alone (docs/design/measurements.md).
 NUM_RESERVED = 4
+# ... and every chunk where the engine has no more CPUs than this: one runs the worker's `help`, one vLLM's
+# EngineCore, which busy-polls for the worker's answer at vLLM's priority; a niced thread beside them got a sliver
+# of a core, and loads were slower with the threads taking part than on the worker alone.
+NUM_BUSY_CPUS = 2
 
 
 class Loader:
     def __init__(self, engine: KVCache, counters: Counters, block_size: int, num_threads: int = 2,
-                 nice: int = DEFAULT_LOAD_NICE, num_reserved: int = NUM_RESERVED) -> None:
+                 nice: int = DEFAULT_LOAD_NICE, num_reserved: int | None = None) -> None:
         self.engine = engine
         self.counters = counters
         self.block_size = block_size
@@ -119,7 +125,9 @@ class Loader:
         self._num_async = 0  # async loads started and not yet taken
         self._pool: list[Scratch] = []  # the layered loads' buffers, reused step after step
         self._layered: LayeredStep | None = None
-        self.num_reserved = num_reserved
+        if num_reserved is None:
+            num_reserved = NUM_RESERVED if len(engine_cpus()) > NUM_BUSY_CPUS else sys.maxsize
+        self.num_reserved = num_reserved  # see NUM_RESERVED
         self._is_forward: bool | None = None  # this step runs a forward (None: not told; every thread claims)
         self._leader: int | None = None  # beside a forward, the one load thread that claims (its ident)
         blob_bytes = engine.chunk_blob_bytes()
