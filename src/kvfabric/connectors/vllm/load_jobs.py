@@ -4,10 +4,9 @@ connectors.vllm.device: `DeviceLoads`, GPU backends and MLA latents).
 
 Contract:
 - `LoadState(spec, chunk_size)` (a load's job): chunk i of the load holds `chunk_tokens(i)` tokens (a prompt's partial last chunk
-  fewer) from its first token; `chunk_span(i)` is its part of the load's tokens. Threads `claim` its chunks one at a
-  time, from the front or from the back, so the unclaimed ones are always one run (`num_unclaimed` of them).
-  `first_bad` is the first chunk that failed: the load's `outcome` ends there, and the blocks from there to the
-  load's end are `bad_blocks` (vLLM recomputes them).
+  fewer) from its first token; `chunk_span(i)` is its part of the load's tokens. `first_bad` is the first chunk that
+  failed: the load's `outcome` ends there, and the blocks from there to the load's end are `bad_blocks` (vLLM
+  recomputes them).
 - `LayeredStep`: one step's layer-wise loads, their chunks' sources (held open until every layer is placed) and an
   event per layer.
 """
@@ -55,28 +54,9 @@ class LoadState:
     chunk_size: int
     started: float = field(default_factory=time.perf_counter)
     num_left: int = 0
-    num_claimed: int = 0  # chunks [0, num_claimed) taken from the front, and [claim_end, len(keys)) from the back
-    claim_end: int = -1  # (-1: the number of keys)
+    num_claimed: int = 0  # chunks [0, num_claimed) taken by a thread (the loader's or, on idle steps, the worker's)
     first_bad: int | None = None  # index of the first chunk that failed
     by_tier: dict[str, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.claim_end < 0:
-            self.claim_end = len(self.spec.keys)
-
-    @property
-    def num_unclaimed(self) -> int:
-        return self.claim_end - self.num_claimed
-
-    def claim(self, from_back: bool) -> int:
-        """The index of an unclaimed chunk (there must be one), now the caller's to load: the first or the last.
-        The caller holds its loader's lock."""
-        assert self.num_unclaimed > 0
-        if from_back:
-            self.claim_end -= 1
-            return self.claim_end
-        self.num_claimed += 1
-        return self.num_claimed - 1
 
     def chunk_span(self, i: int) -> tuple[int, int, int]:
         """(first token of chunk i, lo, hi): chunk i's part [lo, hi) of the load's tokens."""

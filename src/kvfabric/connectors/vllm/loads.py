@@ -23,12 +23,8 @@ Contract:
 - `set_forward(is_running)` (the worker, at each step's start): while a forward runs, one load thread claims chunks
   (the first to ask; it goes on until none is left) and the others finish the chunk they hold and wait for a step
   without one. Why: beside a forward (both cores busy), a second niced thread did not make a load end sooner and
-  slowed the decoding request more (docs/design/measurements.md). On a step without a forward the worker `help`s,
-  claiming each load's chunks from the front, and the load threads claim from the back, but only while more than
-  `num_reserved` are unclaimed: the worker's thread runs at vLLM's priority, a niced one may wait on the run queue
-  for many chunk-times, and a load ends with its slowest chunk; larger loads still get the threads' chunks. Where
-  the engine has only two CPUs (the worker's and vLLM's busy-polling EngineCore's), they take none.
-  Before the worker first calls `set_forward`, every thread claims from the front.
+  slowed the decoding request more (docs/design/measurements.md). On steps without a forward every thread claims
+  chunks, beside the worker's `help`.
 - `start_async(spec)` (vLLM's WAITING_FOR_REMOTE_KVS path): the load's chunks are spread over the threads; a
   thread opens a chunk (``KVCache.open_chunk``: the cache's fastest read of its tier into the thread's staging
   buffer, in place in the shm pool, layer by layer from a disk file) and copies it into every layer, so reading
@@ -59,7 +55,6 @@ Contract:
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -75,7 +70,7 @@ from kvfabric.connectors.paged import CpuPagedLayer, segments
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE
 from kvfabric.connectors.vllm.load_jobs import LayeredStep, LoadOutcome, LoadState
 from kvfabric.connectors.vllm.metadata import LoadSpec
-from kvfabric.connectors.vllm.threads import engine_cpus, release
+from kvfabric.connectors.vllm.threads import release
 from kvfabric.host.pages import Scratch
 from kvfabric.kv.blocks import BlockLayout
 from kvfabric.observe.counters import Counters
@@ -93,20 +88,12 @@ class _Warmup:
     slab_bytes: int
 
 
-_RESUME = "resume"  # a task: a step of the other kind began, load the chunks still unclaimed
-# On a step without a forward, the load threads leave each load's first chunks (up to this many) to the worker's
-# `help`: a niced thread beside vLLM's busy-polling readers may wait many chunk-times on the run queue, and a load
-# ends with its last chunk, so a small load finishes sooner on the worker alone (docs/design/measurements.md).
-NUM_RESERVED = 4
-# ... and every chunk where the engine has no more CPUs than this: one runs the worker's `help`, one vLLM's
-# EngineCore, which busy-polls for the worker's answer at vLLM's priority; a niced thread beside them got a sliver
-# of a core, and loads were slower with the threads taking part than on the worker alone.
-NUM_BUSY_CPUS = 2
+_RESUME = "resume"  # a task: a step without a forward began, load the chunks still unclaimed
 
 
 class Loader:
     def __init__(self, engine: KVCache, counters: Counters, block_size: int, num_threads: int = 2,
-                 nice: int = DEFAULT_LOAD_NICE, num_reserved: int | None = None) -> None:
+                 nice: int = DEFAULT_LOAD_NICE) -> None:
         self.engine = engine
         self.counters = counters
         self.block_size = block_size
@@ -125,11 +112,8 @@ class Loader:
         self._num_async = 0  # async loads started and not yet taken
         self._pool: list[Scratch] = []  # the layered loads' buffers, reused step after step
         self._layered: LayeredStep | None = None
-        if num_reserved is None:
-            num_reserved = NUM_RESERVED if len(engine_cpus()) > NUM_BUSY_CPUS else sys.maxsize
-        self.num_reserved = num_reserved  # see NUM_RESERVED
-        self._is_forward: bool | None = None  # this step runs a forward (None: not told; every thread claims)
-        self._leader: int | None = None  # beside a forward, the one load thread that claims (its ident)
+        self._is_forward = False  # a forward runs in this step: only one load thread claims chunks, ...
+        self._leader: int | None = None  # ... this one (its ident), until it finds none left
         blob_bytes = engine.chunk_blob_bytes()
         self._threads = [threading.Thread(target=self._run, args=(blob_bytes,), name=f"kvfabric-load-{i}",
                                           daemon=True) for i in range(num_threads)]
@@ -181,68 +165,51 @@ class Loader:
             self._num_async += 1
             if spec.keys:
                 self._active.append(job)
-            num_wakes = self._num_wanted()
         if not spec.keys:
             self._finish(job)
             return
-        for _ in range(num_wakes):  # a wake-up each: a thread loads until there is nothing for it
+        for _ in range(min(len(spec.keys), self._num_threads)):  # a wake-up each: a thread loads until none is left
             self._tasks.put(job)
 
     def set_forward(self, is_running: bool) -> None:
-        """Whether this step runs a forward; False also says the calling thread will `help` in this step (see the
-        module doc). A change wakes the threads for the chunks left: beside a forward one leads, after one all
-        claim."""
+        """Whether this step runs a forward (see the module doc); a step without one wakes the threads that waited."""
         with self._cond:
             was_running, self._is_forward = self._is_forward, is_running
-            num_wakes = 0 if was_running == is_running else self._num_wanted()
-        for _ in range(num_wakes):
+            num_waiting = self._num_threads - 1 if was_running and not is_running and self._active else 0
+        for _ in range(num_waiting):
             self._tasks.put(_RESUME)
 
-    def _num_wanted(self) -> int:
-        """(Under the lock.) How many load threads would find a chunk to claim now (see `_pick`). Only those are
-        woken: a niced thread that wakes takes the GIL and this lock, and on a busy core it may lose the CPU while
-        it holds them, which stalls the worker's thread (its `help`, or the forward) until it runs again."""
-        if self._is_forward:
-            return int(bool(self._active) and self._leader is None)
-        reserved = self.num_reserved if self._is_forward is False else 0
-        return min(self._num_threads, sum(max(0, job.num_unclaimed - reserved) for job in self._active))
-
     def _drain(self, staging: Scratch, deadline: float | None = None) -> int:
-        """Load chunks of the started async loads, one claim at a time (`_pick`), until there is none for this
-        thread or `deadline` (perf_counter) has passed; the number of chunks loaded."""
+        """Load chunks of the started async loads, oldest load first, one claim at a time, until none is left
+        unclaimed, or `deadline` (perf_counter) has passed, or (a load thread) a forward runs and another load
+        thread leads; the number of chunks loaded."""
         me = threading.get_ident() if deadline is None else None  # the worker's `help` (a deadline) never waits
         num_done = 0
         while deadline is None or time.perf_counter() < deadline:
-            with self._cond:  # the decision to stop and the leader's hand-over under one lock: no chunk is left
-                picked = self._pick(me)
-                if picked is None and me is not None and self._leader == me:
-                    self._leader = None
-            if picked is None:
-                break
-            self._try_chunk(*picked, staging)
+            with self._cond:  # re-entrant: _claim takes it too; an active job always has a chunk to claim
+                is_led = me is not None and self._is_forward and self._leader not in (None, me)
+                if not self._active or is_led:
+                    if me is not None and self._leader == me:  # given up with the decision, under one lock
+                        self._leader = None
+                    break
+                if me is not None and self._is_forward:
+                    self._leader = me
+                job = self._active[0]
+                i = self._claim(job)
+            assert i is not None
+            self._try_chunk(job, i, staging)
             num_done += 1
         return num_done
 
-    def _pick(self, me: int | None) -> tuple[LoadState, int] | None:
-        """(Under the lock.) A chunk for this thread, claimed, or None: it stops. The worker's `help` (`me` None)
-        takes the oldest load's first unclaimed chunk. A load thread beside a forward does the same while no other
-        load thread leads; on a step without one (the worker helps from the front), it takes the last unclaimed
-        chunk of the oldest load with more than `num_reserved` left."""
-        from_back = me is not None and self._is_forward is False
-        if from_back:
-            job = next((job for job in self._active if job.num_unclaimed > self.num_reserved), None)
-        elif me is not None and self._is_forward and self._leader not in (None, me):
-            job = None  # another load thread leads
-        else:
-            job = self._active[0] if self._active else None
-        if job is None:
-            return None
-        if me is not None and self._is_forward:
-            self._leader = me
-        i = job.claim(from_back)
-        if not job.num_unclaimed:
-            self._active.remove(job)
-        return job, i
+    def _claim(self, job: LoadState) -> int | None:
+        """The index of job's next chunk, now this thread's to load, or None when every chunk is taken."""
+        with self._cond:
+            if job.num_claimed == len(job.spec.keys):
+                return None
+            job.num_claimed += 1
+            if job.num_claimed == len(job.spec.keys):
+                self._active.remove(job)
+            return job.num_claimed - 1
 
     def help(self, budget_s: float) -> int:
         """Load chunks of the started async loads on the calling thread (see the module doc) until none is left
