@@ -7,6 +7,8 @@ Contract:
   fewer) from its first token; `chunk_span(i)` is its part of the load's tokens. `first_bad` is the first chunk that
   failed: the load's `outcome` ends there, and the blocks from there to the load's end are `bad_blocks` (vLLM
   recomputes them).
+- `Claims`: who loads which chunk of the started async loads (the policy: connectors.vllm.loads' module doc).
+  Each call is made under the loader's lock.
 - `LayeredStep`: one step's layer-wise loads, their chunks' sources (held open until every layer is placed) and an
   event per layer.
 """
@@ -54,7 +56,7 @@ class LoadState:
     chunk_size: int
     started: float = field(default_factory=time.perf_counter)
     num_left: int = 0
-    num_claimed: int = 0  # chunks [0, num_claimed) taken by a thread (the loader's or, on idle steps, the worker's)
+    num_claimed: int = 0  # chunks [0, num_claimed) taken by a thread (`Claims`)
     first_bad: int | None = None  # index of the first chunk that failed
     by_tier: dict[str, int] = field(default_factory=dict)
 
@@ -77,6 +79,41 @@ class LoadState:
                              load_read_s=time.perf_counter() - self.started,
                              bytes_loaded=tuple(sorted(self.by_tier.items())))
         return LoadOutcome(spec.req_id, end, tuple(bad), stats)
+
+
+class Claims:
+    """The async loads with unclaimed chunks, oldest first; each load's chunks are claimed in order, one at a time.
+    The worker's `help` (`me` None) and, on a step without a forward, every load thread claim; beside a forward only
+    one load thread does (the leader: the first to claim), until it finds none left."""
+
+    def __init__(self, num_threads: int) -> None:
+        self.num_threads = num_threads
+        self.active: list[LoadState] = []
+        self.is_forward = False
+        self.leader: int | None = None  # the leading load thread's ident
+
+    def add(self, job: LoadState) -> None:
+        self.active.append(job)
+
+    def set_forward(self, is_running: bool) -> int:
+        """This step's kind; the number of load threads to wake: those that stopped beside the forward that ended."""
+        was_running, self.is_forward = self.is_forward, is_running
+        return self.num_threads - 1 if was_running and not is_running and self.active else 0
+
+    def pick(self, me: int | None) -> tuple[LoadState, int] | None:
+        """(job, index of its chunk now this thread's to load), or None: the thread stops (a leader then leads no
+        more: the decision and the hand-over are made together, so no chunk is left unclaimed)."""
+        if not self.active or (me is not None and self.is_forward and self.leader not in (None, me)):
+            if me is not None and self.leader == me:
+                self.leader = None
+            return None
+        if me is not None and self.is_forward:
+            self.leader = me
+        job = self.active[0]
+        job.num_claimed += 1
+        if job.num_claimed == len(job.spec.keys):
+            self.active.remove(job)
+        return job, job.num_claimed - 1
 
 
 class LayeredStep:

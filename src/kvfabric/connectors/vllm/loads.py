@@ -24,7 +24,7 @@ Contract:
   (the first to ask; it goes on until none is left) and the others finish the chunk they hold and wait for a step
   without one. Why: beside a forward (both cores busy), a second niced thread did not make a load end sooner and
   slowed the decoding request more (docs/design/measurements.md). On steps without a forward every thread claims
-  chunks, beside the worker's `help`.
+  chunks, beside the worker's `help` (the claims: `load_jobs.Claims`).
 - `start_async(spec)` (vLLM's WAITING_FOR_REMOTE_KVS path): the load's chunks are spread over the threads; a
   thread opens a chunk (``KVCache.open_chunk``: the cache's fastest read of its tier into the thread's staging
   buffer, in place in the shm pool, layer by layer from a disk file) and copies it into every layer, so reading
@@ -68,7 +68,7 @@ from vllm.logger import init_logger
 from kvfabric.cache.protocol import BlockSource, ChunkFailed, ChunkMiss, KVCache, TokenSource
 from kvfabric.connectors.paged import CpuPagedLayer, segments
 from kvfabric.connectors.vllm.config import DEFAULT_LOAD_NICE
-from kvfabric.connectors.vllm.load_jobs import LayeredStep, LoadOutcome, LoadState
+from kvfabric.connectors.vllm.load_jobs import Claims, LayeredStep, LoadOutcome, LoadState
 from kvfabric.connectors.vllm.metadata import LoadSpec
 from kvfabric.connectors.vllm.threads import release
 from kvfabric.host.pages import Scratch
@@ -104,7 +104,7 @@ class Loader:
         self.groups: list[int] = []
         self.window_layers: frozenset[int] = frozenset()
         self._tasks: queue.Queue[LoadState | LayeredStep | _Warmup | str | None] = queue.Queue()  # a LoadState: load chunks
-        self._active: list[LoadState] = []  # async loads with chunks not yet claimed
+        self.claims = Claims(num_threads)  # the async loads' chunks: who loads which (under _cond)
         self._local = threading.local()  # per thread: its ChunkPlacer (None: copies from Python)
         self._num_threads = num_threads
         self._finished: list[LoadOutcome] = []
@@ -112,8 +112,6 @@ class Loader:
         self._num_async = 0  # async loads started and not yet taken
         self._pool: list[Scratch] = []  # the layered loads' buffers, reused step after step
         self._layered: LayeredStep | None = None
-        self._is_forward = False  # a forward runs in this step: only one load thread claims chunks, ...
-        self._leader: int | None = None  # ... this one (its ident), until it finds none left
         blob_bytes = engine.chunk_blob_bytes()
         self._threads = [threading.Thread(target=self._run, args=(blob_bytes,), name=f"kvfabric-load-{i}",
                                           daemon=True) for i in range(num_threads)]
@@ -164,7 +162,7 @@ class Loader:
         with self._cond:
             self._num_async += 1
             if spec.keys:
-                self._active.append(job)
+                self.claims.add(job)
         if not spec.keys:
             self._finish(job)
             return
@@ -174,42 +172,23 @@ class Loader:
     def set_forward(self, is_running: bool) -> None:
         """Whether this step runs a forward (see the module doc); a step without one wakes the threads that waited."""
         with self._cond:
-            was_running, self._is_forward = self._is_forward, is_running
-            num_waiting = self._num_threads - 1 if was_running and not is_running and self._active else 0
+            num_waiting = self.claims.set_forward(is_running)
         for _ in range(num_waiting):
             self._tasks.put(_RESUME)
 
     def _drain(self, staging: Scratch, deadline: float | None = None) -> int:
-        """Load chunks of the started async loads, oldest load first, one claim at a time, until none is left
-        unclaimed, or `deadline` (perf_counter) has passed, or (a load thread) a forward runs and another load
-        thread leads; the number of chunks loaded."""
+        """Load chunks of the started async loads, one claim at a time (`Claims.pick`), until there is none for this
+        thread or `deadline` (perf_counter) has passed; the number of chunks loaded."""
         me = threading.get_ident() if deadline is None else None  # the worker's `help` (a deadline) never waits
         num_done = 0
         while deadline is None or time.perf_counter() < deadline:
-            with self._cond:  # re-entrant: _claim takes it too; an active job always has a chunk to claim
-                is_led = me is not None and self._is_forward and self._leader not in (None, me)
-                if not self._active or is_led:
-                    if me is not None and self._leader == me:  # given up with the decision, under one lock
-                        self._leader = None
-                    break
-                if me is not None and self._is_forward:
-                    self._leader = me
-                job = self._active[0]
-                i = self._claim(job)
-            assert i is not None
-            self._try_chunk(job, i, staging)
+            with self._cond:
+                picked = self.claims.pick(me)
+            if picked is None:
+                break
+            self._try_chunk(*picked, staging)
             num_done += 1
         return num_done
-
-    def _claim(self, job: LoadState) -> int | None:
-        """The index of job's next chunk, now this thread's to load, or None when every chunk is taken."""
-        with self._cond:
-            if job.num_claimed == len(job.spec.keys):
-                return None
-            job.num_claimed += 1
-            if job.num_claimed == len(job.spec.keys):
-                self._active.remove(job)
-            return job.num_claimed - 1
 
     def help(self, budget_s: float) -> int:
         """Load chunks of the started async loads on the calling thread (see the module doc) until none is left
